@@ -1,0 +1,1 @@
+"""What every service shares: the block hash and the typed configuration."""

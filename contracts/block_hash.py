@@ -1,0 +1,50 @@
+"""The chained block hash: the one key every tier (L0, L1, router) uses for a block of tokens.
+
+A block's hash covers its own tokens and, through its parent's hash, every token before it, so equal
+hashes mean equal prefixes. 128-bit xxh3, seeded by a namespace (model id + tokenizer + block size) so
+two models never share a key.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+BlockHash = bytes  # 16 bytes
+
+
+def hash_namespace(model_id: str, tokenizer_fingerprint: str, block_size: int) -> BlockHash:
+    """The root of every chain for one model, tokenizer and block size."""
+    text = f"kvserve/v1|{model_id}|{tokenizer_fingerprint}|{block_size}"
+    return xxhash.xxh3_128_digest(text.encode())
+
+
+def tokenizer_fingerprint(tokenizer_json: str) -> str:
+    """A short stable id of a tokenizer's full definition."""
+    return xxhash.xxh3_64_hexdigest(tokenizer_json.encode())
+
+
+def chain_block_hash(parent: BlockHash, block_tokens: Sequence[int]) -> BlockHash:
+    """Hash of one full block given its parent's hash (or the namespace for the first block)."""
+    data = np.asarray(block_tokens, dtype=np.int64).tobytes()
+    return xxhash.xxh3_128_digest(parent + data)
+
+
+def prefix_block_hashes(
+    namespace: BlockHash, token_ids: Sequence[int], block_size: int, start_parent: BlockHash | None = None
+) -> list[BlockHash]:
+    """Hashes of every full block of token_ids (a trailing partial block gets none)."""
+    hashes: list[BlockHash] = []
+    parent = namespace if start_parent is None else start_parent
+    for begin in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = chain_block_hash(parent, token_ids[begin : begin + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+def lookup_block_hashes(namespace: BlockHash, prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
+    """The blocks of a prompt that may come from a cache: lookups stop one token short of the end,
+    because the last prompt token must be computed to produce the first output's logits."""
+    return prefix_block_hashes(namespace, prompt_token_ids[: max(len(prompt_token_ids) - 1, 0)], block_size)

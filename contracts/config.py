@@ -1,0 +1,79 @@
+"""The one typed configuration every service reads: a YAML file, then KVSERVE_* environment variables.
+
+Precedence (highest first): explicit keyword arguments, environment (KVSERVE_MAX_NUM_SEQS=...), the file
+named by KVSERVE_CONFIG (or passed as config_file), defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
+
+
+class KvServeConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVSERVE_", extra="forbid", protected_namespaces=())
+
+    # --- model ---
+    model: str = Field("", description="HF directory, .gguf file or config.json (dummy); empty = embedded SmolLM2")
+    served_model_name: str = Field("", description="name clients use; empty = derived from the model")
+    load_format: Literal["auto", "hf", "gguf", "dummy"] = "auto"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    seed: int = 0
+    max_model_len: int | None = Field(None, gt=0, description="default: the model's trained window")
+    allow_long_context: bool = Field(False, description="allow max_model_len beyond the trained window")
+
+    # --- engine ---
+    block_size: int = Field(16, gt=0)
+    max_num_seqs: int = Field(64, gt=0)
+    max_num_batched_tokens: int = Field(4096, gt=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
+    num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
+    prefix_cache: bool = True
+    l1_cache: bool = True
+    l1_host_gb: float = Field(32.0, ge=0.0)
+    request_timeout_secs: float = Field(600.0, gt=0.0)
+
+    # --- services ---
+    rank_worker_host: str = "127.0.0.1"
+    rank_worker_port: int = Field(50151, ge=0, le=65535)
+    api_keys_file: str = ""
+
+    @field_validator("max_num_batched_tokens")
+    @classmethod
+    def _batched_tokens_at_least_one_block(cls, value: int) -> int:
+        if value < 16:
+            raise ValueError("max_num_batched_tokens must be at least 16")
+        return value
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        config_file = os.environ.get("KVSERVE_CONFIG", "")
+        if config_file:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
+        return tuple(sources)
+
+
+def load_config(config_file: str | Path | None = None, **overrides: Any) -> KvServeConfig:
+    """Read the configuration; a named file that does not exist is an error, not a silent default."""
+    if config_file is not None:
+        path = Path(config_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        os.environ["KVSERVE_CONFIG"] = str(path)
+    elif os.environ.get("KVSERVE_CONFIG") and not Path(os.environ["KVSERVE_CONFIG"]).is_file():
+        raise FileNotFoundError(f"KVSERVE_CONFIG names a missing file: {os.environ['KVSERVE_CONFIG']}")
+    return KvServeConfig(**overrides)

@@ -1,0 +1,1 @@
+"""The HTTP gateway (Anthropic Messages, OpenAI Chat Completions): a later issue."""

@@ -1,0 +1,1 @@
+"""The L1 host-memory KV tier: a later issue."""

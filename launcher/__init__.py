@@ -1,0 +1,1 @@
+"""The kvserve command line: start services, stream a completion."""

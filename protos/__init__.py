@@ -1,0 +1,1 @@
+"""Generated gRPC contracts (committed; `make protos` regenerates, CI checks they match the .proto files)."""

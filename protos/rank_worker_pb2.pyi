@@ -1,0 +1,190 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FINISH_REASON_UNSPECIFIED: _ClassVar[FinishReason]
+    FINISH_REASON_STOP: _ClassVar[FinishReason]
+    FINISH_REASON_LENGTH: _ClassVar[FinishReason]
+    FINISH_REASON_ABORT: _ClassVar[FinishReason]
+
+class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
+    KV_EVENT_KIND_ALL_CLEARED: _ClassVar[KvEventKind]
+FINISH_REASON_UNSPECIFIED: FinishReason
+FINISH_REASON_STOP: FinishReason
+FINISH_REASON_LENGTH: FinishReason
+FINISH_REASON_ABORT: FinishReason
+KV_EVENT_KIND_UNSPECIFIED: KvEventKind
+KV_EVENT_KIND_STORED: KvEventKind
+KV_EVENT_KIND_REMOVED: KvEventKind
+KV_EVENT_KIND_ALL_CLEARED: KvEventKind
+
+class SamplingParams(_message.Message):
+    __slots__ = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens", "ignore_eos")
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_tokens: int
+    ignore_eos: bool
+    def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_id")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: SamplingParams
+    session_id: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+
+class GenerateStats(_message.Message):
+    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions")
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_S_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    queue_wait_s: float
+    prefill_s: float
+    total_s: float
+    preemptions: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+
+class TokenChunk(_message.Message):
+    __slots__ = ("token_ids",)
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("finish_reason", "stats", "stop_token_id")
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    finish_reason: FinishReason
+    stats: GenerateStats
+    stop_token_id: int
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
+
+class GenerateResponse(_message.Message):
+    __slots__ = ("tokens", "finished")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    tokens: TokenChunk
+    finished: Finished
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens")
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    running: int
+    waiting: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    finished_requests: int
+    preemptions: int
+    block_size: int
+    waiting_prefill_tokens: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ...) -> None: ...
+
+class KvEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KvEvent(_message.Message):
+    __slots__ = ("kind", "block_hashes")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    kind: KvEventKind
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class KvEventBatch(_message.Message):
+    __slots__ = ("sequence", "events")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
+    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+
+class ModelInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ModelInfoResponse(_message.Message):
+    __slots__ = ("served_model_name", "model_id", "vocab_size", "max_model_len", "trained_context_len", "block_size", "hash_namespace", "tokenizer_json", "chat_template", "bos_token_id", "eos_token_ids", "bos_token", "eos_token", "add_bos_token")
+    SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    TRAINED_CONTEXT_LEN_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_JSON_FIELD_NUMBER: _ClassVar[int]
+    CHAT_TEMPLATE_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ADD_BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    served_model_name: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    trained_context_len: int
+    block_size: int
+    hash_namespace: bytes
+    tokenizer_json: str
+    chat_template: str
+    bos_token_id: int
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bos_token: str
+    eos_token: str
+    add_bos_token: bool
+    def __init__(self, served_model_name: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., trained_context_len: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos_token: _Optional[bool] = ...) -> None: ...

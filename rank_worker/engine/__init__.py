@@ -1,0 +1,1 @@
+"""The continuous-batching engine: sequences, block pool, prefix cache, scheduler, model runner."""

@@ -1,0 +1,158 @@
+"""What an engine rank must offer the worker around it (ours, or another such as a DeepInfer rank).
+
+The worker drives one Engine from a single thread: add/abort between steps, step() in a loop while
+there is work, drain_kv_events() after each step. validate() is pure and may be called from any thread.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+import torch
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses as given (maps to INVALID_ARGUMENT / HTTP 400)."""
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+    max_tokens: int = 16
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+@dataclass
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    arrival_time: float | None = None  # time.monotonic(); set by add_request when None
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    queue_wait_s: float = 0.0
+    prefill_s: float = 0.0
+    total_s: float = 0.0
+    preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    stats: RequestStats | None = None  # set when finished
+
+
+class KvEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+    ALL_CLEARED = "all_cleared"
+
+
+@dataclass(frozen=True)
+class KvEvent:
+    kind: KvEventKind
+    block_hashes: tuple[bytes, ...] = ()
+
+
+@dataclass
+class EngineStats:
+    total_blocks: int
+    free_blocks: int
+    cached_blocks: int
+    used_blocks: int
+    running: int
+    waiting: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    finished_requests: int
+    preemptions: int
+    block_size: int
+    waiting_prefill_tokens: int
+
+
+@dataclass(frozen=True)
+class TokenizerBundle:
+    """Everything a client needs to turn messages into token ids the way this model expects."""
+
+    tokenizer_json: str
+    chat_template: str = ""
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    bos_token: str = ""
+    eos_token: str = ""
+    add_bos_token: bool = False
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    served_model_name: str
+    model_id: str
+    vocab_size: int
+    max_model_len: int
+    trained_context_len: int
+    block_size: int
+    hash_namespace: bytes
+    tokenizer: TokenizerBundle | None
+
+
+class Engine(ABC):
+    @property
+    @abstractmethod
+    def model_info(self) -> ModelInfo: ...
+
+    @abstractmethod
+    def validate(self, request: EngineRequest) -> None:
+        """Raise InvalidRequestError with a clear message; never touches engine state."""
+
+    @abstractmethod
+    def add_request(self, request: EngineRequest) -> None: ...
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Drop a request and free its blocks; returns its final output if it was known."""
+
+    @abstractmethod
+    def has_unfinished(self) -> bool: ...
+
+    @abstractmethod
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step + forward pass; new tokens and finished requests."""
+
+    @abstractmethod
+    def drain_kv_events(self) -> list[KvEvent]: ...
+
+    @abstractmethod
+    def stats(self) -> EngineStats: ...
+
+    @abstractmethod
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy physical blocks out (all layers of each block, contiguous): [n, block_bytes_shape...]."""
+
+    @abstractmethod
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        """Write blocks exported by export_blocks (same model, same layout) into these physical blocks."""

@@ -1,0 +1,1 @@
+"""The Llama-family model written against the paged KV cache."""

@@ -1,0 +1,1 @@
+"""Reading model files: Hugging Face directories, GGUF files, config-only (random weights)."""

@@ -1,0 +1,1 @@
+"""The router (rank registry, prefix index, sessions): a later issue."""

@@ -1,0 +1,353 @@
+"""The one thread that owns the Engine: requests come in from any thread, outputs go out to asyncio.
+
+The engine is single-threaded by contract, so everything that touches it (add, abort, step, stats,
+KV events) happens on this loop's thread. Callers hand work over through an inbox guarded by a
+condition variable; the thread sleeps on it while the engine has nothing to do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from rank_worker.engine.interface import (
+    Engine,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    KvEvent,
+    RequestOutput,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_KV_EVENT_QUEUE = 10_000
+
+
+class EngineFailedError(RuntimeError):
+    """The engine raised while serving this request; the request is over, the loop keeps serving."""
+
+
+class EngineLoopStoppedError(RuntimeError):
+    """The loop is stopping or stopped: no new requests, and in-flight ones end."""
+
+
+class RequestStream:
+    """One request's outputs, pushed from the engine thread into the consumer's event loop.
+
+    Iterate it with `async for`; iteration ends after the finished output, or raises the error that
+    ended the request (EngineFailedError, EngineLoopStoppedError, InvalidRequestError).
+    """
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self.finished = False  # consumer side: the last output (or an error) has been taken
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def _push(self, item: RequestOutput | BaseException) -> None:
+        """Engine thread: hand one item to the consumer's loop."""
+        # RuntimeError: the consumer's event loop is closed, nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        return self._take(await self._queue.get())
+
+    def ready(self) -> list[RequestOutput]:
+        """Outputs already delivered, without waiting, so a slow consumer can send them as one message."""
+        outputs: list[RequestOutput] = []
+        while not self.finished and not self._queue.empty():
+            outputs.append(self._take(self._queue.get_nowait()))
+        return outputs
+
+    def _take(self, item: RequestOutput | BaseException) -> RequestOutput:
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        if item.finished:
+            self.finished = True
+        return item
+
+
+@dataclass(frozen=True)
+class KvEventBatch:
+    sequence: int  # per subscriber, +1 per batch published while subscribed: a gap means dropped batches
+    events: tuple[KvEvent, ...]
+
+
+class KvEventSubscription:
+    """A bounded queue of KV event batches for one consumer; a consumer that falls behind loses batches
+    (and sees the gap in sequence numbers) rather than growing the worker's memory without bound."""
+
+    def __init__(self, owner: EngineLoop, loop: asyncio.AbstractEventLoop, max_batches: int) -> None:
+        self.dropped_batches = 0
+        self._owner = owner
+        self._loop = loop
+        self._queue: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(max_batches)
+        self._next_sequence = 1  # engine thread only
+
+    def _publish(self, events: tuple[KvEvent, ...]) -> None:
+        """Engine thread."""
+        batch = KvEventBatch(self._next_sequence, events)
+        self._next_sequence += 1
+        self._call(self._offer, batch)
+
+    def _end(self) -> None:
+        """Engine thread: the loop stopped."""
+        self._call(self._offer_end)
+
+    def _call(self, callback: Callable[..., object], *args: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
+            self._loop.call_soon_threadsafe(callback, *args)
+
+    def _offer(self, batch: KvEventBatch) -> None:
+        if self._queue.full():
+            self.dropped_batches += 1
+        else:
+            self._queue.put_nowait(batch)
+
+    def _offer_end(self) -> None:
+        if self._queue.full():
+            self._queue.get_nowait()  # the end marker must get through; the consumer sees the gap
+        self._queue.put_nowait(None)
+
+    async def get(self) -> KvEventBatch:
+        """The next batch; raises EngineLoopStoppedError once the loop has stopped."""
+        batch = await self._queue.get()
+        if batch is None:
+            self._queue.put_nowait(None)  # keep raising on later calls
+            raise EngineLoopStoppedError("engine loop stopped")
+        return batch
+
+    def close(self) -> None:
+        self._owner._unsubscribe(self)
+
+
+class EngineLoop:
+    """Owns an Engine on a dedicated thread; every public method is safe to call from any thread."""
+
+    def __init__(self, engine: Engine, *, failure_backoff_s: float = 0.05) -> None:
+        self._engine = engine
+        self._failure_backoff_s = failure_backoff_s
+        self._cond = threading.Condition()
+        # Guarded by _cond: the inbox, every live request's stream, the KV event subscribers.
+        self._new: deque[tuple[EngineRequest, RequestStream]] = deque()
+        self._aborts: deque[str] = deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._subscribers: list[KvEventSubscription] = []
+        self._stopping = False
+        # Engine thread only: requests the engine currently holds.
+        self._in_engine: set[str] = set()
+        self._stats = engine.stats()  # replaced (never mutated) by the engine thread after each iteration
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+
+    # ---- public, any thread ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, request: EngineRequest, loop: asyncio.AbstractEventLoop | None = None) -> RequestStream:
+        """Queue a request; raises InvalidRequestError here, in the caller, when the engine would refuse it.
+
+        Outputs are delivered into `loop` (default: the running event loop)."""
+        self._engine.validate(request)
+        if request.arrival_time is None:
+            request.arrival_time = time.monotonic()  # queue wait includes time spent in our inbox
+        stream = RequestStream(request.request_id, loop or asyncio.get_running_loop())
+        with self._cond:
+            if self._stopping:
+                raise EngineLoopStoppedError("engine loop is stopping")
+            if request.request_id in self._streams:
+                raise InvalidRequestError(f"request_id {request.request_id!r} is already in flight")
+            self._streams[request.request_id] = stream
+            self._new.append((request, stream))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> bool:
+        """Ask the engine to drop a request and free its blocks; False if it is not in flight."""
+        with self._cond:
+            if request_id not in self._streams:
+                return False
+            self._aborts.append(request_id)
+            self._cond.notify()
+        return True
+
+    def stats(self) -> EngineStats:
+        """The engine's counters as of the end of the last loop iteration."""
+        return dataclasses.replace(self._stats)
+
+    def in_flight(self) -> int:
+        with self._cond:
+            return len(self._streams)
+
+    def subscribe_kv_events(
+        self, loop: asyncio.AbstractEventLoop | None = None, max_batches: int = DEFAULT_KV_EVENT_QUEUE
+    ) -> KvEventSubscription:
+        subscription = KvEventSubscription(self, loop or asyncio.get_running_loop(), max_batches)
+        with self._cond:
+            if self._stopping:
+                subscription._end()
+            else:
+                self._subscribers.append(subscription)
+        return subscription
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        """Abort what is in flight, end every stream and subscription, and join the thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.error("engine loop did not stop within %.1fs (a step is still running)", timeout)
+
+    def _unsubscribe(self, subscription: KvEventSubscription) -> None:
+        with self._cond:
+            if subscription in self._subscribers:
+                self._subscribers.remove(subscription)
+
+    # ---- engine thread ----
+
+    def _run(self) -> None:
+        busy = False  # the engine holds unfinished requests
+        while True:
+            with self._cond:
+                while not (self._stopping or self._new or self._aborts or busy):
+                    self._cond.wait()
+                if self._stopping:
+                    break
+                new = list(self._new)
+                self._new.clear()
+                aborts = list(self._aborts)
+                self._aborts.clear()
+            try:
+                self._add(new)
+                self._abort(aborts)  # after adds, so an abort racing its own submit still finds the request
+                if self._engine.has_unfinished():
+                    self._step()
+                self._publish_kv_events()
+                self._stats = self._engine.stats()
+                busy = self._engine.has_unfinished()
+            except Exception as exc:
+                log.exception("engine loop iteration failed; failing %d in-flight requests", len(self._in_engine))
+                self._fail_in_engine(exc)
+                busy = self._safe_has_unfinished()
+                time.sleep(self._failure_backoff_s)  # a persistently broken engine must not spin and flood logs
+        self._shutdown()
+
+    def _add(self, new: list[tuple[EngineRequest, RequestStream]]) -> None:
+        for request, stream in new:
+            try:
+                self._engine.add_request(request)
+            except InvalidRequestError as exc:  # validate() passed, but add_request knows more (e.g. pool size)
+                self._end(request.request_id, stream, exc)
+                continue
+            except Exception as exc:
+                log.exception("engine.add_request(%s) failed", request.request_id)
+                self._end(request.request_id, stream, EngineFailedError(f"engine failed to add the request: {exc!r}"))
+                continue
+            self._in_engine.add(request.request_id)
+
+    def _abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            if request_id not in self._in_engine:
+                continue  # finished (or failed) before the abort got here
+            try:
+                output = self._engine.abort_request(request_id)
+            except Exception as exc:
+                log.exception("engine.abort_request(%s) failed", request_id)
+                with self._cond:
+                    stream = self._streams.get(request_id)
+                if stream is not None:
+                    self._end(request_id, stream, EngineFailedError(f"engine failed to abort the request: {exc!r}"))
+                continue
+            if output is None:
+                output = RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ABORT)
+            self._deliver([output])
+
+    def _step(self) -> None:
+        outputs = self._engine.step()
+        self._deliver(outputs)
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        with self._cond:
+            for output in outputs:
+                stream = self._streams.get(output.request_id)
+                if stream is None:
+                    continue
+                stream._push(output)
+                if output.finished:
+                    del self._streams[output.request_id]
+                    self._in_engine.discard(output.request_id)
+
+    def _end(self, request_id: str, stream: RequestStream, error: BaseException) -> None:
+        with self._cond:
+            self._streams.pop(request_id, None)
+        self._in_engine.discard(request_id)
+        stream._push(error)
+
+    def _publish_kv_events(self, subscribers: list[KvEventSubscription] | None = None) -> None:
+        events = tuple(self._engine.drain_kv_events())
+        if not events:
+            return
+        if subscribers is None:
+            with self._cond:
+                subscribers = list(self._subscribers)
+        for subscription in subscribers:
+            subscription._publish(events)
+
+    def _fail_in_engine(self, cause: Exception) -> None:
+        for request_id in list(self._in_engine):
+            try:
+                self._engine.abort_request(request_id)  # free its blocks if the engine still can
+            except Exception:
+                log.exception("engine.abort_request(%s) failed after an engine error", request_id)
+            with self._cond:
+                stream = self._streams.get(request_id)
+            if stream is not None:
+                self._end(request_id, stream, EngineFailedError(f"engine failed: {cause!r}"))
+            self._in_engine.discard(request_id)
+        try:
+            self._stats = self._engine.stats()
+        except Exception:
+            log.exception("engine.stats() failed")
+
+    def _safe_has_unfinished(self) -> bool:
+        try:
+            return self._engine.has_unfinished()
+        except Exception:
+            log.exception("engine.has_unfinished() failed; idling until new work arrives")
+            return False
+
+    def _shutdown(self) -> None:
+        with self._cond:
+            pending = list(self._new)
+            self._new.clear()
+            subscribers = list(self._subscribers)
+            self._subscribers.clear()
+        for request, stream in pending:
+            self._end(request.request_id, stream, EngineLoopStoppedError("the rank worker is shutting down"))
+        try:
+            self._abort(list(self._in_engine))
+            self._publish_kv_events(subscribers)
+            self._stats = self._engine.stats()
+        except Exception:
+            log.exception("engine failed while stopping")
+            self._fail_in_engine(EngineLoopStoppedError("the rank worker is shutting down"))
+        for subscription in subscribers:
+            subscription._end()

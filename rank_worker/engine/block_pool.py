@@ -1,0 +1,111 @@
+"""The physical KV blocks: reference counts, the free queue (LRU order) and the hash -> block map.
+
+A block whose reference count drops to zero keeps its hash and waits in the free queue: it is still a
+prefix-cache entry until allocation takes it from the front of the queue, which evicts it.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from rank_worker.engine.interface import KvEvent, KvEventKind
+
+
+@dataclass(eq=False)
+class KvBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: bytes | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError("the KV pool needs at least one block")
+        self.blocks = [KvBlock(i) for i in range(num_blocks)]
+        self.caching = caching
+        # front = next to be reused; cached blocks go to the back so they live longest
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._by_hash: dict[bytes, int] = {}
+        self._events: list[KvEvent] = []
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_cached(self) -> int:
+        return len(self._by_hash)
+
+    def allocate(self, count: int) -> list[int]:
+        if count > len(self._free):
+            raise RuntimeError(f"asked for {count} blocks, {len(self._free)} free")
+        taken: list[int] = []
+        evicted: list[bytes] = []
+        for _ in range(count):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                evicted.append(block.block_hash)
+                del self._by_hash[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            taken.append(block_id)
+        if evicted:
+            self._events.append(KvEvent(KvEventKind.REMOVED, tuple(evicted)))
+        return taken
+
+    def acquire_cached(self, block_id: int) -> None:
+        """Take a reference on a cached block (a prefix hit), pulling it out of the free queue if idle."""
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self._free[block_id]
+        block.ref_count += 1
+
+    def release(self, block_ids: list[int]) -> None:
+        """Drop one reference on each block; pass a sequence's blocks tail first so its head lives longest."""
+        for block_id in block_ids:
+            block = self.blocks[block_id]
+            if block.ref_count <= 0:
+                raise RuntimeError(f"block {block_id} released more often than taken")
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # no cache value: reuse first
+
+    def lookup(self, block_hash: bytes) -> int | None:
+        return self._by_hash.get(block_hash) if self.caching else None
+
+    def register(self, block_id: int, block_hash: bytes) -> bool:
+        """Make a full, computed block a cache entry. False if another block already holds this hash."""
+        if not self.caching or block_hash in self._by_hash:
+            return False
+        self.blocks[block_id].block_hash = block_hash
+        self._by_hash[block_hash] = block_id
+        self._events.append(KvEvent(KvEventKind.STORED, (block_hash,)))
+        return True
+
+    def clear_cache(self) -> None:
+        """Forget every idle cache entry (blocks in use keep theirs)."""
+        dropped = [h for h, b in self._by_hash.items() if self.blocks[b].ref_count == 0]
+        for block_hash in dropped:
+            self.blocks[self._by_hash.pop(block_hash)].block_hash = None
+        if dropped:
+            self._events.append(KvEvent(KvEventKind.REMOVED, tuple(dropped)))
+
+    def drain_events(self) -> list[KvEvent]:
+        """Events since the last drain, in order, runs of the same kind merged into one event."""
+        merged: list[KvEvent] = []
+        for event in self._events:
+            if merged and merged[-1].kind is event.kind:
+                merged[-1] = KvEvent(event.kind, merged[-1].block_hashes + event.block_hashes)
+            else:
+                merged.append(event)
+        self._events = []
+        return merged

@@ -1,0 +1,68 @@
+"""Which blocks each sequence holds: prefix lookup on admission, growth as tokens are computed, cache
+registration of every block the moment it is full, and release when the sequence ends."""
+
+from __future__ import annotations
+
+from contracts.block_hash import chain_block_hash, lookup_block_hashes
+from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.sequence import Sequence
+
+
+class KvCacheManager:
+    def __init__(self, pool: BlockPool, block_size: int, hash_namespace: bytes) -> None:
+        self.pool = pool
+        self.block_size = block_size
+        self.namespace = hash_namespace
+
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
+        return max(total - len(seq.block_table), 0)
+
+    def attach_cached_prefix(self, seq: Sequence) -> int:
+        """Give a sequence that holds no blocks its longest cached prefix; returns the tokens covered.
+
+        Stops one token short of the end: the last token must be computed to produce logits."""
+        assert not seq.block_table and seq.num_computed_tokens == 0
+        if not self.pool.caching:
+            return 0
+        hits: list[int] = []
+        hashes = lookup_block_hashes(self.namespace, seq.token_ids, self.block_size)
+        for block_hash in hashes:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        for block_id in hits:
+            self.pool.acquire_cached(block_id)
+        seq.block_table = hits
+        seq.block_hashes = hashes[: len(hits)]
+        seq.num_computed_tokens = len(hits) * self.block_size
+        return seq.num_computed_tokens
+
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short."""
+        needed = self.blocks_needed(seq, num_new_tokens)
+        if needed > self.pool.num_free:
+            return False
+        if needed:
+            seq.block_table.extend(self.pool.allocate(needed))
+        return True
+
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Hash and register every block that has become full of computed tokens.
+
+        Called right after each forward pass, so a finished sequence's blocks are cache entries before
+        they are released."""
+        num_full = seq.num_computed_tokens // self.block_size
+        for index in range(len(seq.block_hashes), num_full):
+            parent = seq.block_hashes[-1] if seq.block_hashes else self.namespace
+            begin = index * self.block_size
+            block_hash = chain_block_hash(parent, seq.token_ids[begin : begin + self.block_size])
+            seq.block_hashes.append(block_hash)
+            self.pool.register(seq.block_table[index], block_hash)
+
+    def free(self, seq: Sequence) -> None:
+        self.pool.release(list(reversed(seq.block_table)))
+        seq.block_table = []
+        seq.block_hashes = []
+        seq.num_computed_tokens = 0

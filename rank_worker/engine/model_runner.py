@@ -1,0 +1,91 @@
+"""Runs one scheduled batch through the model: lays the tokens out flat, points each at its KV slot,
+and samples the next token for every sequence whose tokens are all computed after this step."""
+
+from __future__ import annotations
+
+import torch
+
+from rank_worker.engine.sampler import sample_tokens
+from rank_worker.engine.scheduler import ScheduledBatch
+from rank_worker.engine.sequence import Sequence
+from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSlice
+from rank_worker.model.llama import LlamaForCausalLM
+
+
+def kv_pool_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    cfg = model.cfg
+    return (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+
+def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
+    cfg = model.cfg
+    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.block_size = block_size
+        self.device = kv_cache.device
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
+        """Forward the batch; returns the sampled next token of each sequence that reached its end."""
+        forward, sampling_seqs = self.build_forward_batch(batch.entries)
+        logits = self.model(forward, self.kv_cache)
+        if not sampling_seqs:
+            return {}
+        tokens = sample_tokens(logits, [s.sampling for s in sampling_seqs], [s.generator for s in sampling_seqs])
+        return dict(zip(sampling_seqs, tokens, strict=True))
+
+    def build_forward_batch(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
+        decodes = [(seq, n) for seq, n in entries if n == 1]
+        prefills = [(seq, n) for seq, n in entries if n > 1]
+        bs = self.block_size
+        ids: list[torch.Tensor] = []
+        positions: list[torch.Tensor] = []
+        slot_blocks: list[torch.Tensor] = []
+        logits_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        cursor = 0
+        prefill_meta: list[tuple[int, int, int, torch.Tensor]] = []
+        for seq, num_new in decodes + prefills:
+            start = seq.num_computed_tokens
+            pos = torch.arange(start, start + num_new)
+            table = torch.tensor(seq.block_table, dtype=torch.long)
+            ids.append(torch.tensor(seq.token_ids[start : start + num_new], dtype=torch.long))
+            positions.append(pos)
+            slot_blocks.append(table[pos // bs])
+            if num_new > 1:
+                prefill_meta.append((cursor, num_new, start + num_new, table))
+            cursor += num_new
+            if start + num_new == seq.num_tokens:
+                logits_rows.append(cursor - 1)
+                sampling_seqs.append(seq)
+
+        dev = self.device
+        pos_all = torch.cat(positions)
+        decode_group = None
+        if decodes:
+            max_blocks = max(len(seq.block_table) for seq, _ in decodes)
+            tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in decodes]
+            lens = [seq.num_computed_tokens + 1 for seq, _ in decodes]
+            decode_group = DecodeGroup(
+                num_seqs=len(decodes),
+                block_tables=torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True),
+                context_lens=torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True),
+                max_context_len=max(lens),
+            )
+        forward = ForwardBatch(
+            input_ids=torch.cat(ids).to(dev, non_blocking=True),
+            positions=pos_all.to(dev, non_blocking=True),
+            slot_blocks=torch.cat(slot_blocks).to(dev, non_blocking=True),
+            slot_offsets=(pos_all % bs).to(dev, non_blocking=True),
+            decode=decode_group,
+            prefills=[
+                PrefillSlice(start, n, ctx, table.to(dev, non_blocking=True)) for start, n, ctx, table in prefill_meta
+            ],
+            logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True),
+        )
+        return forward, sampling_seqs

@@ -1,0 +1,232 @@
+"""Our engine rank: paged KV pool + L0 prefix cache + continuous batching around the Llama-family model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from contracts.block_hash import hash_namespace, tokenizer_fingerprint
+from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.interface import (
+    Engine,
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    KvEvent,
+    ModelInfo,
+    RequestOutput,
+    RequestStats,
+    TokenizerBundle,
+)
+from rank_worker.engine.kv_cache_manager import KvCacheManager
+from rank_worker.engine.model_runner import ModelRunner, kv_pool_shape
+from rank_worker.engine.scheduler import Scheduler
+from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.model.llama import LlamaForCausalLM
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    num_blocks: int
+    block_size: int = 16
+    max_model_len: int = 2048
+    trained_context_len: int = 2048
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    prefix_cache: bool = True
+    served_model_name: str = "model"
+    model_id: str = "model"
+    seed: int = 0
+
+
+class PagedEngine(Engine):
+    def __init__(
+        self, model: LlamaForCausalLM, settings: EngineSettings, tokenizer: TokenizerBundle | None = None
+    ) -> None:
+        self.model = model
+        self.settings = settings
+        self.tokenizer = tokenizer
+        device = model.embed_tokens.device
+        dtype = model.embed_tokens.dtype
+        # zeros, not empty: padded decode slots are masked, but NaN garbage would still poison 0 * NaN
+        self.kv_cache = torch.zeros(
+            kv_pool_shape(model, settings.num_blocks, settings.block_size), dtype=dtype, device=device
+        )
+        fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
+        self.namespace = hash_namespace(settings.model_id, fingerprint, settings.block_size)
+        self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
+        self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace)
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self.runner = ModelRunner(model, self.kv_cache, settings.block_size)
+        self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
+        self.requests: dict[str, Sequence] = {}
+        self.finished_requests = 0
+        self._info = ModelInfo(
+            served_model_name=settings.served_model_name,
+            model_id=settings.model_id,
+            vocab_size=model.cfg.vocab_size,
+            max_model_len=settings.max_model_len,
+            trained_context_len=settings.trained_context_len,
+            block_size=settings.block_size,
+            hash_namespace=self.namespace,
+            tokenizer=tokenizer,
+        )
+
+    @property
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    # --- requests ---
+
+    def validate(self, request: EngineRequest) -> None:
+        prompt = request.prompt_token_ids
+        limit = self.settings.max_model_len
+        params = request.sampling
+        if not prompt:
+            raise InvalidRequestError("prompt is empty: at least one token is required")
+        if len(prompt) >= limit:
+            raise InvalidRequestError(
+                f"prompt has {len(prompt)} tokens but max_model_len is {limit}: "
+                f"at most {limit - 1} prompt tokens fit, leaving room for one output token"
+            )
+        vocab = self.model.cfg.vocab_size
+        for position, token in enumerate(prompt):
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"token id {token} at position {position} is outside the vocabulary [0, {vocab})"
+                )
+        if params.max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if params.temperature < 0:
+            raise InvalidRequestError(f"temperature must be >= 0, got {params.temperature}")
+        if not 0.0 <= params.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1] (0 = off), got {params.top_p}")
+        if params.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0 (0 = off), got {params.top_k}")
+        for token in params.stop_token_ids:
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(f"stop token id {token} is outside the vocabulary [0, {vocab})")
+
+    def add_request(self, request: EngineRequest) -> None:
+        self.validate(request)
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        generator = None
+        if request.sampling.seed is not None:
+            generator = torch.Generator(device=self.kv_cache.device).manual_seed(request.sampling.seed)
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=request.sampling,
+            arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
+            generator=generator,
+        )
+        self.requests[seq.request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        self._finish(seq, FinishReason.ABORT)
+        return RequestOutput(request_id, [], True, FinishReason.ABORT, None, self._request_stats(seq))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the step ---
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.entries:
+            return []
+        sampled = self.runner.run(batch)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for seq, num_new in batch.entries:
+            seq.num_computed_tokens += num_new
+            # Register full blocks before anything can release them: a finished request must leave its
+            # whole prefix behind as cache entries.
+            self.kv.register_full_blocks(seq)
+            token = sampled.get(seq)
+            if token is None:
+                continue  # a prefill chunk that is not the prompt's last
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token)
+            new_tokens = [token]
+            if reason is FinishReason.STOP:
+                seq.stop_token_id = token
+                new_tokens = []  # stop tokens end the stream; they are not content
+            if reason is None:
+                outputs.append(RequestOutput(seq.request_id, new_tokens))
+            else:
+                self._finish(seq, reason)
+                outputs.append(
+                    RequestOutput(seq.request_id, new_tokens, True, reason, seq.stop_token_id, self._request_stats(seq))
+                )
+        return outputs
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.sampling
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.settings.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        self.scheduler.remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.monotonic()
+        del self.requests[seq.request_id]
+        self.finished_requests += 1
+
+    def _request_stats(self, seq: Sequence) -> RequestStats:
+        scheduled = seq.first_scheduled_time
+        end = seq.finish_time or time.monotonic()
+        return RequestStats(
+            prompt_tokens=seq.num_prompt_tokens,
+            cached_tokens=seq.num_cached_tokens or 0,
+            output_tokens=seq.num_output_tokens,
+            queue_wait_s=(scheduled or end) - seq.arrival_time,
+            prefill_s=(seq.first_token_time - scheduled) if scheduled and seq.first_token_time else 0.0,
+            total_s=end - seq.arrival_time,
+            preemptions=seq.preemptions,
+        )
+
+    # --- cache plumbing ---
+
+    def drain_kv_events(self) -> list[KvEvent]:
+        return self.pool.drain_events()
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        return EngineStats(
+            total_blocks=self.pool.num_blocks,
+            free_blocks=self.pool.num_free,
+            cached_blocks=self.pool.num_cached,
+            used_blocks=self.pool.num_blocks - self.pool.num_free,
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            prefix_query_tokens=sched.prefix_query_tokens,
+            prefix_hit_tokens=sched.prefix_hit_tokens,
+            finished_requests=self.finished_requests,
+            preemptions=sched.num_preemptions,
+            block_size=self.settings.block_size,
+            waiting_prefill_tokens=sched.waiting_prefill_tokens(),
+        )
+
+    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        return self.kv_cache.index_select(0, index)
+
+    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
+        self.kv_cache.index_copy_(0, index, data.to(self.kv_cache.device, self.kv_cache.dtype))

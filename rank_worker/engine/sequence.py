@@ -1,0 +1,58 @@
+"""One request as the engine sees it: its tokens, the physical blocks holding their KV, its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from rank_worker.engine.interface import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    request_id: str
+    token_ids: list[int]  # prompt, then outputs as they are sampled
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks computed so far
+    num_computed_tokens: int = 0  # tokens whose KV is in the pool
+    num_cached_tokens: int | None = None  # prefix hit at first scheduling (None until scheduled)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+    preemptions: int = 0
+    generator: torch.Generator | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still to run through the model (the whole prompt at first, then 1 per decode step)."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED

@@ -1,0 +1,193 @@
+"""The Llama family (Llama 3.x, Mistral, Qwen2/2.5 with q/k/v bias, Qwen3 with q/k norm, SmolLM2) over a paged KV pool.
+
+Parameters are created empty on the target device (no init pass) and then either loaded from Hugging
+Face-named tensors or filled with random values. q/k/v and gate/up are fused into one matmul each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rank_worker.model.config import LlamaFamilyConfig
+from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.paged_attention import paged_attention, write_kv
+from rank_worker.model.rotary import RotaryEmbedding
+
+
+def _param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape), requires_grad=False)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = _param(dim)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32 as the reference does, so bf16 runs do not drift.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.qkv_proj = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
+        self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None
+        self.o_proj = _param(cfg.hidden_size, cfg.q_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = rotary
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        cfg = self.cfg
+        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+        q = q.view(-1, cfg.num_heads, cfg.head_dim)
+        k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(batch.positions, q, k)
+        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+        write_kv(k_cache, v_cache, k, v, batch)
+        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        return F.linear(out.reshape(-1, cfg.q_size), self.o_proj)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaFamilyConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
+        self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: LlamaFamilyConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
+        self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]. Returns float32 logits [S, vocab]."""
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, kv_cache[:, index], batch)
+        x = self.norm(x[batch.logits_indices])
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(x, head).float()
+
+    # --- weights ---
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in (fusing q/k/v and gate/up); every parameter must be covered."""
+        cfg = self.cfg
+        filled: set[str] = set()
+        qkv_rows = {"q_proj": (0, cfg.q_size), "k_proj": (cfg.q_size, cfg.kv_size)}
+        qkv_rows["v_proj"] = (cfg.q_size + cfg.kv_size, cfg.kv_size)
+        mlp_rows = {"gate_proj": (0, cfg.intermediate_size), "up_proj": (cfg.intermediate_size, cfg.intermediate_size)}
+        for name, tensor in weights:
+            parts = name.split(".")
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # old checkpoints store the rotary table; ours is computed
+            if name == "model.embed_tokens.weight":
+                target, key = self.embed_tokens, "embed_tokens"
+            elif name == "model.norm.weight":
+                target, key = self.norm.weight, "norm"
+            elif name == "lm_head.weight":
+                if self.lm_head is None:
+                    continue  # tied checkpoints sometimes carry a copy
+                target, key = self.lm_head, "lm_head"
+            elif parts[:2] == ["model", "layers"]:
+                layer = self.layers[int(parts[2])]
+                module, proj, kind = parts[3], parts[4], parts[-1]
+                key = "layers." + ".".join(parts[2:])
+                if module == "self_attn" and proj in qkv_rows:
+                    start, rows = qkv_rows[proj]
+                    fused = layer.self_attn.qkv_proj if kind == "weight" else layer.self_attn.qkv_bias
+                    if fused is None:
+                        raise ValueError(f"unexpected tensor {name}: this model has no attention bias")
+                    target = fused[start : start + rows]
+                elif module == "mlp" and proj in mlp_rows:
+                    start, rows = mlp_rows[proj]
+                    target = layer.mlp.gate_up_proj[start : start + rows]
+                else:
+                    target = _named_layer_param(layer, module, proj, name)
+            else:
+                continue  # e.g. rotary inv_freq buffers in old checkpoints
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            filled.add(key)
+        missing = [k for k in self._expected_keys() if k not in filled]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _expected_keys(self) -> list[str]:
+        cfg = self.cfg
+        keys = ["embed_tokens", "norm"] + ([] if self.lm_head is None else ["lm_head"])
+        per_layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+        per_layer += ["self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight"]
+        per_layer += ["mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
+        if cfg.attention_bias:
+            per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.qk_norm:
+            per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
+        return keys + [f"layers.{i}.{p}" for i in range(cfg.num_layers) for p in per_layer]
+
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks: the real shapes, FLOPs and bytes, nonsense text."""
+        generator = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)
+
+
+def _named_layer_param(layer: DecoderLayer, module: str, proj: str, name: str) -> torch.Tensor:
+    if module == "self_attn" and proj == "o_proj":
+        return layer.self_attn.o_proj
+    if module == "self_attn" and proj in ("q_norm", "k_norm"):
+        norm = getattr(layer.self_attn, proj)
+        if norm is None:
+            raise ValueError(f"unexpected tensor {name}: this model has no q/k norm")
+        return norm.weight
+    if module == "mlp" and proj == "down_proj":
+        return layer.mlp.down_proj
+    if module in ("input_layernorm", "post_attention_layernorm"):
+        return getattr(layer, module).weight
+    raise ValueError(f"unexpected tensor {name}")

@@ -1,0 +1,146 @@
+"""Start one rank worker: read the config, bind the port, load the engine, serve until SIGTERM/SIGINT.
+
+The port is bound before the model loads, so a port conflict fails in a second rather than after a
+long load, and the health service answers NOT_SERVING while loading, SERVING once the engine is ready.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from contracts.config import KvServeConfig, load_config
+from protos import rank_worker_pb2, rank_worker_pb2_grpc
+from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
+from rank_worker.engine_loop import EngineLoop
+from rank_worker.servicer import RankWorkerServicer
+
+log = logging.getLogger("rank_worker")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ModelInfo carries the whole tokenizer json (~2 MB for SmolLM2)
+SHUTDOWN_GRACE_S = 5.0
+SERVICE_NAME = rank_worker_pb2.DESCRIPTOR.services_by_name["RankWorker"].full_name
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not silently share it
+]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve rank-worker", description="Run one engine rank as a gRPC server.")
+    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG, then defaults)")
+    parser.add_argument("--host", help="bind address (overrides rank_worker_host)")
+    parser.add_argument("--port", type=int, help="port (overrides rank_worker_port)")
+    parser.add_argument("--model", help="model path (overrides model; empty = embedded SmolLM2-135M)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> KvServeConfig:
+    overrides = {
+        key: value
+        for key, value in (("rank_worker_host", args.host), ("rank_worker_port", args.port), ("model", args.model))
+        if value is not None
+    }
+    return load_config(args.config, **overrides)
+
+
+def listen_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+def build_engine(config: KvServeConfig) -> Engine:
+    # Imported here so `--help` and config errors do not pay for importing torch and the model code.
+    from rank_worker.engine.factory import build_engine as factory_build_engine
+
+    return factory_build_engine(config)
+
+
+async def serve(config: KvServeConfig) -> int:
+    address = listen_address(config.rank_worker_host, config.rank_worker_port)
+    health_servicer = health.aio.HealthServicer()
+    servicer = RankWorkerServicer()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    rank_worker_pb2_grpc.add_RankWorkerServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot listen on %s: %s", address, exc)
+        return 1
+    await server.start()
+    log.info("listening on %s; loading model %r", address, config.model or "(embedded SmolLM2-135M)")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    # The load runs in a thread so the health service keeps answering (NOT_SERVING) meanwhile.
+    load = asyncio.ensure_future(asyncio.to_thread(build_engine, config))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():
+        log.info("stop requested while loading; waiting for the load thread to finish, then exiting")
+        await server.stop(0)
+        await asyncio.gather(load, return_exceptions=True)
+        return 0
+    stopped.cancel()
+    if load.exception() is not None:
+        log.error("failed to load the engine", exc_info=load.exception())
+        await server.stop(0)
+        return 1
+
+    engine: Engine = load.result()
+    engine_loop = EngineLoop(engine)
+    engine_loop.start()
+    servicer.attach(engine_loop, engine.model_info)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+    _log_ready(engine.model_info, engine_loop.stats(), address)
+
+    await stop.wait()
+    log.info("stopping: refusing new calls, %d requests in flight", engine_loop.in_flight())
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(SHUTDOWN_GRACE_S)  # in-flight streams get the grace period, then are cancelled
+    engine_loop.stop()
+    log.info("stopped")
+    return 0
+
+
+def _log_ready(info: ModelInfo, stats: EngineStats, address: str) -> None:
+    log.info(
+        "KV pool: %d blocks x %d tokens = %d tokens; max_model_len %d",
+        stats.total_blocks,
+        stats.block_size,
+        stats.total_blocks * stats.block_size,
+        info.max_model_len,
+    )
+    log.info("ready: serving %s (%s) on %s", info.served_model_name, info.model_id, address)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        config = config_from_args(args)
+    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        log.error("bad configuration: %s", exc)
+        return 2
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""The RankWorker gRPC service: wire messages in and out of the engine loop, nothing more.
+
+Requests are validated by the engine (EngineLoop.submit calls engine.validate) so every engine behind
+this worker refuses bad input the same way: INVALID_ARGUMENT with the engine's message.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from protos import rank_worker_pb2 as pb
+from protos import rank_worker_pb2_grpc as pb_grpc
+from rank_worker.engine.interface import (
+    EngineRequest,
+    EngineStats,
+    FinishReason,
+    InvalidRequestError,
+    KvEventKind,
+    ModelInfo,
+    RequestOutput,
+    RequestStats,
+    SamplingParams,
+)
+from rank_worker.engine_loop import EngineFailedError, EngineLoop, EngineLoopStoppedError, RequestStream
+
+log = logging.getLogger(__name__)
+
+_FINISH_REASONS = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+}
+_KV_EVENT_KINDS = {
+    KvEventKind.STORED: pb.KV_EVENT_KIND_STORED,
+    KvEventKind.REMOVED: pb.KV_EVENT_KIND_REMOVED,
+    KvEventKind.ALL_CLEARED: pb.KV_EVENT_KIND_ALL_CLEARED,
+}
+
+
+def engine_request(message: pb.GenerateRequest) -> EngineRequest:
+    """The engine's request for a wire request; 0 means "off" for top_p on the wire, 1.0 in the engine."""
+    wire = message.sampling
+    sampling = SamplingParams(
+        temperature=wire.temperature,
+        top_p=1.0 if wire.top_p == 0.0 else wire.top_p,
+        top_k=wire.top_k,
+        seed=wire.seed if wire.HasField("seed") else None,
+        stop_token_ids=tuple(wire.stop_token_ids),
+        max_tokens=wire.max_tokens,
+        ignore_eos=wire.ignore_eos,
+    )
+    request_id = message.request_id or f"rw-{uuid.uuid4().hex}"
+    return EngineRequest(request_id=request_id, prompt_token_ids=list(message.prompt_token_ids), sampling=sampling)
+
+
+def finished_message(output: RequestOutput) -> pb.GenerateResponse:
+    stats = output.stats or RequestStats()
+    return pb.GenerateResponse(
+        finished=pb.Finished(
+            finish_reason=_FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),  # type: ignore[arg-type]
+            stop_token_id=-1 if output.stop_token_id is None else output.stop_token_id,
+            stats=pb.GenerateStats(
+                prompt_tokens=stats.prompt_tokens,
+                cached_tokens=stats.cached_tokens,
+                output_tokens=stats.output_tokens,
+                queue_wait_s=stats.queue_wait_s,
+                prefill_s=stats.prefill_s,
+                total_s=stats.total_s,
+                preemptions=stats.preemptions,
+            ),
+        )
+    )
+
+
+def stats_message(stats: EngineStats) -> pb.StatsResponse:
+    return pb.StatsResponse(
+        total_blocks=stats.total_blocks,
+        free_blocks=stats.free_blocks,
+        cached_blocks=stats.cached_blocks,
+        used_blocks=stats.used_blocks,
+        running=stats.running,
+        waiting=stats.waiting,
+        prefix_query_tokens=stats.prefix_query_tokens,
+        prefix_hit_tokens=stats.prefix_hit_tokens,
+        finished_requests=stats.finished_requests,
+        preemptions=stats.preemptions,
+        block_size=stats.block_size,
+        waiting_prefill_tokens=stats.waiting_prefill_tokens,
+    )
+
+
+def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:
+    message = pb.ModelInfoResponse(
+        served_model_name=info.served_model_name,
+        model_id=info.model_id,
+        vocab_size=info.vocab_size,
+        max_model_len=info.max_model_len,
+        trained_context_len=info.trained_context_len,
+        block_size=info.block_size,
+        hash_namespace=info.hash_namespace,
+        bos_token_id=-1,
+    )
+    tokenizer = info.tokenizer
+    if tokenizer is not None:
+        message.tokenizer_json = tokenizer.tokenizer_json
+        message.chat_template = tokenizer.chat_template
+        message.bos_token_id = -1 if tokenizer.bos_token_id is None else tokenizer.bos_token_id
+        message.eos_token_ids.extend(tokenizer.eos_token_ids)
+        message.bos_token = tokenizer.bos_token
+        message.eos_token = tokenizer.eos_token
+        message.add_bos_token = tokenizer.add_bos_token
+    return message
+
+
+class RankWorkerServicer(pb_grpc.RankWorkerServicer):
+    """Serves one engine loop. Until attach() is called (the model is loading) every RPC is UNAVAILABLE."""
+
+    def __init__(self) -> None:
+        self._engine_loop: EngineLoop | None = None
+        self._model_info: pb.ModelInfoResponse | None = None
+
+    def attach(self, engine_loop: EngineLoop, model_info: ModelInfo) -> None:
+        self._model_info = model_info_message(model_info)
+        self._engine_loop = engine_loop
+
+    async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
+        if self._engine_loop is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the rank worker is still loading its model")
+        assert self._engine_loop is not None
+        return self._engine_loop
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        engine_loop = await self._ready(context)
+        engine_req = engine_request(request)
+        try:
+            stream = engine_loop.submit(engine_req)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineLoopStoppedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        try:
+            async for message in _responses(stream):
+                yield message
+        except InvalidRequestError as exc:  # refused at add_request time (validate() could not know)
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except EngineLoopStoppedError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except EngineFailedError as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            if not stream.finished:  # the client went away (cancelled) or the server is stopping
+                engine_loop.abort(engine_req.request_id)
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        engine_loop = await self._ready(context)
+        return stats_message(engine_loop.stats())
+
+    async def KvEvents(
+        self, request: pb.KvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KvEventBatch]:
+        engine_loop = await self._ready(context)
+        subscription = engine_loop.subscribe_kv_events()
+        try:
+            while True:
+                try:
+                    batch = await subscription.get()
+                except EngineLoopStoppedError:
+                    return
+                yield pb.KvEventBatch(
+                    sequence=batch.sequence,
+                    events=[
+                        pb.KvEvent(kind=_KV_EVENT_KINDS[event.kind], block_hashes=list(event.block_hashes))
+                        for event in batch.events
+                    ],
+                )
+        finally:
+            subscription.close()
+
+    async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
+        await self._ready(context)
+        assert self._model_info is not None
+        return self._model_info
+
+
+async def _responses(stream: RequestStream) -> AsyncIterator[pb.GenerateResponse]:
+    """TokenChunks as tokens come (outputs that queued up while we were sending go out as one chunk),
+    then one Finished."""
+    async for first in stream:
+        outputs = [first, *stream.ready()]
+        token_ids = [token for output in outputs for token in output.new_token_ids]
+        if token_ids:
+            yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=token_ids))
+        if outputs[-1].finished:
+            yield finished_message(outputs[-1])

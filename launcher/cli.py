@@ -1,0 +1,82 @@
+"""The `kvserve` command: `rank-worker`, `complete`, `up`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+import grpc
+
+from launcher.chat_template import ChatTemplateError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="KV-cache-aware LLM serving for coding agents.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    commands.add_parser(
+        "rank-worker",
+        add_help=False,  # its own flags (and --help) are parsed by rank_worker.main
+        help="run one engine rank as a gRPC server (see: kvserve rank-worker --help)",
+    )
+
+    complete = commands.add_parser("complete", help="stream one chat completion from a rank worker")
+    complete.add_argument("prompt", help="the user message")
+    complete.add_argument("--system", help="a system message")
+    complete.add_argument("--max-tokens", type=int, default=128)
+    complete.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    complete.add_argument("--target", help="rank worker host:port (default: from the config)")
+    complete.add_argument("--config", help="YAML config file (for the default target)")
+    complete.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+
+    up = commands.add_parser("up", help="start the local stack and keep it running until Ctrl-C")
+    up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports)")
+    up.add_argument("--config", help="YAML config file, passed to every service")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for health SERVING")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args, rest = build_parser().parse_known_args(argv)
+    if args.command == "rank-worker":
+        from rank_worker.main import main as rank_worker_main
+
+        return rank_worker_main(rest)
+    if rest:
+        build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "complete":
+        return _complete(args)
+    if args.command == "up":
+        from launcher.up import run_up
+
+        if args.ranks < 1:
+            build_parser().error("--ranks must be at least 1")
+        return run_up(args.config, args.ranks, args.ready_timeout)
+    raise AssertionError(args.command)
+
+
+def _complete(args: argparse.Namespace) -> int:
+    from contracts.config import load_config
+    from launcher.complete import CompletionArgs, complete
+    from launcher.health import client_target
+
+    target = args.target
+    if not target:
+        config = load_config(args.config)
+        target = client_target(config.rank_worker_host, config.rank_worker_port)
+    completion = CompletionArgs(args.prompt, args.system, args.max_tokens, args.temperature, args.raw)
+    try:
+        return complete(target, completion)
+    except grpc.RpcError as exc:
+        print(f"\nerror from {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    except ChatTemplateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

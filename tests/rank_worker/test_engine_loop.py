@@ -1,0 +1,246 @@
+"""The engine loop around a real engine (tiny random weights through the factory): streaming, aborts,
+KV event fan-out, failure recovery, stop, and sleeping while idle."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from contracts.config import KvServeConfig
+from rank_worker.engine.factory import build_engine
+from rank_worker.engine.interface import (
+    Engine,
+    EngineRequest,
+    FinishReason,
+    InvalidRequestError,
+    KvEventKind,
+    RequestOutput,
+    SamplingParams,
+)
+from rank_worker.engine_loop import (
+    EngineFailedError,
+    EngineLoop,
+    EngineLoopStoppedError,
+    KvEventBatch,
+    RequestStream,
+)
+
+VOCAB = 256
+NUM_BLOCKS = 64
+TINY_LLAMA = {
+    "model_type": "llama",
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory: pytest.TempPathFactory) -> Engine:
+    config_path = tmp_path_factory.mktemp("tiny-llama") / "config.json"
+    config_path.write_text(json.dumps(TINY_LLAMA))
+    config = KvServeConfig(model=str(config_path), load_format="dummy", device="cpu", num_kv_blocks=NUM_BLOCKS)
+    return build_engine(config)
+
+
+@pytest.fixture
+def engine_loop(engine: Engine) -> Iterator[EngineLoop]:
+    loop = EngineLoop(engine)
+    loop.start()
+    yield loop
+    loop.stop()
+    assert engine.stats().used_blocks == 0  # every test leaves the pool as it found it
+
+
+def request(request_id: str, prompt: list[int], max_tokens: int = 8) -> EngineRequest:
+    return EngineRequest(request_id, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return [(seed * 31 + i * 7) % VOCAB for i in range(length)]
+
+
+async def collect(stream: RequestStream) -> tuple[list[int], RequestOutput]:
+    tokens: list[int] = []
+    async for output in stream:
+        tokens.extend(output.new_token_ids)
+        if output.finished:
+            return tokens, output
+    raise AssertionError("stream ended without a finished output")
+
+
+async def wait_for(condition: object, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "condition not met before the deadline"
+        await asyncio.sleep(0.01)
+
+
+def test_streams_tokens_then_finished(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        tokens, final = await collect(engine_loop.submit(request("a", prompt_of(20, 1), max_tokens=6)))
+        assert len(tokens) == 6 and all(0 <= t < VOCAB for t in tokens)
+        assert final.finish_reason is FinishReason.LENGTH
+        assert final.stats is not None and final.stats.prompt_tokens == 20 and final.stats.output_tokens == 6
+
+    asyncio.run(run())
+
+
+def test_invalid_request_fails_in_the_caller(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        with pytest.raises(InvalidRequestError, match="empty"):
+            engine_loop.submit(request("empty", []))
+        with pytest.raises(InvalidRequestError, match="vocabulary"):
+            engine_loop.submit(request("oov", [VOCAB]))
+        assert engine_loop.in_flight() == 0
+
+    asyncio.run(run())
+
+
+def test_duplicate_request_id_is_refused_while_in_flight(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        first = engine_loop.submit(request("dup", prompt_of(10, 2), max_tokens=4))
+        with pytest.raises(InvalidRequestError, match="already in flight"):
+            engine_loop.submit(request("dup", prompt_of(10, 2)))
+        await collect(first)
+        await collect(engine_loop.submit(request("dup", prompt_of(10, 2), max_tokens=2)))  # free again
+
+    asyncio.run(run())
+
+
+def test_concurrent_requests_each_get_their_own_tokens(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        prompts = [prompt_of(12 + i, i) for i in range(8)]
+        streams = [engine_loop.submit(request(f"c{i}", p, max_tokens=5)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        assert all(len(tokens) == 5 for tokens, _ in results)
+        # Greedy and deterministic: the same prompt alone gives the same tokens as inside the batch.
+        alone, _ = await collect(engine_loop.submit(request("again", prompts[3], max_tokens=5)))
+        assert alone == results[3][0]
+
+    asyncio.run(run())
+
+
+def test_abort_ends_the_stream_and_frees_blocks(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        stream = engine_loop.submit(request("long", prompt_of(40, 3), max_tokens=400))
+        first = await anext(stream)
+        assert first.new_token_ids and not first.finished
+        assert engine_loop.abort("long")
+        _, final = await collect(stream)
+        assert final.finish_reason is FinishReason.ABORT
+        await wait_for(lambda: engine_loop.stats().used_blocks == 0 and engine_loop.stats().running == 0)
+        assert not engine_loop.abort("long")  # no longer in flight
+
+    asyncio.run(run())
+
+
+def test_abort_before_the_engine_sees_the_request(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        streams = [engine_loop.submit(request(f"q{i}", prompt_of(30, i), max_tokens=50)) for i in range(4)]
+        for i in range(4):
+            engine_loop.abort(f"q{i}")
+        finals = [final for _, final in await asyncio.gather(*(collect(s) for s in streams))]
+        assert all(f.finished for f in finals)
+        await wait_for(lambda: engine_loop.stats().used_blocks == 0 and engine_loop.in_flight() == 0)
+
+    asyncio.run(run())
+
+
+def test_kv_events_fan_out_with_sequence_numbers(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        subscribers = [engine_loop.subscribe_kv_events() for _ in range(2)]
+        await collect(engine_loop.submit(request("kv", prompt_of(48, 100), max_tokens=2)))
+        for subscription in subscribers:
+            batches: list[KvEventBatch] = []
+            stored = 0
+            while stored < 3:  # 48 new prompt tokens = 3 full blocks; batches may still be on their way
+                batches.append(await asyncio.wait_for(subscription.get(), 5))
+                stored += sum(len(e.block_hashes) for e in batches[-1].events if e.kind is KvEventKind.STORED)
+            assert [b.sequence for b in batches] == list(range(1, len(batches) + 1))
+            subscription.close()
+
+    asyncio.run(run())
+
+
+def test_slow_subscriber_loses_batches_and_sees_the_gap(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        subscription = engine_loop.subscribe_kv_events(max_batches=1)
+        for i in range(3):
+            await collect(engine_loop.submit(request(f"s{i}", prompt_of(33, 10 + i), max_tokens=1)))
+        await asyncio.sleep(0.1)  # let the last call_soon_threadsafe callbacks run
+        batch = await subscription.get()
+        assert batch.sequence == 1 and subscription.dropped_batches >= 1
+        subscription.close()
+
+    asyncio.run(run())
+
+
+def test_step_failure_fails_in_flight_requests_and_the_loop_keeps_serving(
+    engine: Engine, engine_loop: EngineLoop, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    real_step = engine.step
+    calls = {"n": 0}
+
+    def step_failing_once() -> list[RequestOutput]:
+        calls["n"] += 1
+        if calls["n"] == 2:  # after the first token, mid-stream
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_failing_once)  # fault injection into the real engine
+
+    async def run() -> None:
+        stream = engine_loop.submit(request("victim", prompt_of(20, 5), max_tokens=50))
+        with pytest.raises(EngineFailedError, match="injected fault"):
+            await collect(stream)
+        await wait_for(lambda: engine_loop.stats().used_blocks == 0 and engine_loop.stats().running == 0)
+        tokens, final = await collect(engine_loop.submit(request("survivor", prompt_of(20, 6), max_tokens=3)))
+        assert len(tokens) == 3 and final.finish_reason is FinishReason.LENGTH
+
+    with caplog.at_level(logging.ERROR, logger="rank_worker.engine_loop"):
+        asyncio.run(run())
+    assert any("injected fault" in (r.exc_text or "") for r in caplog.records)  # the traceback is logged
+
+
+def test_stop_aborts_in_flight_and_refuses_new_work(engine: Engine) -> None:
+    loop = EngineLoop(engine)
+    loop.start()
+
+    async def run() -> None:
+        subscription = loop.subscribe_kv_events()
+        stream = loop.submit(request("inflight", prompt_of(20, 7), max_tokens=400))
+        await anext(stream)
+        await asyncio.to_thread(loop.stop)
+        _, final = await collect(stream)
+        assert final.finish_reason is FinishReason.ABORT
+        with pytest.raises(EngineLoopStoppedError):
+            loop.submit(request("late", prompt_of(5, 8)))
+        with pytest.raises(EngineLoopStoppedError):
+            while True:
+                await asyncio.wait_for(subscription.get(), 5)
+
+    asyncio.run(run())
+    assert engine.stats().used_blocks == 0 and not engine.has_unfinished()
+
+
+def test_idle_loop_sleeps(engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        await collect(engine_loop.submit(request("warm", prompt_of(8, 9), max_tokens=2)))
+
+    asyncio.run(run())
+    time.sleep(0.1)
+    cpu_before = time.process_time()
+    time.sleep(0.5)
+    assert time.process_time() - cpu_before < 0.1  # a busy-waiting loop would burn ~0.5 s of CPU here

@@ -6,11 +6,14 @@ the router, kvstore and gateway join it in later issues.
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
@@ -95,7 +98,18 @@ def _print_ready(services: list[ServiceProcess], out: TextIO) -> None:
         out.write(f"  {service.name}: {service.target} (gRPC)\n")
     out.write(
         "\nTry it:\n"
-        f'  kvserve complete "Write a haiku about caches." --max-tokens 48 --target {services[0].target}\n'
+        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {services[0].target}\n'
         "\nCtrl-C stops everything.\n"
     )
     out.flush()
+
+
+def _kvserve_command() -> str:
+    """How the user can run kvserve from here: plain `kvserve` only when PATH finds this install's."""
+    installed = Path(sys.executable).parent / "kvserve"
+    if not installed.exists():
+        return f"{sys.executable} -m launcher.cli"
+    on_path = shutil.which("kvserve")
+    if on_path and Path(on_path).resolve() == installed.resolve():
+        return "kvserve"
+    return os.path.relpath(installed)

@@ -69,11 +69,17 @@ class KvServeConfig(BaseSettings):
 
 def load_config(config_file: str | Path | None = None, **overrides: Any) -> KvServeConfig:
     """Read the configuration; a named file that does not exist is an error, not a silent default."""
+    named = str(config_file) if config_file is not None else os.environ.get("KVSERVE_CONFIG", "")
+    if named and not Path(named).is_file():
+        raise FileNotFoundError(f"config file not found: {named}")
+    previous = os.environ.get("KVSERVE_CONFIG")
     if config_file is not None:
-        path = Path(config_file)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        os.environ["KVSERVE_CONFIG"] = str(path)
-    elif os.environ.get("KVSERVE_CONFIG") and not Path(os.environ["KVSERVE_CONFIG"]).is_file():
-        raise FileNotFoundError(f"KVSERVE_CONFIG names a missing file: {os.environ['KVSERVE_CONFIG']}")
-    return KvServeConfig(**overrides)
+        os.environ["KVSERVE_CONFIG"] = named  # the settings source reads the file name from here
+    try:
+        return KvServeConfig(**overrides)
+    finally:
+        if config_file is not None:
+            if previous is None:
+                del os.environ["KVSERVE_CONFIG"]
+            else:
+                os.environ["KVSERVE_CONFIG"] = previous

@@ -1,13 +1,12 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from rank_worker.engine.factory import build_model, resolve_dtype
 from rank_worker.engine.interface import TokenizerBundle
 from rank_worker.model.llama import LlamaForCausalLM
 from rank_worker.model_files.source import open_model_source
-
-import torch
 
 
 @pytest.fixture(scope="session")

@@ -50,7 +50,9 @@ def greedy(max_tokens: int, ignore_eos: bool = True) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
 
 
-def generate_one(engine: PagedEngine, prompt: list[int], params: SamplingParams, request_id: str = "r") -> RequestOutput:
+def generate_one(
+    engine: PagedEngine, prompt: list[int], params: SamplingParams, request_id: str = "r"
+) -> RequestOutput:
     engine.add_request(EngineRequest(request_id, list(prompt), params))
     return run_to_completion(engine)[request_id]
 

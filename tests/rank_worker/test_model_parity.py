@@ -14,21 +14,43 @@ from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 from rank_worker.model_files.source import open_model_source
 
 VOCAB = 96
-COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              max_position_embeddings=512)
+COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    max_position_embeddings=512,
+)
 
 CASES = {
-    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-              dict(num_key_value_heads=2, rope_theta=10000.0)),
-    "llama3-rope": (transformers.LlamaConfig, transformers.LlamaForCausalLM,
-                    dict(num_key_value_heads=2, rope_theta=500000.0,
-                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0)),
+    "llama3-rope": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(
+            num_key_value_heads=2,
+            rope_theta=500000.0,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
-    "qwen3-qknorm": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM,
-                     dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True)),
-    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM,
-                dict(num_key_value_heads=1, sliding_window=None)),
+    "qwen3-qknorm": (
+        transformers.Qwen3Config,
+        transformers.Qwen3ForCausalLM,
+        dict(num_key_value_heads=2, head_dim=24, tie_word_embeddings=True),
+    ),
+    "mistral": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_key_value_heads=1, sliding_window=None),
+    ),
 }
 
 
@@ -74,6 +96,13 @@ def test_logits_and_greedy_tokens_match_transformers(case: str, tmp_path: Path) 
 
     # Greedy generation through the whole engine (prefill, then decode steps over paged blocks).
     out = generate_one(make_engine(ours, num_blocks=32, block_size=8, max_model_len=128), prompt, greedy(20))
+    assert out.new_token_ids == _reference_greedy(hf, prompt, 20)
+
+
+def _reference_greedy(hf: torch.nn.Module, prompt: list[int], count: int) -> list[int]:
+    """Plain argmax over full recomputation: no generation config (eos suppression etc.) in the way."""
+    tokens = list(prompt)
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, min_new_tokens=20)
-    assert out.new_token_ids == ref[0, len(prompt):].tolist()
+        for _ in range(count):
+            tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
+    return tokens[len(prompt) :]

@@ -1,0 +1,315 @@
+"""Engine benchmark: prefill throughput and MFU, decode throughput and bandwidth share, TTFT cold vs warm,
+and the greedy token match rate of warm (prefix-cached) against cold runs.
+
+Random weights in a real shape (bench/shapes/<name>/config.json), driven through the same engine the rank
+worker serves with (build_engine), timed after torch.cuda.synchronize. Prints a table, writes JSON.
+
+    python bench/engine.py --shape llama-8b --out bench/results/engine-h200.json      # on the H200
+    python bench/engine.py --shape tiny --quick                                        # smoke run on a CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from contracts.config import load_config  # noqa: E402
+from rank_worker.engine.factory import build_engine  # noqa: E402
+from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
+from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
+
+PEAK_BF16_FLOPS = 783e12  # measured on the H200 (../shared/design/performance.md)
+PEAK_HBM_BYTES_PER_S = 4.2e12
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+class Bench:
+    def __init__(self, engine: PagedEngine, seed: int = 0) -> None:
+        self.engine = engine
+        self.cfg = engine.model.cfg
+        self.gen = torch.Generator().manual_seed(seed)
+        self.counter = 0
+
+    def prompt(self, length: int) -> list[int]:
+        return torch.randint(0, self.cfg.vocab_size, (length,), generator=self.gen).tolist()
+
+    def request(self, prompt: list[int], max_tokens: int) -> str:
+        self.counter += 1
+        rid = f"b{self.counter}"
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+        self.engine.add_request(EngineRequest(rid, prompt, params))
+        return rid
+
+    def drain(self) -> dict[str, list[int]]:
+        tokens: dict[str, list[int]] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return tokens
+
+    def time_first_token(self, prompt: list[int], max_tokens: int = 1) -> tuple[float, list[int], int]:
+        """Seconds from submission to the first token (the whole prefill), the tokens, cached tokens."""
+        sync()
+        start = time.perf_counter()
+        rid = self.request(prompt, max_tokens)
+        first = None
+        tokens: list[int] = []
+        cached = 0
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.request_id != rid:
+                    continue
+                if first is None and (out.new_token_ids or out.finished):
+                    sync()
+                    first = time.perf_counter() - start
+                tokens.extend(out.new_token_ids)
+                if out.finished and out.stats:
+                    cached = out.stats.cached_tokens
+        assert first is not None
+        return first, tokens, cached
+
+    # --- the measurements ---
+
+    def prefill_flops(self, new: int, cached: int = 0) -> float:
+        c = self.cfg
+        return 2 * c.num_params_excluding_embeddings * new + 4 * c.num_layers * c.hidden_size * new * (cached + new / 2)
+
+    def prefill(self, lengths: list[int], repeats: int) -> list[dict]:
+        rows = []
+        self.time_first_token(self.prompt(min(lengths)))  # warm-up: kernels, allocator
+        for n in lengths:
+            times = [self.time_first_token(self.prompt(n))[0] for _ in range(repeats)]
+            t = statistics.median(times)
+            rows.append(
+                {"tokens": n, "seconds": t, "tokens_per_s": n / t, "mfu": self.prefill_flops(n) / t / PEAK_BF16_FLOPS}
+            )
+        return rows
+
+    def decode(self, batches: list[int], context: int, steps: int) -> list[dict]:
+        rows = []
+        c = self.cfg
+        weight_bytes = (
+            c.num_params_excluding_embeddings + c.vocab_size * c.hidden_size
+        ) * self.engine.kv_cache.element_size()
+        kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.engine.kv_cache.element_size()
+        for batch in batches:
+            ids = [self.request(self.prompt(context), max_tokens=steps + 12) for _ in range(batch)]
+            produced = dict.fromkeys(ids, 0)
+            while min(produced.values()) < 2:  # every sequence past its prefill and into decode
+                for out in self.engine.step():
+                    produced[out.request_id] += len(out.new_token_ids)
+            for _ in range(3):  # warm-up at this batch shape
+                self.engine.step()
+            sync()
+            start = time.perf_counter()
+            for _ in range(steps):
+                self.engine.step()
+            sync()
+            step_s = (time.perf_counter() - start) / steps
+            self.drain()
+            ctx = context + 6 + steps // 2  # average context during the timed steps is a little above the prompt
+            moved = weight_bytes + batch * ctx * kv_bytes_per_token
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": context,
+                    "step_ms": step_s * 1e3,
+                    "tokens_per_s": batch / step_s,
+                    "bw_share": moved / step_s / PEAK_HBM_BYTES_PER_S,
+                }
+            )
+        return rows
+
+    def ttft(self, contexts: list[int], new_tokens: int) -> list[dict]:
+        rows = []
+        for ctx in contexts:
+            history = self.prompt(ctx)
+            follow_up = history + self.prompt(new_tokens)
+            cold_s, _, cold_cached = self.time_first_token(self.prompt(ctx) + self.prompt(new_tokens))
+            self.time_first_token(history)  # turn 1: leaves the history in the L0 cache
+            warm_s, _, warm_cached = self.time_first_token(follow_up)
+            rows.append(
+                {
+                    "context": ctx,
+                    "new_tokens": new_tokens,
+                    "cold_s": cold_s,
+                    "warm_s": warm_s,
+                    "speedup": cold_s / warm_s,
+                    "warm_cached_tokens": warm_cached,
+                    "cold_cached_tokens": cold_cached,
+                }
+            )
+        return rows
+
+    def warm_cold_match(self, prompts: int, context: int, new_tokens: int, tokens: int) -> dict:
+        """Greedy tokens of a warm run (history cached) vs a cold one (prefix cache bypassed by a fresh
+        engine state) on the same prompt; bf16 rounding differs between the two paths."""
+        equal = total = identical = 0
+        for _ in range(prompts):
+            history = self.prompt(context)
+            full = history + self.prompt(new_tokens)
+            self.engine.pool.clear_cache()
+            _, cold, cached_cold = self.time_first_token(full, tokens)
+            assert cached_cold == 0
+            self.engine.pool.clear_cache()
+            self.time_first_token(history)
+            _, warm, cached_warm = self.time_first_token(full, tokens)
+            assert cached_warm > 0
+            equal += sum(a == b for a, b in zip(cold, warm, strict=True))
+            total += len(cold)
+            identical += cold == warm
+        return {
+            "prompts": prompts,
+            "context": context,
+            "tokens": tokens,
+            "position_match": equal / total,
+            "identical_sequences": identical / prompts,
+        }
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except Exception:
+        return "unknown"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shape", default="llama-8b")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the script itself")
+    parser.add_argument("--out", default="")
+    parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    args = parser.parse_args()
+
+    if args.quick:
+        plan = dict(
+            prefill=[128, 256],
+            decode=[1, 4],
+            decode_ctx=256,
+            decode_steps=4,
+            ttft=[512],
+            new=64,
+            match=(2, 256, 32, 8),
+            repeats=1,
+        )
+    else:
+        plan = dict(
+            prefill=[2048, 8192, 32768],
+            decode=[1, 16, 64, 128],
+            decode_ctx=4096,
+            decode_steps=32,
+            ttft=[32768, 100_000],
+            new=1024,
+            match=(8, 4096, 256, 64),
+            repeats=3,
+        )
+    config = load_config(
+        model=str(ROOT / "bench" / "shapes" / args.shape / "config.json"),
+        load_format="dummy",
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=256,
+        max_model_len=max(plan["ttft"]) + plan["new"] + 64,
+    )
+    t0 = time.perf_counter()
+    engine = build_engine(config)
+    startup_s = time.perf_counter() - t0
+    bench = Bench(engine)
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    print(
+        f"engine up in {startup_s:.1f}s on {gpu}: {engine.pool.num_blocks} blocks of {engine.settings.block_size}",
+        flush=True,
+    )
+
+    prefill = bench.prefill(plan["prefill"], plan["repeats"])
+    print("prefill", prefill, flush=True)
+    decode = bench.decode(plan["decode"], plan["decode_ctx"], plan["decode_steps"])
+    print("decode", decode, flush=True)
+    ttft = bench.ttft(plan["ttft"], plan["new"])
+    print("ttft", ttft, flush=True)
+    match = bench.warm_cold_match(*plan["match"])
+    print("match", match, flush=True)
+
+    result = {
+        "date": dt.date.today().isoformat(),
+        "commit": args.commit or git_commit(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
+        "settings": {
+            "block_size": engine.settings.block_size,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_blocks": engine.pool.num_blocks,
+            "startup_s": startup_s,
+        },
+        "prefill": prefill,
+        "decode": decode,
+        "ttft": ttft,
+        "warm_cold_match": match["position_match"],
+        "warm_cold_match_detail": match,
+    }
+    print_tables(result)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"wrote {args.out}")
+
+
+def print_tables(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    t = Table(title=f"prefill ({result['shape']}, {result['gpu']})")
+    for col in ("tokens", "tokens/s", "MFU"):
+        t.add_column(col, justify="right")
+    for r in result["prefill"]:
+        t.add_row(f"{r['tokens']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.0%}")
+    console.print(t)
+    t = Table(title="decode")
+    for col in ("batch", "context", "ms/step", "tokens/s", "bandwidth share"):
+        t.add_column(col, justify="right")
+    for r in result["decode"]:
+        t.add_row(
+            str(r["batch"]),
+            f"{r['context']:,}",
+            f"{r['step_ms']:.1f}",
+            f"{r['tokens_per_s']:,.0f}",
+            f"{r['bw_share']:.0%}",
+        )
+    console.print(t)
+    t = Table(title="TTFT, cold vs warm (prefix cached)")
+    for col in ("context", "new tokens", "cold s", "warm s", "speedup"):
+        t.add_column(col, justify="right")
+    for r in result["ttft"]:
+        t.add_row(
+            f"{r['context']:,}",
+            f"{r['new_tokens']:,}",
+            f"{r['cold_s']:.3f}",
+            f"{r['warm_s']:.3f}",
+            f"{r['speedup']:.1f}x",
+        )
+    console.print(t)
+    console.print(f"greedy warm-vs-cold token match: {result['warm_cold_match']:.1%}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""Build an engine rank from the configuration: open the model files, place the model, size the KV pool."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+
+import torch
+
+from contracts.config import KvServeConfig
+from rank_worker.engine.model_runner import kv_block_bytes
+from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
+from rank_worker.model.config import LlamaFamilyConfig
+from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model_files.source import ModelSource, open_model_source
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device: cuda was asked for but torch sees no CUDA device")
+    if setting == "auto":
+        setting = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return _DTYPES[setting]
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def resolve_max_model_len(config: KvServeConfig, trained: int) -> int:
+    wanted = config.max_model_len or trained
+    if wanted > trained:
+        if not config.allow_long_context:
+            raise ValueError(
+                f"max_model_len {wanted} exceeds the model's trained window of {trained} tokens; "
+                f"set allow_long_context: true to run past it anyway (quality degrades)"
+            )
+        log.warning("max_model_len %d runs past the model's trained window of %d tokens", wanted, trained)
+    return wanted
+
+
+def build_model(
+    source: ModelSource, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
+) -> LlamaForCausalLM:
+    cfg = LlamaFamilyConfig.from_hf(source.hf_config)
+    with _default_dtype(dtype), torch.device(device):
+        model = LlamaForCausalLM(cfg, max_positions=max_positions)
+    if source.load_weights is None:
+        log.info("random weights (load_format dummy), seed %d", seed)
+        model.init_random_weights(seed)
+    else:
+        model.load_hf_weights(source.load_weights())
+    return model.eval()
+
+
+def size_kv_pool(config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
+    """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights
+    and the activation peak of a full-size step; on the CPU kv_cache_memory_gb."""
+    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    if device.type != "cuda":
+        return max(int(config.kv_cache_memory_gb * 1024**3) // block_bytes, 1)
+    peak = _profile_peak_bytes(config, model, device, dtype)
+    total = torch.cuda.get_device_properties(device).total_memory
+    budget = int(total * config.gpu_memory_utilization) - peak
+    if budget < block_bytes:
+        raise RuntimeError(
+            f"no room for a KV pool: {peak / 1e9:.1f} GB used by weights and activations out of "
+            f"{config.gpu_memory_utilization:.0%} of {total / 1e9:.1f} GB"
+        )
+    return budget // block_bytes
+
+
+def _profile_peak_bytes(
+    config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Run one prefill of max_num_batched_tokens through a throwaway pool and read the allocator's peak."""
+    tokens = config.max_num_batched_tokens
+    settings = EngineSettings(
+        num_blocks=-(-tokens // config.block_size) + 1,
+        block_size=config.block_size,
+        max_model_len=tokens + 1,
+        max_num_batched_tokens=tokens,
+        prefix_cache=False,
+    )
+    from rank_worker.engine.interface import EngineRequest, SamplingParams
+
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    probe = PagedEngine(model, settings)
+    probe.add_request(EngineRequest("profile", [1] * tokens, SamplingParams(max_tokens=1, ignore_eos=True)))
+    while probe.has_unfinished():
+        probe.step()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    del probe
+    torch.cuda.empty_cache()
+    return peak
+
+
+def build_engine(config: KvServeConfig) -> PagedEngine:
+    """Everything a rank worker needs at start: model files checked first, then weights, then the pool."""
+    source = open_model_source(config.model, config.load_format)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    trained = int(source.hf_config.get("max_position_embeddings", 2048))
+    max_model_len = resolve_max_model_len(config, trained)
+    model = build_model(source, device, dtype, max_model_len, config.seed)
+    num_blocks = size_kv_pool(config, model, device, dtype)
+    capacity = num_blocks * config.block_size
+    if max_model_len > capacity:
+        log.warning(
+            "max_model_len lowered from %d to %d: one sequence must fit in the KV pool", max_model_len, capacity
+        )
+        max_model_len = capacity
+    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    log.info(
+        "KV pool: %d blocks x %d tokens = %d tokens, %.2f GB on %s (%s)",
+        num_blocks,
+        config.block_size,
+        capacity,
+        num_blocks * block_bytes / 1e9,
+        device,
+        dtype,
+    )
+    settings = EngineSettings(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        trained_context_len=trained,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        prefix_cache=config.prefix_cache,
+        served_model_name=config.served_model_name or _default_served_name(source.model_id),
+        model_id=source.model_id,
+        seed=config.seed,
+    )
+    return PagedEngine(model, settings, source.tokenizer)
+
+
+def _default_served_name(model_id: str) -> str:
+    return model_id.lower().replace(" ", "-").replace("/", "-")

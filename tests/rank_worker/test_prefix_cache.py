@@ -41,6 +41,7 @@ def test_multi_turn_reuses_previous_prompt_and_output(smollm2) -> None:
     model, tokenizer = smollm2
     engine = make_engine(model, tokenizer, block_size=BLOCK)
     conversation = _chat_prompt(tokenizer, "Name three colours.")
+    previous_computed = 0
     for turn in range(3):
         out = generate_one(engine, conversation, greedy(12), f"turn{turn}")
         if turn > 0:

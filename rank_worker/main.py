@@ -20,6 +20,7 @@ from contracts.config import KvServeConfig, load_config
 from protos import rank_worker_pb2, rank_worker_pb2_grpc
 from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
 from rank_worker.engine_loop import EngineLoop
+from rank_worker.model_files.source import ModelPathError
 from rank_worker.servicer import RankWorkerServicer
 
 log = logging.getLogger("rank_worker")
@@ -74,10 +75,11 @@ async def serve(config: KvServeConfig) -> int:
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
     try:
-        server.add_insecure_port(address)
+        port = server.add_insecure_port(address)
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", address, exc)
         return 1
+    address = listen_address(config.rank_worker_host, port)  # the real port when 0 asked for any free one
     await server.start()
     log.info("listening on %s; loading model %r", address, config.model or "(embedded SmolLM2-135M)")
 
@@ -96,8 +98,12 @@ async def serve(config: KvServeConfig) -> int:
         await asyncio.gather(load, return_exceptions=True)
         return 0
     stopped.cancel()
-    if load.exception() is not None:
-        log.error("failed to load the engine", exc_info=load.exception())
+    error = load.exception()
+    if error is not None:
+        if isinstance(error, ModelPathError | ValueError):  # a bad path or setting: the message says it all
+            log.error("failed to load the engine: %s", error)
+        else:
+            log.error("failed to load the engine", exc_info=error)
         await server.stop(0)
         return 1
 

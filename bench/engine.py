@@ -158,19 +158,27 @@ class Bench:
         return rows
 
     def warm_cold_match(self, prompts: int, context: int, new_tokens: int, tokens: int) -> dict:
-        """Greedy tokens of a warm run (history cached) vs a cold one (prefix cache bypassed by a fresh
-        engine state) on the same prompt; bf16 rounding differs between the two paths."""
+        """Greedy tokens of a warm run (history cached) vs a cold one (cache cleared) on the same prompt.
+
+        bf16 rounding differs between the two paths (one causal pass vs a chunk over cached K/V); random
+        weights give nearly flat logits, so tiny differences flip the argmax. The first token's logits are
+        compared too: a relative error at bf16 level means rounding, an O(1) error would mean a bug."""
         equal = total = identical = 0
+        errors: list[float] = []
         for _ in range(prompts):
             history = self.prompt(context)
             full = history + self.prompt(new_tokens)
             self.engine.pool.clear_cache()
-            _, cold, cached_cold = self.time_first_token(full, tokens)
+            with LogitTap(self.engine) as cold_tap:
+                _, cold, cached_cold = self.time_first_token(full, tokens)
             assert cached_cold == 0
             self.engine.pool.clear_cache()
             self.time_first_token(history)
-            _, warm, cached_warm = self.time_first_token(full, tokens)
+            with LogitTap(self.engine) as warm_tap:
+                _, warm, cached_warm = self.time_first_token(full, tokens)
             assert cached_warm > 0
+            assert cold_tap.first is not None and warm_tap.first is not None
+            errors.append(float((warm_tap.first - cold_tap.first).norm() / cold_tap.first.norm()))
             equal += sum(a == b for a, b in zip(cold, warm, strict=True))
             total += len(cold)
             identical += cold == warm
@@ -180,7 +188,31 @@ class Bench:
             "tokens": tokens,
             "position_match": equal / total,
             "identical_sequences": identical / prompts,
+            "first_logits_rel_err_max": max(errors),
         }
+
+
+class LogitTap:
+    """Keeps the logits of the first forward that samples (bench instrumentation only)."""
+
+    def __init__(self, engine: PagedEngine) -> None:
+        self.model = engine.model
+        self.first: torch.Tensor | None = None
+
+    def __enter__(self) -> LogitTap:
+        original = self.model.forward
+
+        def tapped(*args, **kwargs):
+            logits = original(*args, **kwargs)
+            if self.first is None and logits.shape[0] > 0:
+                self.first = logits[0].float().clone()
+            return logits
+
+        self.model.forward = tapped  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        del self.model.forward  # back to the class method
 
 
 def git_commit() -> str:
@@ -308,7 +340,12 @@ def print_tables(result: dict) -> None:
             f"{r['speedup']:.1f}x",
         )
     console.print(t)
-    console.print(f"greedy warm-vs-cold token match: {result['warm_cold_match']:.1%}")
+    detail = result["warm_cold_match_detail"]
+    console.print(
+        f"greedy warm-vs-cold token match: {result['warm_cold_match']:.1%} of positions "
+        f"({detail['prompts']} prompts x {detail['tokens']} tokens); first-token logits rel. error "
+        f"<= {detail['first_logits_rel_err_max']:.1e}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -93,13 +94,13 @@ class PagedEngine(Engine):
                 f"at most {limit - 1} prompt tokens fit, leaving room for one output token"
             )
         vocab = self.model.cfg.vocab_size
-        for position, token in enumerate(prompt):
-            if not 0 <= token < vocab:
-                raise InvalidRequestError(
-                    f"token id {token} at position {position} is outside the vocabulary [0, {vocab})"
-                )
+        if min(prompt) < 0 or max(prompt) >= vocab:  # C-speed scan; find the culprit only on failure
+            position, token = next((i, t) for i, t in enumerate(prompt) if not 0 <= t < vocab)
+            raise InvalidRequestError(f"token id {token} at position {position} is outside the vocabulary [0, {vocab})")
         if params.max_tokens <= 0:
             raise InvalidRequestError(f"max_tokens must be at least 1, got {params.max_tokens}")
+        if not (math.isfinite(params.temperature) and math.isfinite(params.top_p)):
+            raise InvalidRequestError("temperature and top_p must be finite numbers")
         if params.temperature < 0:
             raise InvalidRequestError(f"temperature must be >= 0, got {params.temperature}")
         if not 0.0 <= params.top_p <= 1.0:

@@ -106,3 +106,25 @@ def _reference_greedy(hf: torch.nn.Module, prompt: list[int], count: int) -> lis
         for _ in range(count):
             tokens.append(int(hf(torch.tensor([tokens])).logits[0, -1].argmax()))
     return tokens[len(prompt) :]
+
+
+def test_smollm2_gguf_greedy_matches_transformers_on_the_same_weights(smollm2) -> None:
+    """The embedded GGUF through our loader and engine vs transformers' own GGUF loader (it dequantizes
+    the same file): same greedy answer to a fixed chat prompt."""
+    from tokenizers import Tokenizer
+
+    from rank_worker.model_files.embedded import embedded_model_path
+
+    model, tokenizer = smollm2
+    path = Path(embedded_model_path())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        path.parent, gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    chat = (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    )
+    prompt = Tokenizer.from_str(tokenizer.tokenizer_json).encode(chat, add_special_tokens=False).ids
+    ours = generate_one(make_engine(model, tokenizer), prompt, greedy(16)).new_token_ids
+    assert ours == _reference_greedy(reference, prompt, 16)
+    assert "Paris" in Tokenizer.from_str(tokenizer.tokenizer_json).decode(ours)

@@ -278,10 +278,14 @@ class EngineLoop:
                 continue
             if output is None:
                 output = RequestOutput(request_id, [], finished=True, finish_reason=FinishReason.ABORT)
+            self._stats = self._engine.stats()
             self._deliver([output])
 
     def _step(self) -> None:
         outputs = self._engine.step()
+        # Refresh the snapshot before anyone hears of this step, so a client that saw its request finish
+        # never reads stats from before it.
+        self._stats = self._engine.stats()
         self._deliver(outputs)
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:

@@ -229,6 +229,8 @@ def main() -> None:
     parser.add_argument("--out", default="")
     parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--only-match", action="store_true", help="just the warm-vs-cold match (e.g. in float32)")
     args = parser.parse_args()
 
     if args.quick:
@@ -256,6 +258,7 @@ def main() -> None:
     config = load_config(
         model=str(ROOT / "bench" / "shapes" / args.shape / "config.json"),
         load_format="dummy",
+        dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
         max_model_len=max(plan["ttft"]) + plan["new"] + 64,
@@ -270,6 +273,9 @@ def main() -> None:
         flush=True,
     )
 
+    if args.only_match:
+        print("match", bench.warm_cold_match(*plan["match"]), flush=True)
+        return
     prefill = bench.prefill(plan["prefill"], plan["repeats"])
     print("prefill", prefill, flush=True)
     decode = bench.decode(plan["decode"], plan["decode_ctx"], plan["decode_steps"])

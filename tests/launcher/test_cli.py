@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import io
-import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from service_processes import free_port, service_env
 from tokenizers import Tokenizer
 
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
@@ -26,26 +25,11 @@ from protos import rank_worker_pb2_grpc as pb_grpc
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def kvserve_env(**settings: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("KVSERVE_")}
-    env.update(settings)
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 def kvserve(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "launcher.cli", *args],
         cwd=ROOT,
-        env=env or kvserve_env(),
+        env=env or service_env(),
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -63,7 +47,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     port = free_port()
     output = tmp_path_factory.mktemp("kvserve-up") / "up.log"
-    env = kvserve_env(KVSERVE_RANK_WORKER_PORT=str(port), KVSERVE_NUM_KV_BLOCKS="128", KVSERVE_MAX_MODEL_LEN="1024")
+    env = service_env(KVSERVE_RANK_WORKER_PORT=str(port), KVSERVE_NUM_KV_BLOCKS="128", KVSERVE_MAX_MODEL_LEN="1024")
     with output.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "up"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
@@ -157,7 +141,7 @@ def test_kvserve_complete_unreachable_target() -> None:
 
 
 def test_up_reports_a_worker_that_fails_to_start(tmp_path: Path) -> None:
-    env = kvserve_env(KVSERVE_RANK_WORKER_PORT=str(free_port()), KVSERVE_MODEL=str(tmp_path / "missing.gguf"))
+    env = service_env(KVSERVE_RANK_WORKER_PORT=str(free_port()), KVSERVE_MODEL=str(tmp_path / "missing.gguf"))
     result = kvserve("up", "--ready-timeout", "120", env=env, timeout=150)
     assert result.returncode == 1
     assert "exited with code" in result.stdout

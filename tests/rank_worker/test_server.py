@@ -3,71 +3,35 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
-import socket
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from service_processes import free_port, start_rank_worker
 from tokenizers import Tokenizer
 
 from contracts.block_hash import prefix_block_hashes
-from launcher.health import wait_for_serving
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[2]
 NUM_KV_BLOCKS = 256
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def worker_env(**settings: str) -> dict[str, str]:
-    env = {key: value for key, value in os.environ.items() if not key.startswith("KVSERVE_")}
-    env.update(settings)
-    # Share the cores with the other xdist workers, as tests/conftest.py does for in-process torch.
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    env["PYTHONPATH"] = str(ROOT)
-    return env
-
-
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
-    target = f"127.0.0.1:{port}"
     log_path = tmp_path_factory.mktemp("rank-worker") / "worker.log"
-    env = worker_env(KVSERVE_NUM_KV_BLOCKS=str(NUM_KV_BLOCKS), KVSERVE_MAX_MODEL_LEN=str(MAX_MODEL_LEN))
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "rank_worker", "--port", str(port)], cwd=ROOT, env=env, stdout=log, stderr=log
-        )
-    try:
-        wait_for_serving(target, timeout_s=180, process=process)
-        yield target
-    except Exception:
-        print(log_path.read_text(errors="replace")[-5000:])
-        raise
-    finally:
+    settings = {"KVSERVE_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "KVSERVE_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+    with start_rank_worker(log_path, port, **settings) as process:
+        yield f"127.0.0.1:{port}"
         process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        process.wait(timeout=30)
     print(log_path.read_text(errors="replace")[-3000:])
     assert process.returncode == 0, "the worker did not stop cleanly on SIGTERM"
 

@@ -39,10 +39,23 @@ class KvServeConfig(BaseSettings):
     l1_host_gb: float = Field(32.0, ge=0.0)
     request_timeout_secs: float = Field(600.0, gt=0.0)
 
+    max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
+
     # --- services ---
     rank_worker_host: str = "127.0.0.1"
     rank_worker_port: int = Field(50151, ge=0, le=65535)
-    api_keys_file: str = ""
+    rank_workers: list[str] = Field(
+        default_factory=list, description="static rank list host:port (until the router); empty = rank_worker_*"
+    )
+
+    # --- gateway ---
+    gateway_host: str = "127.0.0.1"
+    gateway_port: int = Field(8080, ge=0, le=65535)
+    deployment_slug: str = Field("", description="another accepted model name, e.g. the deployment's name")
+    api_keys_file: str = Field("", description="hashed API keys; empty = no auth, allowed on loopback only")
+    max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    ping_interval_secs: float = Field(5.0, gt=0.0, description="SSE ping cadence while a long prefill runs")
+    log_prompts: bool = Field(False, description="put prompt text in logs (off: privacy)")
 
     @field_validator("max_num_batched_tokens")
     @classmethod

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from launcher.chat_template import ChatTemplateError
+from gateway.prompt.chat_template import ChatTemplateError
 
 
 def build_parser() -> argparse.ArgumentParser:

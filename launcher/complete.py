@@ -9,8 +9,8 @@ from typing import TextIO
 import grpc
 from tokenizers import Tokenizer
 
-from launcher.chat_template import render_chat
-from launcher.detokenizer import IncrementalDetokenizer
+from gateway.detokenizer import IncrementalDetokenizer
+from gateway.prompt.chat_template import render_chat
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 

@@ -16,8 +16,8 @@ import pytest
 from service_processes import free_port, service_env
 from tokenizers import Tokenizer
 
+from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
-from launcher.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.health import wait_for_serving
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc

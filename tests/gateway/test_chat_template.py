@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.chat_template import ChatTemplateError, render_chat
+from gateway.prompt.chat_template import ChatTemplateError, render_chat
 
 CHATML = (
     "{% for message in messages %}"

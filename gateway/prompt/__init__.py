@@ -1,0 +1,1 @@
+"""Turning a ChatRequest into the prompt text a model was trained on."""

@@ -78,10 +78,14 @@ class GenerateStats(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids",)
+    __slots__ = ("token_ids", "cached_tokens", "queue_wait_s")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    cached_tokens: int
+    queue_wait_s: float
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "stats", "stop_token_id")

@@ -187,6 +187,11 @@ class EngineLoop:
             self._cond.notify()
         return True
 
+    def queued(self) -> int:
+        """Requests waiting for their first step: submitted but not yet in the engine, or in its queue."""
+        with self._cond:
+            return len(self._new) + self._stats.waiting
+
     def stats(self) -> EngineStats:
         """The engine's counters as of the end of the last loop iteration."""
         return dataclasses.replace(self._stats)

@@ -68,7 +68,7 @@ def build_engine(config: KvServeConfig) -> Engine:
 async def serve(config: KvServeConfig) -> int:
     address = listen_address(config.rank_worker_host, config.rank_worker_port)
     health_servicer = health.aio.HealthServicer()
-    servicer = RankWorkerServicer()
+    servicer = RankWorkerServicer(config.max_waiting_requests)
     server = grpc.aio.server(options=SERVER_OPTIONS)
     rank_worker_pb2_grpc.add_RankWorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

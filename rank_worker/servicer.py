@@ -119,7 +119,8 @@ def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:
 class RankWorkerServicer(pb_grpc.RankWorkerServicer):
     """Serves one engine loop. Until attach() is called (the model is loading) every RPC is UNAVAILABLE."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_waiting_requests: int = 256) -> None:
+        self._max_waiting = max_waiting_requests
         self._engine_loop: EngineLoop | None = None
         self._model_info: pb.ModelInfoResponse | None = None
 
@@ -138,12 +139,19 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         engine_loop = await self._ready(context)
         engine_req = engine_request(request)
+        if engine_loop.queued() >= self._max_waiting:
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED, f"rank queue is full ({self._max_waiting} requests waiting)"
+            )
         try:
             stream = engine_loop.submit(engine_req)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineLoopStoppedError as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Accepted: clients wait for these headers to learn, before any token, that the request is queued
+        # (a refusal above arrives instead as an error status).
+        await context.send_initial_metadata((("kvserve-accepted", engine_req.request_id),))
         try:
             async for message in _responses(stream):
                 yield message
@@ -191,10 +199,16 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
 async def _responses(stream: RequestStream) -> AsyncIterator[pb.GenerateResponse]:
     """TokenChunks as tokens come (outputs that queued up while we were sending go out as one chunk),
     then one Finished."""
+    sent_first = False
     async for first in stream:
         outputs = [first, *stream.ready()]
         token_ids = [token for output in outputs for token in output.new_token_ids]
         if token_ids:
-            yield pb.GenerateResponse(tokens=pb.TokenChunk(token_ids=token_ids))
+            chunk = pb.TokenChunk(token_ids=token_ids)
+            if not sent_first and outputs[0].stats is not None:
+                chunk.cached_tokens = outputs[0].stats.cached_tokens
+                chunk.queue_wait_s = outputs[0].stats.queue_wait_s
+            sent_first = True
+            yield pb.GenerateResponse(tokens=chunk)
         if outputs[-1].finished:
             yield finished_message(outputs[-1])

@@ -64,7 +64,7 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
-    stats: RequestStats | None = None  # set when finished
+    stats: RequestStats | None = None  # set on the first output (partial) and when finished
 
 
 class KvEventKind(enum.Enum):

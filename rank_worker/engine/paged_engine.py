@@ -165,7 +165,10 @@ class PagedEngine(Engine):
                 seq.stop_token_id = token
                 new_tokens = []  # stop tokens end the stream; they are not content
             if reason is None:
-                outputs.append(RequestOutput(seq.request_id, new_tokens))
+                first = seq.num_output_tokens == 1  # the first output also says how much came from cache
+                outputs.append(
+                    RequestOutput(seq.request_id, new_tokens, stats=self._request_stats(seq) if first else None)
+                )
             else:
                 self._finish(seq, reason)
                 outputs.append(

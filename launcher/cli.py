@@ -1,4 +1,4 @@
-"""The `kvserve` command: `rank-worker`, `complete`, `up`."""
+"""The `kvserve` command: `rank-worker`, `complete`, `up`, `keys`."""
 
 from __future__ import annotations
 
@@ -34,6 +34,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports)")
     up.add_argument("--config", help="YAML config file, passed to every service")
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for health SERVING")
+
+    keys = commands.add_parser("keys", help="manage the gateway's API keys").add_subparsers(
+        dest="keys_command", required=True, metavar="ACTION"
+    )
+    for action, help_text in (("create", "create a key and print its secret once"), ("list", "list keys")):
+        sub = keys.add_parser(action, help=help_text)
+        sub.add_argument("--file", help="key file (default: the config's api_keys_file, else ./kvserve-keys.json)")
+        sub.add_argument("--config", help="YAML config file (for the default key file)")
+        if action == "create":
+            sub.add_argument("--name", required=True, help="who or what the key is for")
+            sub.add_argument("--models", default="*", help="allowed models: m1,m2 or * for all (default: *)")
     return parser
 
 
@@ -53,6 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.ranks < 1:
             build_parser().error("--ranks must be at least 1")
         return run_up(args.config, args.ranks, args.ready_timeout)
+    if args.command == "keys":
+        from launcher.keys import create_command, keys_file, list_command
+
+        path = keys_file(args.file, args.config)
+        return create_command(path, args.name, args.models) if args.keys_command == "create" else list_command(path)
     raise AssertionError(args.command)
 
 

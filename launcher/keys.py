@@ -1,0 +1,65 @@
+"""`kvserve keys create` and `kvserve keys list`: manage the gateway's API key file."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import TextIO
+
+from gateway.auth import ALL_MODELS, KeyFileError, KeyStore, create_key
+
+DEFAULT_KEYS_FILE = "kvserve-keys.json"
+
+
+def keys_file(file: str | None, config_file: str | None) -> Path:
+    """--file, else the config's api_keys_file, else ./kvserve-keys.json."""
+    if file:
+        return Path(file)
+    from contracts.config import load_config
+
+    return Path(load_config(config_file).api_keys_file or DEFAULT_KEYS_FILE)
+
+
+def parse_models(spec: str) -> list[str]:
+    """'*' -> ['*'] (every model), 'a,b' -> ['a', 'b']."""
+    models = [model.strip() for model in spec.split(",") if model.strip()]
+    if not models:
+        raise ValueError("--models needs model names separated by commas, or '*' for all models")
+    if ALL_MODELS in models and len(models) > 1:
+        raise ValueError("--models: '*' already allows every model; give it alone")
+    return models
+
+
+def create_command(path: Path, name: str, models_spec: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    try:
+        secret = create_key(path, name, parse_models(models_spec))
+    except (ValueError, KeyFileError, OSError) as exc:
+        print(f"error: {exc}", file=err)
+        return 1
+    # The secret alone goes to stdout, so `KEY=$(kvserve keys create ...)` captures just the key.
+    print(secret, file=out)
+    print(
+        f"created API key {name!r} for models {models_spec} in {path}.\n"
+        "This is the only time the key is shown: it is stored as a hash and cannot be recovered.\n"
+        f"The gateway uses the file when api_keys_file names it (KVSERVE_API_KEYS_FILE={path.resolve()}).",
+        file=err,
+    )
+    return 0
+
+
+def list_command(path: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+    try:
+        store = KeyStore.load(path)
+    except KeyFileError as exc:
+        print(f"error: {exc}", file=err)
+        return 1
+    if not store.entries:
+        print(f"no keys in {path}", file=err)
+        return 0
+    rows = [("ID", "NAME", "MODELS", "CREATED")]
+    rows += [(entry.id, entry.name, ",".join(entry.models), entry.created_at) for entry in store.entries]
+    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    for row in rows:
+        padded = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
+        print("  ".join([*padded, row[3]]), file=out)
+    return 0

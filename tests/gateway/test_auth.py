@@ -1,0 +1,229 @@
+"""API keys: the key file holds only hashes, every 401 case, model permissions, the open-local policy, and
+`kvserve keys create/list` as real subprocesses."""
+
+from __future__ import annotations
+
+import json
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from service_processes import service_env
+
+from contracts.config import KvServeConfig
+from gateway.auth import (
+    AuthConfigError,
+    AuthError,
+    KeyFileError,
+    KeyStore,
+    auth_mode,
+    create_key,
+    hash_secret,
+    is_loopback,
+    open_local_warning,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def key_file(tmp_path: Path) -> Path:
+    return tmp_path / "keys.json"
+
+
+@pytest.fixture
+def secrets_by_name(key_file: Path) -> dict[str, str]:
+    return {
+        "all": create_key(key_file, "all", ["*"]),
+        "two": create_key(key_file, "two", ["small", "big"]),
+    }
+
+
+def test_secret_shape_and_file_holds_only_hashes(key_file: Path, secrets_by_name: dict[str, str]) -> None:
+    text = key_file.read_text()
+    for secret in secrets_by_name.values():
+        assert secret.startswith("kvs-") and len(secret) == 44
+        assert secret not in text
+        assert secret.removeprefix("kvs-") not in text
+        assert hash_secret(secret) in text
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    entries = json.loads(text)["keys"]
+    assert [entry["name"] for entry in entries] == ["all", "two"]
+    assert set(entries[0]) == {"id", "name", "hash", "models", "created_at"}
+    assert len({entry["id"] for entry in entries}) == 2
+    assert list(key_file.parent.iterdir()) == [key_file]  # no temporary file left behind
+
+
+def test_yaml_key_file(tmp_path: Path) -> None:
+    path = tmp_path / "keys.yaml"
+    secret = create_key(path, "ops", ["m"])
+    assert secret not in path.read_text()
+    assert KeyStore.load(path).authenticate(secret, None).name == "ops"
+
+
+def test_x_api_key_and_bearer_accepted(key_file: Path, secrets_by_name: dict[str, str]) -> None:
+    store = KeyStore.load(key_file)
+    secret = secrets_by_name["two"]
+    assert store.authenticate(secret, None).name == "two"
+    assert store.authenticate(None, f"Bearer {secret}").name == "two"
+    assert store.authenticate(None, f"bearer   {secret}  ").name == "two"  # the scheme is case-insensitive
+    assert store.authenticate(secret, f"Bearer {secret}").name == "two"  # both, the same key
+    assert store.authenticate(secrets_by_name["all"], None).name == "all"
+
+
+@pytest.mark.parametrize(
+    ("x_api_key", "authorization", "message"),
+    [
+        (None, None, "missing API key"),
+        ("", "", "missing API key"),
+        ("   ", None, "missing API key"),
+        ("kvs-unknown", None, "invalid API key"),
+        (None, "Bearer kvs-unknown", "invalid API key"),
+        (None, "Basic dXNlcjpwYXNz", "malformed Authorization"),
+        (None, "Bearer", "malformed Authorization"),
+        (None, "Bearer ", "malformed Authorization"),
+        (None, "Bearer a b", "malformed Authorization"),
+        (None, "kvs-just-the-key", "malformed Authorization"),
+    ],
+)
+def test_401_cases(
+    key_file: Path, secrets_by_name: dict[str, str], x_api_key: str | None, authorization: str | None, message: str
+) -> None:
+    with pytest.raises(AuthError, match=message):
+        KeyStore.load(key_file).authenticate(x_api_key, authorization)
+
+
+def test_different_x_api_key_and_bearer_is_401_even_when_both_are_valid(
+    key_file: Path, secrets_by_name: dict[str, str]
+) -> None:
+    store = KeyStore.load(key_file)
+    with pytest.raises(AuthError, match="different keys"):
+        store.authenticate(secrets_by_name["all"], f"Bearer {secrets_by_name['two']}")
+    with pytest.raises(AuthError, match="malformed"):  # a malformed header is not ignored because x-api-key is fine
+        store.authenticate(secrets_by_name["all"], "Token abc")
+
+
+def test_near_miss_keys_are_rejected(key_file: Path, secrets_by_name: dict[str, str]) -> None:
+    store = KeyStore.load(key_file)
+    secret = secrets_by_name["all"]
+    last = secret[-1]
+    near_misses = [
+        secret[:-1] + ("A" if last != "A" else "B"),  # last character differs
+        ("X" if secret[4] != "X" else "Y").join((secret[:4], secret[5:])),  # first random character differs
+        secret[:-1],  # one short
+        secret + "A",  # one long
+        secret.upper(),
+        secret.removeprefix("kvs-"),
+        hash_secret(secret),  # the stored hash is not a credential
+    ]
+    for candidate in near_misses:
+        assert candidate != secret
+        with pytest.raises(AuthError, match="invalid API key"):
+            store.authenticate(candidate, None)
+
+
+def test_allowed_models(key_file: Path, secrets_by_name: dict[str, str]) -> None:
+    store = KeyStore.load(key_file)
+    everything = store.authenticate(secrets_by_name["all"], None)
+    assert everything.allows("small") and everything.allows("anything")
+    two = store.authenticate(secrets_by_name["two"], None)
+    assert two.allows("small") and two.allows("big")
+    assert not two.allows("other") and not two.allows("*") and not two.allows("")
+
+
+def test_create_key_rejects_empty_name_or_models(key_file: Path) -> None:
+    with pytest.raises(ValueError, match="name"):
+        create_key(key_file, " ", ["*"])
+    with pytest.raises(ValueError, match="model"):
+        create_key(key_file, "x", [" "])
+    assert not key_file.exists()
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("{not json", "not valid JSON"),
+        ('{"keys": {}}', "'keys' list"),
+        ('{"keys": [{"id": "k", "name": "n", "hash": "abc", "models": ["*"], "created_at": "t"}]}', "sha256"),
+        ('{"keys": [{"id": "k", "name": "n", "hash": "' + "a" * 64 + '", "models": [], "created_at": "t"}]}', "models"),
+        ('{"keys": [{"name": "n"}]}', "'id'"),
+    ],
+)
+def test_malformed_key_file(key_file: Path, content: str, message: str) -> None:
+    key_file.write_text(content)
+    with pytest.raises(KeyFileError, match=message):
+        KeyStore.load(key_file)
+
+
+def test_missing_key_file(tmp_path: Path) -> None:
+    with pytest.raises(KeyFileError, match="not found"):
+        KeyStore.load(tmp_path / "absent.json")
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1", "[::1]", "localhost", "LOCALHOST", "127.0.0.2"])
+def test_open_local_on_loopback(host: str) -> None:
+    assert is_loopback(host)
+    config = KvServeConfig(gateway_host=host, api_keys_file="")
+    assert auth_mode(config) == "open-local"
+    assert "API keys are OFF" in open_local_warning(config)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "192.168.1.10", "example.com", "localhost.example.com", ""])
+def test_no_keys_on_a_reachable_address_is_a_startup_error(host: str) -> None:
+    assert not is_loopback(host)
+    with pytest.raises(AuthConfigError, match="api_keys_file"):
+        auth_mode(KvServeConfig(gateway_host=host, api_keys_file=""))
+
+
+def test_keys_mode_when_a_key_file_is_set() -> None:
+    assert auth_mode(KvServeConfig(gateway_host="0.0.0.0", api_keys_file="/etc/kvserve/keys.json")) == "keys"
+    assert auth_mode(KvServeConfig(gateway_host="127.0.0.1", api_keys_file="/etc/kvserve/keys.json")) == "keys"
+
+
+def kvserve(*args: str, **settings: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "launcher.cli", *args],
+        cwd=ROOT,
+        env=service_env(**settings),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_create_prints_the_secret_once_and_list_never_shows_it(key_file: Path) -> None:
+    created = kvserve("keys", "create", "--name", "ci-bot", "--models", "small,big", "--file", str(key_file))
+    assert created.returncode == 0, created.stderr
+    secret = created.stdout.strip()
+    assert secret.startswith("kvs-") and created.stdout == secret + "\n"
+    assert (created.stdout + created.stderr).count(secret) == 1
+    assert "cannot be recovered" in created.stderr
+    assert secret not in key_file.read_text()
+    entry = KeyStore.load(key_file).authenticate(None, f"Bearer {secret}")
+    assert entry.name == "ci-bot" and entry.models == ("small", "big")
+
+    listed = kvserve("keys", "list", "--file", str(key_file))
+    assert listed.returncode == 0, listed.stderr
+    header, row = listed.stdout.splitlines()
+    assert header.split() == ["ID", "NAME", "MODELS", "CREATED"]
+    assert row.split() == [entry.id, "ci-bot", "small,big", entry.created_at]
+    assert secret not in listed.stdout + listed.stderr
+    assert entry.hash not in listed.stdout + listed.stderr
+
+
+def test_cli_default_file_comes_from_the_config(tmp_path: Path) -> None:
+    path = tmp_path / "from-env.json"
+    created = kvserve("keys", "create", "--name", "env", KVSERVE_API_KEYS_FILE=str(path))
+    assert created.returncode == 0, created.stderr
+    assert KeyStore.load(path).authenticate(created.stdout.strip(), None).models == ("*",)
+
+
+def test_cli_errors(tmp_path: Path) -> None:
+    missing = kvserve("keys", "list", "--file", str(tmp_path / "absent.json"))
+    assert missing.returncode == 1 and "not found" in missing.stderr
+    mixed = kvserve("keys", "create", "--name", "x", "--models", "a,*", "--file", str(tmp_path / "k.json"))
+    assert mixed.returncode == 1 and "'*'" in mixed.stderr and not mixed.stdout
+    no_name = kvserve("keys", "create", "--file", str(tmp_path / "k.json"))
+    assert no_name.returncode == 2 and "--name" in no_name.stderr

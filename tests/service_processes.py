@@ -67,3 +67,52 @@ def start_rank_worker(
         log_path,
         lambda process: wait_for_serving(f"127.0.0.1:{port}", timeout_s=180, process=process),
     )
+
+
+def wait_http_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
+    """Poll `url` until it answers 200, failing early if the process exits."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"process exited with {process.returncode} before {url} was ready")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def start_gateway(
+    log_path: Path, port: int, rank_ports: list[int], **settings: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """The HTTP gateway in front of the given rank workers, ready once /ready says a model is known."""
+    args = [sys.executable, "-m", "gateway", "--port", str(port)]
+    for rank_port in rank_ports:
+        args += ["--rank", f"127.0.0.1:{rank_port}"]
+    return running_process(
+        args,
+        service_env(**settings),
+        log_path,
+        lambda process: wait_http_ready(f"http://127.0.0.1:{port}/ready", process),
+    )
+
+
+@contextlib.contextmanager
+def gateway_stack(tmp: Path, rank_settings: dict[str, str], gateway_settings: dict[str, str]) -> Iterator[str]:
+    """One rank worker and a gateway in front of it; yields the gateway's base URL."""
+    rank_port, gateway_port = free_port(), free_port()
+    with (
+        start_rank_worker(tmp / "rank.log", rank_port, **rank_settings),
+        start_gateway(tmp / "gateway.log", gateway_port, [rank_port], **gateway_settings) as gateway,
+    ):
+        try:
+            yield f"http://127.0.0.1:{gateway_port}"
+        finally:
+            if gateway.poll() is not None:
+                print((tmp / "gateway.log").read_text(errors="replace")[-5000:])

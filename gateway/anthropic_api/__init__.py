@@ -1,0 +1,1 @@
+"""Anthropic Messages API: request schema, conversion to a ChatRequest, responses and SSE events."""

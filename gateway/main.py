@@ -1,0 +1,44 @@
+"""Start the gateway: `python -m gateway` or `kvserve gateway`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+import uvicorn
+
+from contracts.config import load_config
+from gateway.auth import AuthConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvserve gateway", description="HTTP gateway (Anthropic + OpenAI APIs)")
+    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG)")
+    parser.add_argument("--host")
+    parser.add_argument("--port", type=int)
+    parser.add_argument("--rank", action="append", dest="ranks", help="rank worker host:port (repeatable)")
+    args = parser.parse_args(argv)
+    overrides: dict[str, object] = {}
+    if args.host:
+        overrides["gateway_host"] = args.host
+    if args.port is not None:
+        overrides["gateway_port"] = args.port
+    if args.ranks:
+        overrides["rank_workers"] = args.ranks
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = load_config(args.config, **overrides)
+
+    from gateway.app import create_app
+
+    try:
+        app = create_app(config)
+    except AuthConfigError as exc:
+        logging.getLogger("gateway").error("%s", exc)
+        return 2
+    uvicorn.run(app, host=config.gateway_host, port=config.gateway_port, log_level="warning", access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""OpenAI Chat Completions API: request schema, conversion to a ChatRequest, responses and SSE chunks."""

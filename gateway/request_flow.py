@@ -1,0 +1,100 @@
+"""The steps every API layer takes for one request, apart from its wire format: prepare, open a rank
+stream, then either collect or stream the events; cancel the rank request when the client goes away."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+from starlette.requests import Request
+
+from gateway.generation import (
+    BadRequest,
+    Finish,
+    GenerationEvent,
+    OpenGeneration,
+    Overloaded,
+    PromptTooLong,
+    StreamBroken,
+    Unavailable,
+)
+from gateway.served_model import ModelNotAvailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiError(Exception):
+    """An error to answer with, in the API's own shape: `kind` is the Anthropic error type."""
+
+    status: int
+    kind: str  # invalid_request_error | authentication_error | permission_error | overloaded_error | api_error ...
+    message: str
+    retry_after_s: int | None = None
+
+
+def api_error_for(exc: BaseException) -> ApiError:
+    """Map what the generation layer raises to an HTTP status and error type."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, (ModelNotAvailable, PromptTooLong, BadRequest, ValueError)):
+        return ApiError(400, "invalid_request_error", str(exc))
+    if isinstance(exc, Overloaded):
+        return ApiError(529, "overloaded_error", f"{exc}; retry later", exc.retry_after_s)
+    if isinstance(exc, Unavailable):
+        return ApiError(503, "api_error", f"no rank worker available: {exc}", 5)
+    if isinstance(exc, StreamBroken):
+        return ApiError(500, "api_error", f"generation failed mid-stream: {exc}")
+    log.exception("unexpected error", exc_info=exc)
+    return ApiError(500, "api_error", f"internal error: {type(exc).__name__}")
+
+
+async def collect(opened: OpenGeneration, request: Request) -> list[GenerationEvent]:
+    """All events of a non-streaming request; a client that disconnects cancels the rank request."""
+
+    async def run() -> list[GenerationEvent]:
+        return [event async for event in opened.events()]
+
+    task = asyncio.create_task(run())
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=1.0)
+            if not done and await request.is_disconnected():
+                task.cancel()
+                break
+        return await task
+    finally:
+        if not task.done():
+            task.cancel()
+        await opened.aclose()
+
+
+async def stream_bytes(
+    opened: OpenGeneration,
+    write: Callable[[GenerationEvent], bytes],
+    write_error: Callable[[ApiError], bytes],
+    on_finish: Callable[[Finish | None, ApiError | None], Awaitable[None] | None],
+) -> AsyncIterator[bytes]:
+    """SSE bytes for each event; an error after the 200 becomes an error event, never a silent end."""
+    finish: Finish | None = None
+    failure: ApiError | None = None
+    try:
+        async for event in opened.events():
+            if isinstance(event, Finish):
+                finish = event
+            yield write(event)
+    except (asyncio.CancelledError, GeneratorExit):
+        failure = ApiError(499, "client_disconnected", "client went away")
+        raise
+    except Exception as exc:
+        failure = api_error_for(exc)
+        yield write_error(failure)
+    finally:
+        await opened.aclose()
+        with contextlib.suppress(Exception):
+            result = on_finish(finish, failure)
+            if result is not None:
+                await result

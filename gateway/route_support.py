@@ -1,0 +1,61 @@
+"""What every API route does first: find the gateway state, authenticate, parse the body leniently into
+its schema (errors as 400 in the API's shape, never FastAPI's 422), and check the model is allowed."""
+
+from __future__ import annotations
+
+import json
+from typing import TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+
+from gateway.auth import AuthError, KeyEntry
+from gateway.generation import Generation
+from gateway.request_flow import ApiError
+from gateway.state import GatewayState
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def gateway_state(request: Request) -> GatewayState:
+    return request.app.state.gateway
+
+
+def authenticate(request: Request) -> KeyEntry | None:
+    """None in open-local mode; otherwise the caller's key, or 401."""
+    keys = gateway_state(request).keys
+    if keys is None:
+        return None
+    try:
+        return keys.authenticate(request.headers.get("x-api-key"), request.headers.get("authorization"))
+    except AuthError as exc:
+        raise ApiError(401, "authentication_error", str(exc)) from exc
+
+
+def check_model_allowed(key: KeyEntry | None, model: str) -> None:
+    if key is not None and not key.allows(model):
+        raise ApiError(403, "permission_error", f"this API key may not use model {model!r}")
+
+
+async def parse_body(request: Request, schema: type[Body]) -> Body:
+    raw = await request.body()
+    try:
+        document = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ApiError(400, "invalid_request_error", f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(document, dict):
+        raise ApiError(400, "invalid_request_error", "request body must be a JSON object")
+    try:
+        return schema.model_validate(document)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
+        )
+        raise ApiError(400, "invalid_request_error", problems) from exc
+
+
+def ready_generation(request: Request) -> Generation:
+    generation = gateway_state(request).generation
+    if generation is None:
+        raise ApiError(503, "api_error", "the gateway is still waiting for a rank worker", retry_after_s=2)
+    return generation

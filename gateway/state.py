@@ -1,0 +1,59 @@
+"""What one gateway process holds: config, rank client, the served model once a rank has described it,
+the generation pipeline, API keys and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from contracts.config import KvServeConfig
+from gateway.auth import KeyStore, auth_mode, open_local_warning
+from gateway.generation import Generation
+from gateway.metrics import GatewayMetrics
+from gateway.prompt_format import PromptFormat
+from gateway.rank_client import RankClient
+from gateway.served_model import ServedModel
+
+log = logging.getLogger(__name__)
+
+
+def rank_targets(config: KvServeConfig) -> list[str]:
+    return config.rank_workers or [f"{config.rank_worker_host}:{config.rank_worker_port}"]
+
+
+class GatewayState:
+    def __init__(self, config: KvServeConfig) -> None:
+        self.config = config
+        self.metrics = GatewayMetrics()
+        mode = auth_mode(config)  # refuses an open gateway on a reachable address
+        self.keys: KeyStore | None = KeyStore.load(config.api_keys_file) if mode == "keys" else None
+        if self.keys is None:
+            log.warning(open_local_warning(config))
+        self.ranks = RankClient(rank_targets(config))
+        self.model: ServedModel | None = None
+        self.generation: Generation | None = None
+        self.started_at = int(time.time())
+
+    async def connect(self, retry_every_s: float = 1.0) -> None:
+        """Ask the ranks what they serve, until one answers (they may still be loading)."""
+        while self.model is None:
+            try:
+                info = await self.ranks.model_info()
+            except ConnectionError as exc:
+                log.info("waiting for a rank worker: %s", exc)
+                await asyncio.sleep(retry_every_s)
+                continue
+            model = ServedModel.from_info(info, self.config.deployment_slug, self.started_at)
+            self.generation = Generation(
+                self.ranks,
+                model,
+                PromptFormat.for_model(model),
+                ping_interval_s=self.config.ping_interval_secs,
+                request_timeout_s=self.config.request_timeout_secs,
+            )
+            self.model = model
+            log.info("serving %s (max_model_len %d) as %s", info.model_id, info.max_model_len, ", ".join(model.names))
+
+    async def close(self) -> None:
+        await self.ranks.close()

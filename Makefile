@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 up: setup
-	$(BIN)/kvserve up
+	$(BIN)/kvserve up --config config/local.yaml
 
 test: setup
 	$(MAKE) check-protos

@@ -1,7 +1,7 @@
 """`kvserve up`: start the local stack and keep it running until Ctrl-C.
 
-For now the stack is rank worker processes (one per rank, on consecutive ports from rank_worker_port);
-the router, kvstore and gateway join it in later issues.
+The stack: rank worker processes (one per rank, on consecutive ports from rank_worker_port) and the HTTP
+gateway in front of them; the router and kvstore join it in a later issue.
 """
 
 from __future__ import annotations
@@ -47,6 +47,36 @@ def start_rank_workers(config_file: str | None, ranks: int, host: str, base_port
     return services
 
 
+def start_gateway(config_file: str | None, ranks: list[ServiceProcess]) -> ServiceProcess:
+    config = load_config(config_file)
+    command = [sys.executable, "-m", "gateway"]
+    if config_file:
+        command += ["--config", config_file]
+    for rank in ranks:
+        command += ["--rank", rank.target]
+    process = subprocess.Popen(command, start_new_session=True)
+    base_url = f"http://{client_target(config.gateway_host, config.gateway_port)}"
+    return ServiceProcess("gateway", base_url, process)
+
+
+def wait_for_gateway(gateway: ServiceProcess, timeout_s: float) -> str:
+    """Wait until /ready answers 200; returns the served model name."""
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if gateway.process.poll() is not None:
+            raise ServiceExitedError(f"the gateway exited with code {gateway.process.returncode}")
+        try:
+            response = httpx.get(f"{gateway.target}/ready", timeout=2)
+            if response.status_code == 200:
+                return str(response.json()["model"])
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"the gateway at {gateway.target} was not ready after {timeout_s:.0f} s")
+
+
 def stop_services(services: list[ServiceProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
     """SIGTERM (graceful stop) to each, then SIGKILL to any still running after timeout_s."""
     for service in services:
@@ -69,7 +99,10 @@ def run_up(config_file: str | None, ranks: int, ready_timeout_s: float, out: Tex
         services = start_rank_workers(config_file, ranks, config.rank_worker_host, config.rank_worker_port)
         for service in services:
             wait_for_serving(service.target, ready_timeout_s, process=service.process)
-        _print_ready(services, out)
+        gateway = start_gateway(config_file, services)
+        services.insert(0, gateway)  # stopped first: no new requests while ranks wind down
+        model = wait_for_gateway(gateway, ready_timeout_s)
+        _print_ready(services, model, _max_model_len(services[1].target), out)
         while True:
             for service in services:
                 if service.process.poll() is not None:
@@ -92,13 +125,44 @@ def run_up(config_file: str | None, ranks: int, ready_timeout_s: float, out: Tex
         out.flush()
 
 
-def _print_ready(services: list[ServiceProcess], out: TextIO) -> None:
+def _max_model_len(rank_target: str) -> int:
+    import grpc
+
+    from protos import rank_worker_pb2 as pb
+    from protos import rank_worker_pb2_grpc as pb_grpc
+
+    options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
+    with grpc.insecure_channel(rank_target, options=options) as channel:
+        return pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10).max_model_len
+
+
+def claude_code_environment(base_url: str, model: str, max_model_len: int) -> dict[str, str]:
+    """What Claude Code needs to use this endpoint. It must compact before our context is full, and it
+    assumes 1M tokens for a model it does not know."""
+    return {
+        "ANTHROPIC_BASE_URL": base_url,
+        "ANTHROPIC_API_KEY": "local",  # any value: the local gateway runs without keys on loopback
+        "ANTHROPIC_MODEL": model,
+        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
+        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
+        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(max_model_len * 9 // 10),
+    }
+
+
+def _print_ready(services: list[ServiceProcess], model: str, max_model_len: int, out: TextIO) -> None:
+    gateway, ranks = services[0], services[1:]
     out.write("\nkvserve is up:\n")
-    for service in services:
+    out.write(f"  gateway: {gateway.target} (Anthropic /v1/messages, OpenAI /v1/chat/completions), model {model}\n")
+    for service in ranks:
         out.write(f"  {service.name}: {service.target} (gRPC)\n")
+    out.write("\nUse it from Claude Code:\n")
+    for name, value in claude_code_environment(gateway.target, model, max_model_len).items():
+        out.write(f"  export {name}={value}\n")
     out.write(
-        "\nTry it:\n"
-        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {services[0].target}\n'
+        "  claude\n"
+        "\nOr from the command line:\n"
+        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].target}\n'
         "\nCtrl-C stops everything.\n"
     )
     out.flush()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from service_processes import free_port, service_env
 from tokenizers import Tokenizer
@@ -41,18 +42,24 @@ class Stack:
     target: str
     process: subprocess.Popen[bytes]
     output: Path
+    gateway_url: str
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    port = free_port()
+    port, gateway_port = free_port(), free_port()
     output = tmp_path_factory.mktemp("kvserve-up") / "up.log"
-    env = service_env(KVSERVE_RANK_WORKER_PORT=str(port), KVSERVE_NUM_KV_BLOCKS="128", KVSERVE_MAX_MODEL_LEN="1024")
+    env = service_env(
+        KVSERVE_RANK_WORKER_PORT=str(port),
+        KVSERVE_GATEWAY_PORT=str(gateway_port),
+        KVSERVE_NUM_KV_BLOCKS="128",
+        KVSERVE_MAX_MODEL_LEN="1024",
+    )
     with output.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "launcher.cli", "up"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
         )
-    stack = Stack(f"127.0.0.1:{port}", process, output)
+    stack = Stack(f"127.0.0.1:{port}", process, output, f"http://127.0.0.1:{gateway_port}")
     try:
         wait_for_serving(stack.target, timeout_s=180, process=process)
         deadline = time.monotonic() + 30
@@ -87,6 +94,11 @@ def test_up_prints_the_endpoint_and_an_example(stack: Stack) -> None:
     text = stack.output.read_text(errors="replace")
     assert stack.target in text
     assert "kvserve complete" in text and f"--target {stack.target}" in text
+    assert f"export ANTHROPIC_BASE_URL={stack.gateway_url}" in text
+    for variable in ("ANTHROPIC_API_KEY", "ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
+        assert f"export {variable}=" in text
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=921\n" in text  # 90% of max_model_len 1024
+    assert httpx.get(f"{stack.gateway_url}/ready", timeout=5).json()["status"] == "ready"
 
 
 def test_prompt_goes_through_the_chat_template(model_info: pb.ModelInfoResponse, tokenizer: Tokenizer) -> None:

@@ -1,0 +1,131 @@
+"""A ChatRequest rendered into the prompt text its model was trained on, through the model's own template.
+
+Three ways to show tools, calls, results and reasoning, by what the model knows:
+- its template handles tools itself (Qwen2.5/Qwen3): Hugging Face structures, the template decides;
+- DeepSeek V3.2 and later: DSML, folded into plain messages (dsml_prompt);
+- anything else (SmolLM2): Hermes <tool_call> JSON, folded into plain messages (hermes_prompt).
+The same request always renders to the same text, and a conversation that only grows renders to a
+text that only grows: both are what lets the KV cache reuse earlier turns.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from gateway.chat import ChatMessage, ChatRequest
+from gateway.prompt.chat_template import render_chat
+from gateway.prompt.conversation import (
+    function_schema,
+    join_sections,
+    split_system,
+    tool_choice_line,
+    tool_result_text,
+    tools_in_force,
+)
+from gateway.prompt.dsml_prompt import dsml_messages
+from gateway.prompt.family import FAMILIES, family_for, prompt_opens_reasoning, thinks
+from gateway.prompt.hermes_prompt import hermes_messages
+
+__all__ = ["ModelTemplate", "family_for", "prompt_opens_reasoning", "render_prompt", "thinks"]
+
+_MENTIONS_TOOLS = re.compile(r"\btools\b")
+
+
+@dataclass(frozen=True)
+class ModelTemplate:
+    chat_template: str  # Jinja source, from the model's tokenizer files
+    bos_token: str = ""
+    eos_token: str = ""
+    family: str = "hermes"  # tool call markup: "hermes" or "deepseek_dsml"
+    thinks: bool = False  # the model writes <think> reasoning
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}")
+
+    @classmethod
+    def for_model(
+        cls, model_id: str, chat_template: str, bos_token: str = "", eos_token: str = "", vocab: set[str] | None = None
+    ) -> ModelTemplate:
+        """Family and thinking detected from the model's name, template and vocabulary."""
+        return cls(
+            chat_template,
+            bos_token,
+            eos_token,
+            family_for(model_id, chat_template, vocab),
+            thinks(model_id, chat_template, vocab),
+        )
+
+    @property
+    def handles_tools(self) -> bool:
+        """The template renders tools, tool calls and tool results itself (Qwen2.5, Qwen3)."""
+        return bool(_MENTIONS_TOOLS.search(self.chat_template)) and "tool_calls" in self.chat_template
+
+
+def render_prompt(chat: ChatRequest, template: ModelTemplate) -> str:
+    """The prompt text for `chat`, ending with the template's generation prompt.
+
+    Raises gateway.prompt.chat_template.ChatTemplateError when the template refuses the conversation."""
+    extra: dict[str, Any] = {}
+    if template.family == "deepseek_dsml":
+        messages = dsml_messages(chat)
+    elif template.handles_tools:
+        messages, tools = _native_messages(chat, template)
+        if tools:
+            extra["tools"] = tools
+    else:
+        messages = hermes_messages(chat, thinks=template.thinks)
+    if chat.reasoning is not None:
+        # Qwen3 reads enable_thinking, DeepSeek templates read thinking; other templates ignore both.
+        extra["enable_thinking"] = extra["thinking"] = chat.reasoning
+    return render_chat(
+        template.chat_template,
+        messages,
+        bos_token=template.bos_token,
+        eos_token=template.eos_token,
+        add_generation_prompt=True,
+        **extra,
+    )
+
+
+def _native_messages(chat: ChatRequest, template: ModelTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Hugging Face conventions: tools as {"type": "function", "function": ...}, calls with dict arguments."""
+    system, rest = split_system(chat.messages)
+    tools = tools_in_force(chat)
+    system_text = join_sections(system, tool_choice_line(chat.tool_choice, tools))
+    messages: list[dict[str, Any]] = []
+    if system is not None or system_text:
+        messages.append({"role": "system", "content": system_text})
+    reasoning_key = "reasoning_content" in template.chat_template
+    for message in rest:
+        if message.role == "assistant":
+            messages.append(_native_assistant(message, reasoning_key=reasoning_key, thinks=template.thinks))
+        elif message.role == "tool":
+            messages.append(
+                {
+                    "role": "tool",
+                    "content": tool_result_text(message),
+                    "tool_call_id": message.tool_call_id,
+                    "name": message.tool_name,
+                }
+            )
+        else:
+            messages.append({"role": message.role, "content": message.content})
+    return messages, [{"type": "function", "function": function_schema(tool)} for tool in tools]
+
+
+def _native_assistant(message: ChatMessage, *, reasoning_key: bool, thinks: bool) -> dict[str, Any]:
+    entry: dict[str, Any] = {"role": "assistant", "content": message.content}
+    if message.reasoning:
+        if reasoning_key:
+            entry["reasoning_content"] = message.reasoning
+        elif thinks:
+            entry["content"] = f"<think>\n{message.reasoning}\n</think>\n\n{message.content}"
+    if message.tool_calls:
+        entry["tool_calls"] = [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in message.tool_calls
+        ]
+    return entry

@@ -108,9 +108,9 @@ class DsmlToolParser:
                 self._end_block(events)
                 return True
         if self._buffer.startswith(INVOKE_START):
-            attributes = self._opening_tag(events)
+            attributes = self._opening_tag()
             if attributes is None:
-                return False
+                return self._still_a_tag(events)
             name = attributes.get("name", "")
             if not name:
                 return self._malformed(events)
@@ -130,9 +130,9 @@ class DsmlToolParser:
             self._mode = _BLOCK
             return True
         if self._buffer.startswith(PARAMETER_START):
-            attributes = self._opening_tag(events)
+            attributes = self._opening_tag()
             if attributes is None:
-                return False
+                return self._still_a_tag(events)
             self._unsent += ("{" if self._parameters == 0 else ", ") + _json(attributes.get("name", "")) + ": "
             self._parameters += 1
             if attributes.get("string") == "true":
@@ -161,15 +161,17 @@ class DsmlToolParser:
         self._mode = _INVOKE
         return True
 
-    def _opening_tag(self, events: list[OutputEvent]) -> dict[str, str] | None:
+    def _opening_tag(self) -> dict[str, str] | None:
         """The attributes of the tag at the start of the buffer, consumed; None while its ">" has not arrived."""
         end = self._buffer.find(">")
         if end == -1:
-            if len(self._buffer) > _LONGEST_TAG:
-                self._malformed(events)
             return None
         tag, self._buffer = self._buffer[: end + 1], self._buffer[end + 1 :]
         return dict(_ATTRIBUTE.findall(tag))
+
+    def _still_a_tag(self, events: list[OutputEvent]) -> bool:
+        """Wait for the rest of an opening tag, unless it has grown too long to be one."""
+        return self._malformed(events) if len(self._buffer) > _LONGEST_TAG else False
 
     def _end_value(self) -> None:
         if self._mode == _STRING_VALUE:

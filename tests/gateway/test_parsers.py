@@ -455,3 +455,53 @@ def test_whole_arguments_come_out_unchanged() -> None:
     stream = JsonValueStream(object_only=True)
     assert stream.push_text(JSON_DOC + "trailing") == len(JSON_DOC)
     assert stream.done and stream.take() == JSON_DOC and stream.complete() == ""
+
+
+def test_dsml_tag_that_never_closes_is_not_waited_for_forever() -> None:
+    parser = DsmlToolParser()
+    events = parser.feed(f'<{D}function_calls>\n<{D}invoke name="X" ' + "x" * 2000)
+    events += parser.feed(" the end")
+    text = "".join(e.text for e in events + parser.finish() if isinstance(e, TextDelta))
+    assert text.endswith("x the end") and text.startswith(f"<{D}function_calls>")
+
+
+# Any mix of markup pieces, well formed or not: no exception, every call's arguments parse (summarize
+# checks it), and the chunking never changes the outcome.
+
+FUZZ_PIECES = [
+    "<tool_call>", "</tool_call>", "<think>", "</think>", "\n", " ", "{", "}", "[", "]", '"', ":", ",", "\\",
+    "\\u00e9", "\\n", '"name"', '"arguments"', '"Bash"', '"x"', "1", "-", ".", "e", "true", "nul", "abc", "<",
+    "<tool", "</", f"<{D}function_calls>", f"</{D}function_calls>", f"<{D}tool_calls>", f'<{D}invoke name="A">',
+    f"</{D}invoke>", f'<{D}parameter name="p" string="true">', f'<{D}parameter name="q" string="false">',
+    f"</{D}parameter>", "<｜DS", "｜",
+]  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    pieces=st.lists(st.sampled_from(FUZZ_PIECES), max_size=40),
+    points=st.lists(st.integers(0, 400), max_size=20),
+    family=st.sampled_from(["hermes", "deepseek_dsml"]),
+    thinks=st.booleans(),
+    starts_in_reasoning=st.booleans(),
+)
+def test_garbage_in_any_chunking(
+    pieces: list[str], points: list[int], family: str, thinks: bool, starts_in_reasoning: bool
+) -> None:
+    text = "".join(pieces)
+    sample = Sample(family, thinks, starts_in_reasoning, text)
+    whole = summarize(parse(sample, [text]))
+    assert summarize(parse(sample, list(text))) == whole
+    assert summarize(parse(sample, split_at(text, points))) == whole
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.text(alphabet=st.characters(blacklist_characters="<｜"), max_size=60),
+    points=st.lists(st.integers(0, 60), max_size=10),
+    family=st.sampled_from(["hermes", "deepseek_dsml"]),
+)
+def test_plain_text_passes_through_unchanged(text: str, points: list[int], family: str) -> None:
+    events = parse(Sample(family, False, False, text), split_at(text, points))
+    assert all(isinstance(e, TextDelta) for e in events)
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == text

@@ -5,8 +5,8 @@ of the JSON object (see json_stream), and it ends at </tool_call>. Text between 
 whitespace just around a call is dropped so clients do not get text blocks of "\\n\\n".
 
 Malformed calls, the choice made here: a call whose name was read is always delivered, its arguments
-closed into valid JSON from the last well-formed point (anything after a JSON syntax error up to
-</tool_call> is dropped). A call whose name never appeared (garbage, or the stream ended first) is
+closed into valid JSON from the last well-formed point (whatever follows the call's JSON, or a syntax
+error in it, up to </tool_call> is dropped). A call whose name never appeared (garbage, or the stream ended first) is
 given back as plain text, markup included, so that nothing the model wrote is lost.
 """
 

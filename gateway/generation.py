@@ -175,65 +175,73 @@ class OpenGeneration:
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         owner, prepared = self.owner, self.prepared
-        parser = owner.prompts.output_parser(prepared.chat)
+        parser = owner.prompts.output_parser(prepared.prompt_text)
         stops = owner.prompts.stop_matcher(prepared.chat.stop)
         detok = IncrementalDetokenizer(owner.model.tokenizer)
-        retried = False
         first_token_at: float | None = None
         saw_tool_call = False
         stop_sequence: str | None = None
+        pending: list[str] = []  # text still to parse once the stream is over
+        chunks = self._token_chunks()
+        try:
+            async for item in chunks:
+                if isinstance(item, Ping):
+                    yield item
+                    continue
+                if first_token_at is None:
+                    first_token_at = time.monotonic()
+                text, stop_sequence = stops.feed(detok.push(item))
+                for event in parser.feed(text):
+                    saw_tool_call |= isinstance(event, ToolCallStart)
+                    yield event
+                if stop_sequence is not None:
+                    break
+        finally:
+            await chunks.aclose()  # on a stop string or a client gone: cancels the rank request
+        if stop_sequence is None:
+            text, stop_sequence = stops.feed(detok.finish())
+            pending.append(text)
+        if stop_sequence is None:
+            pending.append(stops.finish())
+        events = [event for text in pending for event in parser.feed(text)] + parser.finish()
+        for event in events:
+            saw_tool_call |= isinstance(event, ToolCallStart)
+            yield event
+        yield self._finish(saw_tool_call, stop_sequence, first_token_at, len(detok.token_ids))
+
+    async def _token_chunks(self) -> AsyncIterator[list[int] | Ping]:
+        """Token chunks from the rank, Ping when none came for a while. A rank that fails before its first
+        token is replaced once (by another rank when there is one); after that, the failure is final."""
+        retried = False
         while True:
             queue: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
             reader = asyncio.create_task(_pump(self.stream, queue))
+            failure: RankFailed | None = None
             try:
                 while True:
                     try:
-                        item = await asyncio.wait_for(queue.get(), owner.ping_interval_s)
+                        item = await asyncio.wait_for(queue.get(), self.owner.ping_interval_s)
                     except TimeoutError:
                         yield Ping()
                         continue
                     if item is None:
-                        break
+                        return
                     if isinstance(item, RankFailed):
-                        raise item
+                        failure = item
+                        break
                     if isinstance(item, BaseException):
                         raise item
-                    if first_token_at is None:
-                        first_token_at = time.monotonic()
-                    text = detok.push(item)
-                    text, stop_sequence = stops.feed(text)
-                    for event in parser.feed(text):
-                        saw_tool_call |= isinstance(event, ToolCallStart)
-                        yield event
-                    if stop_sequence is not None:
-                        self.stream.cancel()
-                        break
-                break
-            except RankFailed as exc:
-                if exc.tokens_sent > 0 or retried or first_token_at is not None:
-                    raise StreamBroken(str(exc)) from exc
-                retried = True  # nothing reached the client yet: once more, on another rank if any
-                self.stream = await owner._start(prepared, avoid={self.stream.target})
+                    yield item
             finally:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
                 if not self.stream.call.done():
                     self.stream.cancel()
-        if stop_sequence is None:
-            tail, stop_sequence = stops.feed(detok.finish())
-            for event in parser.feed(tail):
-                saw_tool_call |= isinstance(event, ToolCallStart)
-                yield event
-        if stop_sequence is None:
-            tail = stops.finish()
-            for event in parser.feed(tail):
-                saw_tool_call |= isinstance(event, ToolCallStart)
-                yield event
-        for event in parser.finish():
-            saw_tool_call |= isinstance(event, ToolCallStart)
-            yield event
-        yield self._finish(saw_tool_call, stop_sequence, first_token_at, len(detok.token_ids))
+            if failure.tokens_sent > 0 or retried:
+                raise StreamBroken(str(failure)) from failure
+            retried = True  # nothing reached the client yet: once more
+            self.stream = await self.owner._start(self.prepared, avoid={self.stream.target})
 
     def _finish(
         self, saw_tool_call: bool, stop_sequence: str | None, first_token_at: float | None, output_tokens: int

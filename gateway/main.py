@@ -36,7 +36,16 @@ def main(argv: list[str] | None = None) -> int:
     except AuthConfigError as exc:
         logging.getLogger("gateway").error("%s", exc)
         return 2
-    uvicorn.run(app, host=config.gateway_host, port=config.gateway_port, log_level="warning", access_log=False)
+    # keep-alive well past clients' idle-pool expiry (httpx: 5 s), so a client never reuses a connection the
+    # server is closing at that very moment (a reset with no response)
+    uvicorn.run(
+        app,
+        host=config.gateway_host,
+        port=config.gateway_port,
+        log_level="warning",
+        access_log=False,
+        timeout_keep_alive=75,
+    )
     return 0
 
 

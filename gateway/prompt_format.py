@@ -7,33 +7,28 @@ from dataclasses import dataclass
 
 from gateway.chat import ChatRequest
 from gateway.parsing.pipeline import OutputParser, make_output_parser
-from gateway.parsing.stop_strings import StopStringMatcher
-from gateway.prompt.render import ModelTemplate, family_for, render_prompt, thinks
+from gateway.parsing.stop_strings import StopMatcher
+from gateway.prompt.family import prompt_opens_reasoning
+from gateway.prompt.render import ModelTemplate, render_prompt
 from gateway.served_model import ServedModel
 
 
 @dataclass
 class PromptFormat:
     template: ModelTemplate
-    thinks: bool
 
     @classmethod
     def for_model(cls, model: ServedModel) -> PromptFormat:
         info = model.info
         vocab = set(model.tokenizer.get_vocab(with_added_tokens=True))
-        family = family_for(info.model_id, info.chat_template, vocab)
-        template = ModelTemplate(
-            chat_template=info.chat_template, bos_token=info.bos_token, eos_token=info.eos_token, family=family
-        )
-        return cls(template, thinks(info.model_id, info.chat_template, vocab))
+        return cls(ModelTemplate.for_model(info.model_id, info.chat_template, info.bos_token, info.eos_token, vocab))
 
     def render(self, chat: ChatRequest) -> str:
         return render_prompt(chat, self.template)
 
-    def output_parser(self, chat: ChatRequest) -> OutputParser:
-        # Thinking templates open <think> in the prompt when reasoning is on, so output starts inside it.
-        reasoning = self.thinks and chat.reasoning is not False
-        return make_output_parser(self.template.family, reasoning, starts_in_reasoning=False)
+    def output_parser(self, prompt_text: str) -> OutputParser:
+        # Thinking templates may open <think> in the prompt itself: then the output starts inside it.
+        return make_output_parser(self.template.family, self.template.thinks, prompt_opens_reasoning(prompt_text))
 
-    def stop_matcher(self, stop: list[str]) -> StopStringMatcher:
-        return StopStringMatcher(stop)
+    def stop_matcher(self, stop: list[str]) -> StopMatcher:
+        return StopMatcher(stop)

@@ -30,13 +30,15 @@ class GatewayState:
         self.keys: KeyStore | None = KeyStore.load(config.api_keys_file) if mode == "keys" else None
         if self.keys is None:
             log.warning(open_local_warning(config))
-        self.ranks = RankClient(rank_targets(config))
+        self.ranks: RankClient | None = None  # made in connect(): grpc.aio channels belong to the serving loop
         self.model: ServedModel | None = None
         self.generation: Generation | None = None
         self.started_at = int(time.time())
 
     async def connect(self, retry_every_s: float = 1.0) -> None:
         """Ask the ranks what they serve, until one answers (they may still be loading)."""
+        if self.ranks is None:
+            self.ranks = RankClient(rank_targets(self.config))
         while self.model is None:
             try:
                 info = await self.ranks.model_info()
@@ -56,4 +58,5 @@ class GatewayState:
             log.info("serving %s (max_model_len %d) as %s", info.model_id, info.max_model_len, ", ".join(model.names))
 
     async def close(self) -> None:
-        await self.ranks.close()
+        if self.ranks is not None:
+            await self.ranks.close()

@@ -32,6 +32,11 @@ SERVER_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not silently share it
+    # Clients (the gateway) send keepalive pings to notice a dead rank; a server that refuses them
+    # answers "too many pings" and drops every stream on the connection, long prefills included.
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 

@@ -13,6 +13,7 @@ import pytest
 from service_processes import gateway_stack
 
 MODEL = "default"
+GREEDY = {"temperature": 0}  # the SDK no longer takes temperature as an argument; the API still does
 SYSTEM = (
     "You are a careful assistant for a software team. You answer briefly and precisely. "
     "When you are not sure, you say so. You never invent file names, functions or APIs. "
@@ -52,17 +53,16 @@ def _events(base_url: str, body: dict, headers: dict | None = None) -> list[tupl
 def test_plain_message(client: anthropic.Anthropic) -> None:
     message = client.messages.create(
         model=MODEL,
-        max_tokens=12,
-        system="Answer in one word.",
-        messages=[{"role": "user", "content": "Capital of France?"}],
-        temperature=0,
+        max_tokens=20,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+        extra_body=GREEDY,
     )
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
     assert message.stop_reason in ("end_turn", "max_tokens")
     text = "".join(block.text for block in message.content if block.type == "text")
     assert "Paris" in text
     assert message.usage.input_tokens + (message.usage.cache_read_input_tokens or 0) > 10
-    assert 0 < message.usage.output_tokens <= 12
+    assert 0 < message.usage.output_tokens <= 20
 
 
 def test_streaming_event_order(base_url: str) -> None:
@@ -86,7 +86,7 @@ def test_streaming_event_order(base_url: str) -> None:
 
 
 def test_sdk_stream_accumulates_the_same_message(client: anthropic.Anthropic) -> None:
-    kwargs = dict(model=MODEL, max_tokens=10, temperature=0, messages=[{"role": "user", "content": "Say hello."}])
+    kwargs = dict(model=MODEL, max_tokens=10, extra_body=GREEDY, messages=[{"role": "user", "content": "Say hello."}])
     with client.messages.stream(**kwargs) as stream:
         streamed = stream.get_final_message()
     plain = client.messages.create(**kwargs)
@@ -98,7 +98,7 @@ def test_identical_second_request_reads_most_input_from_cache(client: anthropic.
     kwargs = dict(
         model="smol-local",
         max_tokens=4,
-        temperature=0,
+        extra_body=GREEDY,
         system=SYSTEM,
         messages=[{"role": "user", "content": "Which file holds the config schema?"}],
     )
@@ -142,7 +142,7 @@ def test_tool_use_round_trip_is_accepted_and_rendered(client: anthropic.Anthropi
             ],
         },
     ]
-    message = client.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=conversation, temperature=0)
+    message = client.messages.create(model=MODEL, max_tokens=8, tools=tools, messages=conversation, extra_body=GREEDY)
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
     counted = client.messages.count_tokens(model=MODEL, tools=tools, messages=conversation).input_tokens
     without_tools = client.messages.count_tokens(model=MODEL, messages=conversation).input_tokens
@@ -229,10 +229,13 @@ def test_bad_requests_get_400_in_the_api_shape(base_url: str) -> None:
 def test_prompt_over_the_context_is_refused_but_max_tokens_is_clamped(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
         client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "word " * 5000}])
-    ok = client.messages.create(
-        model=MODEL, max_tokens=32000, temperature=0, messages=[{"role": "user", "content": "word " * 4000}]
-    )
+    # Claude Code asks for 32000 on every call (streaming: the SDK insists for such a size).
+    with client.messages.stream(
+        model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": "word " * 4000}]
+    ) as stream:
+        ok = stream.get_final_message()
     assert ok.stop_reason == "max_tokens"  # clamped to what the 4096-token context left
+    assert ok.usage.input_tokens + ok.usage.cache_read_input_tokens + ok.usage.output_tokens == 4096
 
 
 def test_body_over_the_limit_is_413(base_url: str) -> None:
@@ -248,3 +251,19 @@ def test_health_ready_and_metrics(base_url: str, client: anthropic.Anthropic) ->
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'kvserve_gateway_requests_total{api="anthropic",status="200"}' in metrics
     assert "kvserve_gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_stop_sequence_cuts_the_answer_and_still_reports_usage(client: anthropic.Anthropic) -> None:
+    kwargs = dict(
+        model=MODEL,
+        max_tokens=20,
+        extra_body=GREEDY,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    full = "".join(b.text for b in client.messages.create(**kwargs).content if b.type == "text")
+    cut_word = full.split()[2]
+    stopped = client.messages.create(stop_sequences=[cut_word], **kwargs)
+    assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == cut_word
+    text = "".join(b.text for b in stopped.content if b.type == "text")
+    assert cut_word not in text and full.startswith(text)
+    assert stopped.usage.cache_read_input_tokens > 0  # known from the first chunk, though we stopped reading

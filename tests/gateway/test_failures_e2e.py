@@ -1,0 +1,183 @@
+"""Failures with real processes: a full rank queue (529), a dead rank before the first token (retried on
+another), a rank killed mid-stream (an error event, never a silent end), API keys (401/403)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import anthropic
+import grpc
+import httpx
+import pytest
+from service_processes import free_port, gateway_stack, start_gateway, start_rank_worker
+
+from gateway.auth import create_key
+from protos import rank_worker_pb2 as pb
+from protos import rank_worker_pb2_grpc as pb_grpc
+
+GREEDY = {"temperature": 0}
+LONG_PROMPT = "Tell me about the history of caches in computers, in detail. " * 140
+
+
+def _stats(port: int) -> pb.StatsResponse:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        return pb_grpc.RankWorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
+
+
+def test_full_rank_queue_answers_529_with_retry_after(tmp_path: Path) -> None:
+    rank = {"KVSERVE_MAX_NUM_SEQS": "1", "KVSERVE_MAX_WAITING_REQUESTS": "1", "KVSERVE_NUM_KV_BLOCKS": "256"}
+    with gateway_stack(tmp_path, rank, {}) as url:
+        body = {"model": "default", "max_tokens": 60, "messages": [{"role": "user", "content": "Count to fifty."}]}
+        statuses: list[httpx.Response] = []
+
+        def send() -> None:
+            statuses.append(httpx.post(f"{url}/v1/messages", json=body, timeout=180))
+
+        threads = [threading.Thread(target=send) for _ in range(5)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.05)
+        for thread in threads:
+            thread.join()
+        codes = sorted(r.status_code for r in statuses)
+        assert 200 in codes and 529 in codes, codes
+        overloaded = next(r for r in statuses if r.status_code == 529)
+        assert overloaded.json()["error"]["type"] == "overloaded_error"
+        assert int(overloaded.headers["retry-after"]) > 0
+        # the rank survived and serves again
+        assert httpx.post(f"{url}/v1/messages", json=body, timeout=180).status_code == 200
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+    ports = [free_port(), free_port()]
+    # small prefill chunks: a long prompt takes several steps, time enough to kill its rank mid-prefill
+    settings = {
+        "KVSERVE_NUM_KV_BLOCKS": "256",
+        "KVSERVE_MAX_MODEL_LEN": "2048",
+        "KVSERVE_MAX_NUM_BATCHED_TOKENS": "128",
+    }
+    gateway_port = free_port()
+    with (
+        start_rank_worker(tmp_path / "rank0.log", ports[0], **settings) as rank0,
+        start_rank_worker(tmp_path / "rank1.log", ports[1], **settings) as rank1,
+        start_gateway(tmp_path / "gateway.log", gateway_port, ports, KVSERVE_PING_INTERVAL_SECS="0.5"),
+    ):
+        yield f"http://127.0.0.1:{gateway_port}", {ports[0]: rank0, ports[1]: rank1}
+
+
+def _busy_rank(ranks: dict[int, subprocess.Popen[bytes]], deadline_s: float = 60) -> int:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        for port in ranks:
+            stats = _stats(port)
+            if stats.running or stats.waiting:
+                return port
+        time.sleep(0.02)
+    raise TimeoutError("no rank picked up the request")
+
+
+def test_rank_killed_before_the_first_token_is_retried_on_the_other(two_ranks) -> None:
+    url, ranks = two_ranks
+    client = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    result: dict[str, object] = {}
+
+    def send() -> None:
+        result["message"] = client.messages.create(
+            model="default", max_tokens=5, extra_body=GREEDY, messages=[{"role": "user", "content": LONG_PROMPT}]
+        )
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    port = _busy_rank(ranks)
+    os.kill(ranks[port].pid, signal.SIGKILL)  # mid-prefill: no token has been sent yet
+    thread.join(timeout=180)
+    message = result["message"]
+    assert message.stop_reason == "max_tokens" and message.usage.output_tokens == 5  # type: ignore[attr-defined]
+    survivor = next(p for p in ranks if p != port)
+    assert _stats(survivor).finished_requests >= 1
+
+
+def test_rank_killed_mid_stream_ends_with_an_error_event(two_ranks) -> None:
+    url, ranks = two_ranks
+    body = {
+        "model": "default",
+        "max_tokens": 400,
+        "stream": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Write a long story about a cache."}],
+    }
+    names: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=180) as response:
+        assert response.status_code == 200
+        killed = False
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+            if not killed and names.count("content_block_delta") >= 3:
+                os.kill(ranks[_busy_rank(ranks)].pid, signal.SIGKILL)
+                killed = True
+            if line.startswith("data: ") and names[-1] == "error":
+                error = json.loads(line[6:])
+    assert names[-1] == "error" and "message_stop" not in names
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+
+
+def test_api_keys_401_and_403(tmp_path: Path) -> None:
+    keys_file = tmp_path / "keys.json"
+    secret = create_key(keys_file, "ci", ["default"])
+    other = create_key(keys_file, "other-model-only", ["some-other-model"])
+    gateway = {"KVSERVE_API_KEYS_FILE": str(keys_file)}
+    with gateway_stack(tmp_path, {"KVSERVE_NUM_KV_BLOCKS": "128"}, gateway) as url:
+        body = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+        def post(headers: dict[str, str]) -> httpx.Response:
+            return httpx.post(f"{url}/v1/messages", json=body, headers=headers, timeout=60)
+
+        assert post({"x-api-key": secret}).status_code == 200
+        assert post({"authorization": f"Bearer {secret}"}).status_code == 200
+        for headers in (
+            {},
+            {"x-api-key": "kvs-wrong"},
+            {"x-api-key": secret, "authorization": f"Bearer {other}"},
+            {"authorization": "Basic abc"},
+        ):
+            r = post(headers)
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error", headers
+        r = post({"x-api-key": other})
+        assert r.status_code == 403 and r.json()["error"]["type"] == "permission_error"
+        r = httpx.post(
+            f"{url}/v1/chat/completions", json={"model": "default", "messages": [{"role": "user", "content": "x"}]}
+        )
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+        assert httpx.get(f"{url}/v1/models").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
+
+
+def test_client_disconnect_cancels_the_rank_request(two_ranks) -> None:
+    url, ranks = two_ranks
+    body = {
+        "model": "default",
+        "max_tokens": 1500,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Write a very long story."}],
+    }
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=60) as response:
+        deltas = 0
+        for line in response.iter_lines():
+            deltas += line.startswith("event: content_block_delta")
+            if deltas >= 2:
+                port = _busy_rank(ranks)
+                break  # closing the response drops the connection
+    deadline = time.monotonic() + 20
+    while _stats(port).running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    stats = _stats(port)
+    assert stats.running == 0 and stats.used_blocks == 0  # cancelled, not left to write 1500 tokens

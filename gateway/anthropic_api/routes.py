@@ -7,76 +7,64 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
 
-from gateway.accounting import record_end, record_failure
 from gateway.anthropic_api.convert import to_chat
 from gateway.anthropic_api.respond import STOP_REASONS, EventStreamWriter, MessageBuilder
 from gateway.anthropic_api.schema import CountTokensRequest, MessagesRequest
-from gateway.generation import Finish, GenerationEvent, Usage
-from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
-from gateway.request_log import RequestRecord
+from gateway.chat import ChatRequest
+from gateway.chat_endpoint import ErrorWriter, EventWriter, serve_chat
+from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest, Usage
+from gateway.request_flow import ApiError, api_error_for
 from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
 
 router = APIRouter()
 
-SESSION_HEADER = "x-claude-code-session-id"
+
+class AnthropicMessages:
+    name = "anthropic"
+    schema = MessagesRequest
+    session_header = "x-claude-code-session-id"  # Claude Code's own, exact session key
+
+    def new_id(self) -> str:
+        return f"msg_{uuid.uuid4().hex[:24]}"
+
+    def to_chat(self, body: MessagesRequest, session: str) -> ChatRequest:
+        return to_chat(body, session)
+
+    def finish_reason(self, finish: Finish) -> str:
+        return STOP_REASONS[finish.reason]
+
+    def whole_response(self, request_id: str, body: MessagesRequest, events: list[GenerationEvent]) -> dict[str, Any]:
+        builder = MessageBuilder(request_id, body.model)
+        for event in events:
+            builder.add(event)
+        return builder.result()
+
+    def stream_writers(
+        self, request_id: str, body: MessagesRequest, prepared: PreparedRequest, opened: OpenGeneration
+    ) -> tuple[EventWriter, ErrorWriter]:
+        writer = EventStreamWriter(request_id, body.model)
+
+        def write(event: GenerationEvent) -> bytes:
+            prefix = b""
+            if not writer.started:  # deferred until now so the cache read is known (it is once a token came)
+                prefix = writer.start(Usage(prepared.prompt_tokens, opened.stream.cached_tokens))
+            return prefix + writer.write(event)
+
+        def write_error(error: ApiError) -> bytes:
+            prefix = b"" if writer.started else writer.start(Usage(prepared.prompt_tokens, 0))
+            return prefix + writer.error(error.kind, error.message)
+
+        return write, write_error
+
+
+MESSAGES = AnthropicMessages()
 
 
 @router.post("/v1/messages")
-async def create_message(request: Request) -> Any:
-    state = gateway_state(request)
-    record = RequestRecord(request_id=f"msg_{uuid.uuid4().hex[:24]}", api="anthropic")
-    try:
-        key = authenticate(request)
-        body = await parse_body(request, MessagesRequest)
-        record.model = body.model
-        check_model_allowed(key, body.model)
-        generation = ready_generation(request)
-        chat = to_chat(body, request.headers.get(SESSION_HEADER, ""))
-        record.session = chat.session_id
-        prepared = generation.prepare(chat)
-        record.prompt_tokens = prepared.prompt_tokens
-        record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
-        opened = await generation.open(prepared)
-    except Exception as exc:
-        error = api_error_for(exc)
-        record_failure(state, record, error)
-        raise error from exc
-
-    def finished(finish: Finish | None, failure: ApiError | None) -> None:
-        record_end(state, record, finish, failure, STOP_REASONS[finish.reason] if finish else "")
-
-    if not body.stream:
-        try:
-            events = await collect(opened, request)
-        except Exception as exc:
-            error = api_error_for(exc)
-            finished(None, error)
-            raise error from exc
-        builder = MessageBuilder(record.request_id, body.model)
-        for event in events:
-            builder.add(event)
-        finished(next((e for e in events if isinstance(e, Finish)), None), None)
-        return JSONResponse(builder.result())
-
-    writer = EventStreamWriter(record.request_id, body.model)
-
-    def write(event: GenerationEvent) -> bytes:
-        prefix = b""
-        if not writer.started:  # deferred until now so the cache read is known (it is once a token came)
-            prefix = writer.start(Usage(prepared.prompt_tokens, opened.stream.cached_tokens))
-        return prefix + writer.write(event)
-
-    def write_error(error: ApiError) -> bytes:
-        prefix = b"" if writer.started else writer.start(Usage(prepared.prompt_tokens, 0))
-        return prefix + writer.error(error.kind, error.message)
-
-    return StreamingResponse(
-        stream_bytes(opened, write, write_error, finished),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+async def create_message(request: Request) -> Response:
+    return await serve_chat(request, MESSAGES)
 
 
 @router.post("/v1/messages/count_tokens")

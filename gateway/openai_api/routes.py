@@ -6,68 +6,51 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.responses import Response
 
-from gateway.accounting import record_end, record_failure
-from gateway.generation import Finish, GenerationEvent
+from gateway.chat import ChatRequest
+from gateway.chat_endpoint import ErrorWriter, EventWriter, serve_chat
+from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest
 from gateway.openai_api.convert import to_chat
 from gateway.openai_api.respond import FINISH_REASONS, ChunkStreamWriter, CompletionBuilder
 from gateway.openai_api.schema import ChatCompletionRequest
-from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
-from gateway.request_log import RequestRecord
-from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
 
 router = APIRouter()
 
 
-@router.post("/v1/chat/completions")
-async def create_chat_completion(request: Request) -> Any:
-    state = gateway_state(request)
-    record = RequestRecord(request_id=f"chatcmpl-{uuid.uuid4().hex[:24]}", api="openai")
-    try:
-        key = authenticate(request)
-        body = await parse_body(request, ChatCompletionRequest)
-        record.model = body.model
-        check_model_allowed(key, body.model)
-        generation = ready_generation(request)
-        chat = to_chat(body, request.headers.get("x-session-id", ""))
-        record.session = chat.session_id
-        prepared = generation.prepare(chat)
-        record.prompt_tokens = prepared.prompt_tokens
-        record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
-        opened = await generation.open(prepared)
-    except Exception as exc:
-        error = api_error_for(exc)
-        record_failure(state, record, error)
-        raise error from exc
+class OpenAiChatCompletions:
+    name = "openai"
+    schema = ChatCompletionRequest
+    session_header = "x-session-id"
 
-    def finished(finish: Finish | None, failure: ApiError | None) -> None:
-        record_end(state, record, finish, failure, FINISH_REASONS[finish.reason] if finish else "")
+    def new_id(self) -> str:
+        return f"chatcmpl-{uuid.uuid4().hex[:24]}"
 
-    if not body.stream:
-        try:
-            events = await collect(opened, request)
-        except Exception as exc:
-            error = api_error_for(exc)
-            finished(None, error)
-            raise error from exc
-        builder = CompletionBuilder(record.request_id, body.model)
+    def to_chat(self, body: ChatCompletionRequest, session: str) -> ChatRequest:
+        return to_chat(body, session)
+
+    def finish_reason(self, finish: Finish) -> str:
+        return FINISH_REASONS[finish.reason]
+
+    def whole_response(
+        self, request_id: str, body: ChatCompletionRequest, events: list[GenerationEvent]
+    ) -> dict[str, Any]:
+        builder = CompletionBuilder(request_id, body.model)
         for event in events:
             builder.add(event)
-        finished(builder.finish, None)
-        return JSONResponse(builder.result())
+        return builder.result()
 
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    writer = ChunkStreamWriter(record.request_id, body.model, include_usage)
+    def stream_writers(
+        self, request_id: str, body: ChatCompletionRequest, prepared: PreparedRequest, opened: OpenGeneration
+    ) -> tuple[EventWriter, ErrorWriter]:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        writer = ChunkStreamWriter(request_id, body.model, include_usage)
+        return writer.write, lambda error: writer.error(error.message, error.kind)
 
-    def write(event: GenerationEvent) -> bytes:
-        return writer.write(event)
 
-    def write_error(error: ApiError) -> bytes:
-        return writer.error(error.message, error.kind)
+CHAT_COMPLETIONS = OpenAiChatCompletions()
 
-    return StreamingResponse(
-        stream_bytes(opened, write, write_error, finished),
-        media_type="text/event-stream",
-        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
-    )
+
+@router.post("/v1/chat/completions")
+async def create_chat_completion(request: Request) -> Response:
+    return await serve_chat(request, CHAT_COMPLETIONS)

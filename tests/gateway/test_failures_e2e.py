@@ -181,3 +181,14 @@ def test_client_disconnect_cancels_the_rank_request(two_ranks) -> None:
         time.sleep(0.1)
     stats = _stats(port)
     assert stats.running == 0 and stats.used_blocks == 0  # cancelled, not left to write 1500 tokens
+
+
+def test_pings_flow_while_a_long_prefill_runs(two_ranks) -> None:
+    url, _ = two_ranks
+    body = {"model": "default", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": LONG_PROMPT}]}
+    names: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=120) as response:
+        names = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
+    first_block = names.index("content_block_start")
+    assert names[0] == "message_start" and "ping" in names[1:first_block]
+    assert names[-1] == "message_stop"

@@ -1,0 +1,82 @@
+"""The flow every chat endpoint shares, whatever its wire format: authenticate, parse, prepare (refusals
+before any rank work), open a rank stream (refusals before any response), then answer in one piece or
+as a stream, and account for the request at the end. Each API supplies a ChatApi with its formats."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel
+from starlette.requests import Request
+from starlette.responses import Response
+
+from gateway.accounting import record_end, record_failure
+from gateway.chat import ChatRequest
+from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest
+from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
+from gateway.request_log import RequestRecord
+from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
+
+EventWriter = Callable[[GenerationEvent], bytes]
+ErrorWriter = Callable[[ApiError], bytes]
+
+
+class ChatApi(Protocol):
+    name: str  # "anthropic" | "openai": metrics and log label
+    schema: type[BaseModel]
+    session_header: str
+
+    def new_id(self) -> str: ...
+
+    def to_chat(self, body: Any, session: str) -> ChatRequest: ...
+
+    def finish_reason(self, finish: Finish) -> str: ...
+
+    def whole_response(self, request_id: str, body: Any, events: list[GenerationEvent]) -> dict[str, Any]: ...
+
+    def stream_writers(
+        self, request_id: str, body: Any, prepared: PreparedRequest, opened: OpenGeneration
+    ) -> tuple[EventWriter, ErrorWriter]: ...
+
+
+async def serve_chat(request: Request, api: ChatApi) -> Response:
+    state = gateway_state(request)
+    record = RequestRecord(request_id=api.new_id(), api=api.name)
+    try:
+        key = authenticate(request)
+        body = await parse_body(request, api.schema)
+        record.model = body.model  # type: ignore[attr-defined]
+        check_model_allowed(key, record.model)
+        generation = ready_generation(request)
+        chat = api.to_chat(body, request.headers.get(api.session_header, ""))
+        record.session = chat.session_id
+        prepared = generation.prepare(chat)
+        record.prompt_tokens = prepared.prompt_tokens
+        record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
+        opened = await generation.open(prepared)
+    except Exception as exc:
+        error = api_error_for(exc)
+        record_failure(state, record, error)
+        raise error from exc
+
+    def finished(finish: Finish | None, failure: ApiError | None) -> None:
+        record_end(state, record, finish, failure, api.finish_reason(finish) if finish else "")
+
+    if not body.stream:  # type: ignore[attr-defined]
+        try:
+            events = await collect(opened, request)
+        except Exception as exc:
+            error = api_error_for(exc)
+            finished(None, error)
+            raise error from exc
+        finished(next((e for e in events if isinstance(e, Finish)), None), None)
+        return JSONResponse(api.whole_response(record.request_id, body, events))
+
+    write, write_error = api.stream_writers(record.request_id, body, prepared, opened)
+    return StreamingResponse(
+        stream_bytes(opened, write, write_error, finished),
+        media_type="text/event-stream",
+        headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
+    )

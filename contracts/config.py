@@ -56,6 +56,10 @@ class KvServeConfig(BaseSettings):
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
     ping_interval_secs: float = Field(5.0, gt=0.0, description="SSE ping cadence while a long prefill runs")
     log_prompts: bool = Field(False, description="put prompt text in logs (off: privacy)")
+    default_temperature: float | None = Field(
+        None, ge=0.0, le=2.0, description="for requests that send none (Claude Code does not); None = 1.0"
+    )
+    default_top_p: float | None = Field(None, gt=0.0, le=1.0, description="for requests that send none")
 
     @field_validator("max_num_batched_tokens")
     @classmethod

@@ -46,8 +46,8 @@ class ChatRequest:
     tools: list[ToolSpec] = field(default_factory=list)
     tool_choice: ToolChoice = field(default_factory=ToolChoice)
     max_tokens: int | None = None  # an upper bound; clamped to what the context leaves
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the deployment's default (default_temperature, else 1.0)
+    top_p: float | None = None
     top_k: int = 0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)

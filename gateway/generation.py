@@ -102,7 +102,11 @@ class Generation:
         prompts: PromptFormat,
         ping_interval_s: float,
         request_timeout_s: float,
+        default_temperature: float | None = None,
+        default_top_p: float | None = None,
     ) -> None:
+        self.default_temperature = 1.0 if default_temperature is None else default_temperature
+        self.default_top_p = 1.0 if default_top_p is None else default_top_p
         self.ranks = ranks
         self.model = model
         self.prompts = prompts
@@ -136,7 +140,10 @@ class Generation:
     async def _start(self, prepared: PreparedRequest, avoid: set[str]) -> RankStream:
         chat = prepared.chat
         sampling = pb.SamplingParams(
-            temperature=chat.temperature, top_p=chat.top_p, top_k=chat.top_k, max_tokens=prepared.max_tokens
+            temperature=self.default_temperature if chat.temperature is None else chat.temperature,
+            top_p=self.default_top_p if chat.top_p is None else chat.top_p,
+            top_k=chat.top_k,
+            max_tokens=prepared.max_tokens,
         )
         if chat.seed is not None:
             sampling.seed = chat.seed

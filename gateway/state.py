@@ -53,6 +53,8 @@ class GatewayState:
                 PromptFormat.for_model(model),
                 ping_interval_s=self.config.ping_interval_secs,
                 request_timeout_s=self.config.request_timeout_secs,
+                default_temperature=self.config.default_temperature,
+                default_top_p=self.config.default_top_p,
             )
             self.model = model
             log.info("serving %s (max_model_len %d) as %s", info.model_id, info.max_model_len, ", ".join(model.names))

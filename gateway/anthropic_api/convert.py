@@ -26,8 +26,8 @@ def to_chat(body: CountTokensRequest, session_header: str = "") -> ChatRequest:
     )
     if isinstance(body, MessagesRequest):
         chat.max_tokens = body.max_tokens
-        chat.temperature = 1.0 if body.temperature is None else body.temperature
-        chat.top_p = 1.0 if body.top_p is None else body.top_p
+        chat.temperature = body.temperature
+        chat.top_p = body.top_p
         chat.top_k = body.top_k or 0
         chat.stop = [s for s in body.stop_sequences or [] if s]
         chat.session_id = session_header or session_from_metadata(body.metadata)

@@ -37,11 +37,12 @@ def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "KVSERVE_MAX_NUM_BATCHED_TOKENS": "2048",
         "KVSERVE_SERVED_MODEL_NAME": "smollm2-135m-instruct",
     }
-    with gateway_stack(tmp_path_factory.mktemp("claude-code-stack"), rank, {}) as url:
+    gateway = {"KVSERVE_DEFAULT_TEMPERATURE": "0.2", "KVSERVE_DEFAULT_TOP_P": "0.9"}  # as config/local.yaml
+    with gateway_stack(tmp_path_factory.mktemp("claude-code-stack"), rank, gateway) as url:
         yield url
 
 
-def run_claude(claude: Path, base_url: str, home: Path, *args: str) -> dict:
+def run_claude(claude: Path, base_url: str, home: Path, *args: str, max_output_tokens: int = 64) -> dict:
     env = {
         "PATH": os.environ["PATH"],
         "HOME": str(home),
@@ -50,8 +51,8 @@ def run_claude(claude: Path, base_url: str, home: Path, *args: str) -> dict:
         "ANTHROPIC_MODEL": "smollm2-135m-instruct",
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": "smollm2-135m-instruct",
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(MAX_MODEL_LEN * 9 // 10),
-        # SmolLM2 past its trained window rambles; on 2 CPU cores every token over a 20K context costs.
-        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": "16",
+        # every token over a 20K context costs on 2 CPU cores
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(max_output_tokens),
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
@@ -65,24 +66,41 @@ def run_claude(claude: Path, base_url: str, home: Path, *args: str) -> dict:
         text=True,
         timeout=1500,
     )
-    assert result.returncode == 0, (
-        f"claude failed ({result.returncode}): {result.stdout[-2000:]} {result.stderr[-2000:]}"
-    )
-    report = json.loads(result.stdout)
-    assert report.get("is_error") is False, report
-    return report
+    assert result.stdout.strip(), f"claude printed nothing ({result.returncode}): {result.stderr[-2000:]}"
+    return json.loads(result.stdout)
+
+
+def cache_share(report: dict) -> float:
+    usage = report["usage"]
+    return usage["cache_read_input_tokens"] / (usage["input_tokens"] + usage["cache_read_input_tokens"])
+
+
+def test_compact_session_completes_without_error_and_resumes_from_cache(
+    claude: Path, base_url: str, tmp_path: Path
+) -> None:
+    """Within SmolLM2's trained window (no tools, a short system prompt), so the model ends its turn."""
+    session = str(uuid.uuid4())
+    compact = ["--tools", "", "--system-prompt", "You are a terse assistant. Answer with one word."]
+    first = run_claude(claude, base_url, tmp_path, *compact, "--session-id", session, "Say: ready")
+    assert first["is_error"] is False and first["subtype"] == "success", first
+    second = run_claude(claude, base_url, tmp_path, *compact, "--resume", session, "Say it again.")
+    assert second["is_error"] is False, second
+    assert cache_share(second) > 0.6, second["usage"]  # the whole first turn is read back from the cache
 
 
 @pytest.mark.timeout(1800)  # the first call prefills ~20K tokens on the CPU: minutes
-def test_claude_code_completes_and_its_second_call_is_mostly_cached(
-    claude: Path, base_url: str, tmp_path: Path
-) -> None:
+def test_default_claude_code_past_the_trained_window(claude: Path, base_url: str, tmp_path: Path) -> None:
+    """Claude Code as installed: ~20K tokens of system prompt and tool definitions on the first call, past
+    SmolLM2's 8K window. Every call must be answered (no API error); the model, past its window, may not
+    end its turn within the output cap, which Claude Code reports as its own error: tolerated, named."""
     session = str(uuid.uuid4())
-    first = run_claude(claude, base_url, tmp_path, "--session-id", session, "Reply with the single word: ready")
+    first = run_claude(
+        claude, base_url, tmp_path, "--session-id", session, "Reply with one word: ready", max_output_tokens=8
+    )
+    assert first.get("api_error_status") is None, first
+    assert first["is_error"] is False or "output token maximum" in first["result"], first
     usage = first["usage"]
-    first_input = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
-    assert first_input > 8000  # system prompt + tool definitions: beyond SmolLM2's trained window
-    second = run_claude(claude, base_url, tmp_path, "--resume", session, "And again: ready")
-    usage = second["usage"]
-    total = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
-    assert usage["cache_read_input_tokens"] / total > 0.8, usage
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] > 12_000  # system + tools: past 8K
+    second = run_claude(claude, base_url, tmp_path, "--resume", session, "And again: ready", max_output_tokens=8)
+    assert second.get("api_error_status") is None, second
+    assert cache_share(second) > 0.9, second["usage"]

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass
 
 from starlette.requests import Request
 
@@ -26,14 +25,17 @@ from gateway.served_model import ModelNotAvailable
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class ApiError(Exception):
-    """An error to answer with, in the API's own shape: `kind` is the Anthropic error type."""
+    """An error to answer with, in the API's own shape: `kind` is the Anthropic error type.
 
-    status: int
-    kind: str  # invalid_request_error | authentication_error | permission_error | overloaded_error | api_error ...
-    message: str
-    retry_after_s: int | None = None
+    A plain (mutable) exception: Starlette writes to __traceback__ of exceptions it handles."""
+
+    def __init__(self, status: int, kind: str, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind  # invalid_request_error | authentication_error | overloaded_error | api_error ...
+        self.message = message
+        self.retry_after_s = retry_after_s
 
 
 def api_error_for(exc: BaseException) -> ApiError:

@@ -147,6 +147,9 @@ def claude_code_environment(base_url: str, model: str, max_model_len: int) -> di
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(max_model_len * 9 // 10),
+        # A first prefill of ~20K tokens on a CPU takes minutes; Claude Code's defaults give up after 5.
+        "API_TIMEOUT_MS": "1800000",
+        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
     }
 
 

@@ -24,6 +24,7 @@ from rank_worker.engine.interface import (
     FinishReason,
     InvalidRequestError,
     KvEvent,
+    KvEventKind,
     RequestOutput,
 )
 
@@ -149,6 +150,7 @@ class EngineLoop:
         self._aborts: deque[str] = deque()
         self._streams: dict[str, RequestStream] = {}
         self._subscribers: list[KvEventSubscription] = []
+        self._joining: list[KvEventSubscription] = []  # get a snapshot of the cache first, on the engine thread
         self._stopping = False
         # Engine thread only: requests the engine currently holds.
         self._in_engine: set[str] = set()
@@ -208,7 +210,8 @@ class EngineLoop:
             if self._stopping:
                 subscription._end()
             else:
-                self._subscribers.append(subscription)
+                self._joining.append(subscription)
+                self._cond.notify()
         return subscription
 
     def stop(self, timeout: float | None = 30.0) -> None:
@@ -225,6 +228,8 @@ class EngineLoop:
         with self._cond:
             if subscription in self._subscribers:
                 self._subscribers.remove(subscription)
+            if subscription in self._joining:
+                self._joining.remove(subscription)
 
     # ---- engine thread ----
 
@@ -232,7 +237,7 @@ class EngineLoop:
         busy = False  # the engine holds unfinished requests
         while True:
             with self._cond:
-                while not (self._stopping or self._new or self._aborts or busy):
+                while not (self._stopping or self._new or self._aborts or self._joining or busy):
                     self._cond.wait()
                 if self._stopping:
                     break
@@ -312,13 +317,23 @@ class EngineLoop:
 
     def _publish_kv_events(self, subscribers: list[KvEventSubscription] | None = None) -> None:
         events = tuple(self._engine.drain_kv_events())
-        if not events:
-            return
-        if subscribers is None:
-            with self._cond:
+        with self._cond:
+            joining, self._joining = self._joining, []
+            if subscribers is None:
                 subscribers = list(self._subscribers)
-        for subscription in subscribers:
-            subscription._publish(events)
+            self._subscribers.extend(joining)
+        if events:
+            for subscription in subscribers:
+                subscription._publish(events)
+        if joining:
+            # A late subscriber (a restarted router) learns the whole cache first: forget what you knew of
+            # this rank, then everything it holds now; later batches are deltas from that state.
+            snapshot = (
+                KvEvent(KvEventKind.ALL_CLEARED),
+                KvEvent(KvEventKind.STORED, tuple(self._engine.cached_block_hashes())),
+            )
+            for subscription in joining:
+                subscription._publish(snapshot)
 
     def _fail_in_engine(self, cause: Exception) -> None:
         for request_id in list(self._in_engine):

@@ -79,6 +79,9 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)  # no cache value: reuse first
 
+    def cached_hashes(self) -> list[bytes]:
+        return list(self._by_hash)
+
     def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash) if self.caching else None
 

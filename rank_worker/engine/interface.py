@@ -147,6 +147,10 @@ class Engine(ABC):
     def drain_kv_events(self) -> list[KvEvent]: ...
 
     @abstractmethod
+    def cached_block_hashes(self) -> list[bytes]:
+        """Every hash in the prefix cache now (a snapshot for a subscriber that joins late)."""
+
+    @abstractmethod
     def stats(self) -> EngineStats: ...
 
     @abstractmethod

@@ -210,6 +210,9 @@ class PagedEngine(Engine):
     def drain_kv_events(self) -> list[KvEvent]:
         return self.pool.drain_events()
 
+    def cached_block_hashes(self) -> list[bytes]:
+        return self.pool.cached_hashes()
+
     def stats(self) -> EngineStats:
         sched = self.scheduler
         return EngineStats(

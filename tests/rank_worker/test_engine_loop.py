@@ -244,3 +244,18 @@ def test_idle_loop_sleeps(engine_loop: EngineLoop) -> None:
     cpu_before = time.process_time()
     time.sleep(0.5)
     assert time.process_time() - cpu_before < 0.1  # a busy-waiting loop would burn ~0.5 s of CPU here
+
+
+def test_late_subscriber_gets_a_snapshot_of_the_cache_first(engine: Engine, engine_loop: EngineLoop) -> None:
+    async def run() -> None:
+        await collect(engine_loop.submit(request("before", prompt_of(64, 300), max_tokens=1)))
+        subscription = engine_loop.subscribe_kv_events()
+        first = await asyncio.wait_for(subscription.get(), 5)
+        assert first.sequence == 1
+        assert [e.kind for e in first.events] == [KvEventKind.ALL_CLEARED, KvEventKind.STORED]
+        snapshot = set(first.events[1].block_hashes)
+        await asyncio.sleep(0.2)  # the engine thread is idle again: the cache cannot change under us
+        assert snapshot == set(engine.cached_block_hashes()) and len(snapshot) >= 3
+        subscription.close()
+
+    asyncio.run(run())

@@ -34,11 +34,17 @@ def service_env(**settings: str) -> dict[str, str]:
 
 @contextlib.contextmanager
 def running_process(
-    args: list[str], env: dict[str, str], log_path: Path, wait_ready: Callable[[subprocess.Popen[bytes]], None]
+    args: list[str],
+    env: dict[str, str],
+    log_path: Path,
+    wait_ready: Callable[[subprocess.Popen[bytes]], None],
+    stop_signal: signal.Signals = signal.SIGTERM,
+    stop_timeout_s: float = 30,
 ) -> Iterator[subprocess.Popen[bytes]]:
-    """Start `args`, wait until `wait_ready` returns (it must have its own deadline), stop with SIGTERM."""
+    """Start `args`, wait until `wait_ready` returns (it must have its own deadline), stop with
+    `stop_signal`, then SIGKILL if it is still running after stop_timeout_s."""
     with log_path.open("wb") as log:
-        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=log)
+        process = subprocess.Popen(args, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
     try:
         wait_ready(process)
         yield process
@@ -47,9 +53,9 @@ def running_process(
         raise
     finally:
         if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
+            process.send_signal(stop_signal)
             try:
-                process.wait(timeout=30)
+                process.wait(timeout=stop_timeout_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
-from service_processes import free_port, service_env
+from service_processes import free_port, running_process, service_env
 from tokenizers import Tokenizer
 
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
@@ -55,27 +55,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         KVSERVE_NUM_KV_BLOCKS="128",
         KVSERVE_MAX_MODEL_LEN="1024",
     )
-    with output.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "up"], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
-        )
-    stack = Stack(f"127.0.0.1:{port}", process, output, f"http://127.0.0.1:{gateway_port}")
-    try:
-        wait_for_serving(stack.target, timeout_s=180, process=process)
+
+    def ready(process: subprocess.Popen[bytes]) -> None:
+        wait_for_serving(f"127.0.0.1:{port}", timeout_s=180, process=process)
         deadline = time.monotonic() + 30
         while "Ctrl-C" not in output.read_text(errors="replace"):  # `up` prints once it saw SERVING itself
             assert time.monotonic() < deadline and process.poll() is None, output.read_text(errors="replace")
             time.sleep(0.1)
-        yield stack
-    finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGINT)
-            try:
-                process.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        print(output.read_text(errors="replace")[-3000:])
+
+    command = [sys.executable, "-m", "launcher.cli", "up"]
+    with running_process(command, env, output, ready, stop_signal=signal.SIGINT, stop_timeout_s=40) as process:
+        yield Stack(f"127.0.0.1:{port}", process, output, f"http://127.0.0.1:{gateway_port}")
+    print(output.read_text(errors="replace")[-3000:])
 
 
 @pytest.fixture(scope="module")

@@ -54,8 +54,12 @@ async def parse_body(request: Request, schema: type[Body]) -> Body:
         raise ApiError(400, "invalid_request_error", problems) from exc
 
 
+def not_ready() -> ApiError:
+    return ApiError(503, "api_error", "the gateway is still waiting for a rank worker", retry_after_s=2)
+
+
 def ready_generation(request: Request) -> Generation:
     generation = gateway_state(request).generation
     if generation is None:
-        raise ApiError(503, "api_error", "the gateway is still waiting for a rank worker", retry_after_s=2)
+        raise not_ready()
     return generation

@@ -6,6 +6,7 @@ this worker refuses bad input the same way: INVALID_ARGUMENT with the engine's m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -63,34 +64,13 @@ def finished_message(output: RequestOutput) -> pb.GenerateResponse:
         finished=pb.Finished(
             finish_reason=_FINISH_REASONS.get(output.finish_reason, pb.FINISH_REASON_UNSPECIFIED),  # type: ignore[arg-type]
             stop_token_id=-1 if output.stop_token_id is None else output.stop_token_id,
-            stats=pb.GenerateStats(
-                prompt_tokens=stats.prompt_tokens,
-                cached_tokens=stats.cached_tokens,
-                output_tokens=stats.output_tokens,
-                queue_wait_s=stats.queue_wait_s,
-                prefill_s=stats.prefill_s,
-                total_s=stats.total_s,
-                preemptions=stats.preemptions,
-            ),
+            stats=pb.GenerateStats(**dataclasses.asdict(stats)),  # same field names by design
         )
     )
 
 
 def stats_message(stats: EngineStats) -> pb.StatsResponse:
-    return pb.StatsResponse(
-        total_blocks=stats.total_blocks,
-        free_blocks=stats.free_blocks,
-        cached_blocks=stats.cached_blocks,
-        used_blocks=stats.used_blocks,
-        running=stats.running,
-        waiting=stats.waiting,
-        prefix_query_tokens=stats.prefix_query_tokens,
-        prefix_hit_tokens=stats.prefix_hit_tokens,
-        finished_requests=stats.finished_requests,
-        preemptions=stats.preemptions,
-        block_size=stats.block_size,
-        waiting_prefill_tokens=stats.waiting_prefill_tokens,
-    )
+    return pb.StatsResponse(**dataclasses.asdict(stats))  # same field names by design
 
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:

@@ -16,7 +16,14 @@ from gateway.chat import ChatRequest
 from gateway.chat_endpoint import ErrorWriter, EventWriter, serve_chat
 from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest, Usage
 from gateway.request_flow import ApiError, api_error_for
-from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
+from gateway.route_support import (
+    authenticate,
+    check_model_allowed,
+    gateway_state,
+    not_ready,
+    parse_body,
+    ready_generation,
+)
 
 router = APIRouter()
 
@@ -84,7 +91,7 @@ async def list_models(request: Request) -> dict[str, Any]:
     authenticate(request)
     model = gateway_state(request).model
     if model is None:
-        raise ApiError(503, "api_error", "the gateway is still waiting for a rank worker", retry_after_s=2)
+        raise not_ready()
     created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(model.created_at))
     data = [
         {

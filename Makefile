@@ -32,6 +32,11 @@ $(STAMP): pyproject.toml Makefile
 	@if command -v npm >/dev/null 2>&1; then \
 		npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION); \
 	else echo "npm not found: the Claude Code end-to-end test will be skipped" >&2; fi
+	@# A real redis-server for the router (and its tests): Debian's package where none is on PATH.
+	@command -v redis-server >/dev/null 2>&1 || { \
+		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
+		else echo "redis-server not found: install it (apt-get install redis-server)" >&2; exit 1; fi; }
 	touch $(STAMP)
 
 up: setup

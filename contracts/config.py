@@ -41,11 +41,36 @@ class KvServeConfig(BaseSettings):
 
     max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
 
-    # --- services ---
+    # --- L1 (kvstore) ---
+    l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")
+    l1_headroom_gb: float = Field(4.0, ge=0.0, description="RAM the arena must leave to everything else")
+    l1_pin_ttl_secs: float = Field(120.0, gt=0.0, description="a pin older than this is dropped (a dead copier)")
+    kvstore_host: str = "127.0.0.1"
+    kvstore_port: int = Field(50141, ge=0, le=65535)
+    kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")
+
+    # --- router ---
+    router_host: str = "127.0.0.1"
+    router_port: int = Field(50140, ge=0, le=65535)
+    router: str = Field("", description="host:port of the router; empty = static rank list (rank_workers)")
+    redis_url: str = Field("redis://127.0.0.1:6379/0", description="the router's durable state")
+    session_ttl_secs: float = Field(3600.0, gt=0.0, description="a session forgets its rank after this idle time")
+    heartbeat_interval_secs: float = Field(1.0, gt=0.0)
+    rank_down_after_secs: float = Field(5.0, gt=0.0, description="no heartbeat for this long: the rank is down")
+    l1_restore_cost: float = Field(
+        0.05, ge=0.0, le=1.0, description="router score: cost of restoring a token from L1 relative to prefill"
+    )
+    overload_prefill_tokens: int = Field(
+        65536, gt=0, description="queued prefill tokens beyond which a session may leave its rank"
+    )
+
+    # --- rank worker ---
     rank_worker_host: str = "127.0.0.1"
     rank_worker_port: int = Field(50151, ge=0, le=65535)
+    rank_id: str = Field("", description="this rank's name; empty = rank-<port>")
+    rank_advertise_address: str = Field("", description="host:port others use to reach this rank; empty = host:port")
     rank_workers: list[str] = Field(
-        default_factory=list, description="static rank list host:port (until the router); empty = rank_worker_*"
+        default_factory=list, description="static rank list host:port (without a router); empty = rank_worker_*"
     )
 
     # --- gateway ---

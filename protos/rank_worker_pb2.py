@@ -22,45 +22,38 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/rank_worker.proto\x12\x16kvserve.rank_worker.v1\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x8d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.kvserve.rank_worker.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xa3\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\"L\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x03 \x01(\x01\"\x94\x01\n\x08\x46inished\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.kvserve.rank_worker.v1.FinishReason\x12\x34\n\x05stats\x18\x02 \x01(\x0b\x32%.kvserve.rank_worker.v1.GenerateStats\x12\x15\n\rstop_token_id\x18\x03 \x01(\x05\"\x86\x01\n\x10GenerateResponse\x12\x34\n\x06tokens\x18\x01 \x01(\x0b\x32\".kvserve.rank_worker.v1.TokenChunkH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvserve.rank_worker.v1.FinishedH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xa4\x02\n\rStatsResponse\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x0c \x01(\x03\"\x11\n\x0fKvEventsRequest\"R\n\x07KvEvent\x12\x31\n\x04kind\x18\x01 \x01(\x0e\x32#.kvserve.rank_worker.v1.KvEventKind\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"Q\n\x0cKvEventBatch\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12/\n\x06\x65vents\x18\x02 \x03(\x0b\x32\x1f.kvserve.rank_worker.v1.KvEvent\"\x12\n\x10ModelInfoRequest\"\xcd\x02\n\x11ModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1b\n\x13trained_context_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x07 \x01(\x0c\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03*\x80\x01\n\x0bKvEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14KV_EVENT_KIND_STORED\x10\x01\x12\x19\n\x15KV_EVENT_KIND_REMOVED\x10\x02\x12\x1d\n\x19KV_EVENT_KIND_ALL_CLEARED\x10\x03\x32\x82\x03\n\nRankWorker\x12_\n\x08Generate\x12\'.kvserve.rank_worker.v1.GenerateRequest\x1a(.kvserve.rank_worker.v1.GenerateResponse0\x01\x12T\n\x05Stats\x12$.kvserve.rank_worker.v1.StatsRequest\x1a%.kvserve.rank_worker.v1.StatsResponse\x12[\n\x08KvEvents\x12\'.kvserve.rank_worker.v1.KvEventsRequest\x1a$.kvserve.rank_worker.v1.KvEventBatch0\x01\x12`\n\tModelInfo\x12(.kvserve.rank_worker.v1.ModelInfoRequest\x1a).kvserve.rank_worker.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/rank_worker.proto\x12\x16kvserve.rank_worker.v1\x1a\x16protos/kv_events.proto\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\x8d\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.kvserve.rank_worker.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\"\xbd\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\x12\x18\n\x10l1_cached_tokens\x18\x08 \x01(\x05\"f\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x03 \x01(\x01\x12\x18\n\x10l1_cached_tokens\x18\x04 \x01(\x05\"\x94\x01\n\x08\x46inished\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.kvserve.rank_worker.v1.FinishReason\x12\x34\n\x05stats\x18\x02 \x01(\x0b\x32%.kvserve.rank_worker.v1.GenerateStats\x12\x15\n\rstop_token_id\x18\x03 \x01(\x05\"\x86\x01\n\x10GenerateResponse\x12\x34\n\x06tokens\x18\x01 \x01(\x0b\x32\".kvserve.rank_worker.v1.TokenChunkH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvserve.rank_worker.v1.FinishedH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xa0\x03\n\rStatsResponse\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x0c \x01(\x03\x12\x0f\n\x07rank_id\x18\r \x01(\t\x12\x13\n\x0bl1_attached\x18\x0e \x01(\x08\x12\x1a\n\x12l1_restored_tokens\x18\x0f \x01(\x03\x12\x1b\n\x13l1_offloaded_blocks\x18\x10 \x01(\x03\x12\x1b\n\x13l1_copies_in_flight\x18\x11 \x01(\x05\"\x12\n\x10ModelInfoRequest\"\xcd\x02\n\x11ModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1b\n\x13trained_context_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x07 \x01(\x0c\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x02\n\nRankWorker\x12_\n\x08Generate\x12\'.kvserve.rank_worker.v1.GenerateRequest\x1a(.kvserve.rank_worker.v1.GenerateResponse0\x01\x12T\n\x05Stats\x12$.kvserve.rank_worker.v1.StatsRequest\x1a%.kvserve.rank_worker.v1.StatsResponse\x12W\n\x08KvEvents\x12%.kvserve.kv_events.v1.KvEventsRequest\x1a\".kvserve.kv_events.v1.KvEventBatch0\x01\x12`\n\tModelInfo\x12(.kvserve.rank_worker.v1.ModelInfoRequest\x1a).kvserve.rank_worker.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.rank_worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1743
-  _globals['_FINISHREASON']._serialized_end=1863
-  _globals['_KVEVENTKIND']._serialized_start=1866
-  _globals['_KVEVENTKIND']._serialized_end=1994
-  _globals['_SAMPLINGPARAMS']._serialized_start=53
-  _globals['_SAMPLINGPARAMS']._serialized_end=212
-  _globals['_GENERATEREQUEST']._serialized_start=215
-  _globals['_GENERATEREQUEST']._serialized_end=356
-  _globals['_GENERATESTATS']._serialized_start=359
-  _globals['_GENERATESTATS']._serialized_end=522
-  _globals['_TOKENCHUNK']._serialized_start=524
-  _globals['_TOKENCHUNK']._serialized_end=600
-  _globals['_FINISHED']._serialized_start=603
-  _globals['_FINISHED']._serialized_end=751
-  _globals['_GENERATERESPONSE']._serialized_start=754
-  _globals['_GENERATERESPONSE']._serialized_end=888
-  _globals['_STATSREQUEST']._serialized_start=890
-  _globals['_STATSREQUEST']._serialized_end=904
-  _globals['_STATSRESPONSE']._serialized_start=907
-  _globals['_STATSRESPONSE']._serialized_end=1199
-  _globals['_KVEVENTSREQUEST']._serialized_start=1201
-  _globals['_KVEVENTSREQUEST']._serialized_end=1218
-  _globals['_KVEVENT']._serialized_start=1220
-  _globals['_KVEVENT']._serialized_end=1302
-  _globals['_KVEVENTBATCH']._serialized_start=1304
-  _globals['_KVEVENTBATCH']._serialized_end=1385
-  _globals['_MODELINFOREQUEST']._serialized_start=1387
-  _globals['_MODELINFOREQUEST']._serialized_end=1405
-  _globals['_MODELINFORESPONSE']._serialized_start=1408
-  _globals['_MODELINFORESPONSE']._serialized_end=1741
-  _globals['_RANKWORKER']._serialized_start=1997
-  _globals['_RANKWORKER']._serialized_end=2383
+  _globals['_FINISHREASON']._serialized_start=1757
+  _globals['_FINISHREASON']._serialized_end=1877
+  _globals['_SAMPLINGPARAMS']._serialized_start=77
+  _globals['_SAMPLINGPARAMS']._serialized_end=236
+  _globals['_GENERATEREQUEST']._serialized_start=239
+  _globals['_GENERATEREQUEST']._serialized_end=380
+  _globals['_GENERATESTATS']._serialized_start=383
+  _globals['_GENERATESTATS']._serialized_end=572
+  _globals['_TOKENCHUNK']._serialized_start=574
+  _globals['_TOKENCHUNK']._serialized_end=676
+  _globals['_FINISHED']._serialized_start=679
+  _globals['_FINISHED']._serialized_end=827
+  _globals['_GENERATERESPONSE']._serialized_start=830
+  _globals['_GENERATERESPONSE']._serialized_end=964
+  _globals['_STATSREQUEST']._serialized_start=966
+  _globals['_STATSREQUEST']._serialized_end=980
+  _globals['_STATSRESPONSE']._serialized_start=983
+  _globals['_STATSRESPONSE']._serialized_end=1399
+  _globals['_MODELINFOREQUEST']._serialized_start=1401
+  _globals['_MODELINFOREQUEST']._serialized_end=1419
+  _globals['_MODELINFORESPONSE']._serialized_start=1422
+  _globals['_MODELINFORESPONSE']._serialized_end=1755
+  _globals['_RANKWORKER']._serialized_start=1880
+  _globals['_RANKWORKER']._serialized_end=2262
 # @@protoc_insertion_point(module_scope)

@@ -1,3 +1,4 @@
+from protos import kv_events_pb2 as _kv_events_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -13,21 +14,10 @@ class FinishReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     FINISH_REASON_STOP: _ClassVar[FinishReason]
     FINISH_REASON_LENGTH: _ClassVar[FinishReason]
     FINISH_REASON_ABORT: _ClassVar[FinishReason]
-
-class KvEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
-    __slots__ = ()
-    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KvEventKind]
-    KV_EVENT_KIND_STORED: _ClassVar[KvEventKind]
-    KV_EVENT_KIND_REMOVED: _ClassVar[KvEventKind]
-    KV_EVENT_KIND_ALL_CLEARED: _ClassVar[KvEventKind]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
 FINISH_REASON_ABORT: FinishReason
-KV_EVENT_KIND_UNSPECIFIED: KvEventKind
-KV_EVENT_KIND_STORED: KvEventKind
-KV_EVENT_KIND_REMOVED: KvEventKind
-KV_EVENT_KIND_ALL_CLEARED: KvEventKind
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_p", "top_k", "seed", "stop_token_ids", "max_tokens", "ignore_eos")
@@ -60,7 +50,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions")
+    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions", "l1_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -68,6 +58,7 @@ class GenerateStats(_message.Message):
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TOTAL_S_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_tokens: int
     output_tokens: int
@@ -75,17 +66,20 @@ class GenerateStats(_message.Message):
     prefill_s: float
     total_s: float
     preemptions: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    l1_cached_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "cached_tokens", "queue_wait_s")
+    __slots__ = ("token_ids", "cached_tokens", "queue_wait_s", "l1_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     cached_tokens: int
     queue_wait_s: float
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ...) -> None: ...
+    l1_cached_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "stats", "stop_token_id")
@@ -110,7 +104,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens", "rank_id", "l1_attached", "l1_restored_tokens", "l1_offloaded_blocks", "l1_copies_in_flight")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -123,6 +117,11 @@ class StatsResponse(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    L1_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    L1_RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L1_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    L1_COPIES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -135,27 +134,12 @@ class StatsResponse(_message.Message):
     preemptions: int
     block_size: int
     waiting_prefill_tokens: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ...) -> None: ...
-
-class KvEventsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
-
-class KvEvent(_message.Message):
-    __slots__ = ("kind", "block_hashes")
-    KIND_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
-    kind: KvEventKind
-    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, kind: _Optional[_Union[KvEventKind, str]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
-
-class KvEventBatch(_message.Message):
-    __slots__ = ("sequence", "events")
-    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
-    EVENTS_FIELD_NUMBER: _ClassVar[int]
-    sequence: int
-    events: _containers.RepeatedCompositeFieldContainer[KvEvent]
-    def __init__(self, sequence: _Optional[int] = ..., events: _Optional[_Iterable[_Union[KvEvent, _Mapping]]] = ...) -> None: ...
+    rank_id: str
+    l1_attached: bool
+    l1_restored_tokens: int
+    l1_offloaded_blocks: int
+    l1_copies_in_flight: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., rank_id: _Optional[str] = ..., l1_attached: _Optional[bool] = ..., l1_restored_tokens: _Optional[int] = ..., l1_offloaded_blocks: _Optional[int] = ..., l1_copies_in_flight: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

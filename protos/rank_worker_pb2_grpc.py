@@ -3,6 +3,7 @@
 import grpc
 import warnings
 
+from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 from protos import rank_worker_pb2 as protos_dot_rank__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -46,8 +47,8 @@ class RankWorkerStub:
                 _registered_method=True)
         self.KvEvents = channel.unary_stream(
                 '/kvserve.rank_worker.v1.RankWorker/KvEvents',
-                request_serializer=protos_dot_rank__worker__pb2.KvEventsRequest.SerializeToString,
-                response_deserializer=protos_dot_rank__worker__pb2.KvEventBatch.FromString,
+                request_serializer=protos_dot_kv__events__pb2.KvEventsRequest.SerializeToString,
+                response_deserializer=protos_dot_kv__events__pb2.KvEventBatch.FromString,
                 _registered_method=True)
         self.ModelInfo = channel.unary_unary(
                 '/kvserve.rank_worker.v1.RankWorker/ModelInfo',
@@ -103,8 +104,8 @@ def add_RankWorkerServicer_to_server(servicer, server):
             ),
             'KvEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.KvEvents,
-                    request_deserializer=protos_dot_rank__worker__pb2.KvEventsRequest.FromString,
-                    response_serializer=protos_dot_rank__worker__pb2.KvEventBatch.SerializeToString,
+                    request_deserializer=protos_dot_kv__events__pb2.KvEventsRequest.FromString,
+                    response_serializer=protos_dot_kv__events__pb2.KvEventBatch.SerializeToString,
             ),
             'ModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.ModelInfo,
@@ -191,8 +192,8 @@ class RankWorker:
             request,
             target,
             '/kvserve.rank_worker.v1.RankWorker/KvEvents',
-            protos_dot_rank__worker__pb2.KvEventsRequest.SerializeToString,
-            protos_dot_rank__worker__pb2.KvEventBatch.FromString,
+            protos_dot_kv__events__pb2.KvEventsRequest.SerializeToString,
+            protos_dot_kv__events__pb2.KvEventBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 from rank_worker.engine.interface import (
@@ -36,9 +37,9 @@ _FINISH_REASONS = {
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
 }
 _KV_EVENT_KINDS = {
-    KvEventKind.STORED: pb.KV_EVENT_KIND_STORED,
-    KvEventKind.REMOVED: pb.KV_EVENT_KIND_REMOVED,
-    KvEventKind.ALL_CLEARED: pb.KV_EVENT_KIND_ALL_CLEARED,
+    KvEventKind.STORED: events_pb.KV_EVENT_KIND_STORED,
+    KvEventKind.REMOVED: events_pb.KV_EVENT_KIND_REMOVED,
+    KvEventKind.ALL_CLEARED: events_pb.KV_EVENT_KIND_ALL_CLEARED,
 }
 
 
@@ -150,8 +151,8 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         return stats_message(engine_loop.stats())
 
     async def KvEvents(
-        self, request: pb.KvEventsRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.KvEventBatch]:
+        self, request: events_pb.KvEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[events_pb.KvEventBatch]:
         engine_loop = await self._ready(context)
         subscription = engine_loop.subscribe_kv_events()
         try:
@@ -160,10 +161,10 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
                     batch = await subscription.get()
                 except EngineLoopStoppedError:
                     return
-                yield pb.KvEventBatch(
+                yield events_pb.KvEventBatch(
                     sequence=batch.sequence,
                     events=[
-                        pb.KvEvent(kind=_KV_EVENT_KINDS[event.kind], block_hashes=list(event.block_hashes))
+                        events_pb.KvEvent(kind=_KV_EVENT_KINDS[event.kind], block_hashes=list(event.block_hashes))
                         for event in batch.events
                     ],
                 )

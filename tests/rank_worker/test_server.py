@@ -14,6 +14,7 @@ from service_processes import free_port, start_rank_worker
 from tokenizers import Tokenizer
 
 from contracts.block_hash import prefix_block_hashes
+from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
@@ -248,18 +249,18 @@ def test_kv_events_report_stored_blocks(
     prompt = [(i * 53) % 40000 + 7 for i in range(3 * BLOCK_SIZE + 5)]  # 3 full blocks nobody else uses
     expected = set(prefix_block_hashes(model_info.hash_namespace, prompt, BLOCK_SIZE))
 
-    async def run() -> list[pb.KvEventBatch]:
+    async def run() -> list[events_pb.KvEventBatch]:
         async with grpc.aio.insecure_channel(worker) as channel:
-            events = pb_grpc.RankWorkerStub(channel).KvEvents(pb.KvEventsRequest())
+            events = pb_grpc.RankWorkerStub(channel).KvEvents(events_pb.KvEventsRequest())
             await asyncio.sleep(0.5)  # the server must have subscribed before the request runs
             await asyncio.to_thread(run_generate, stub, generate_request(prompt, max_tokens=2))
-            batches: list[pb.KvEventBatch] = []
+            batches: list[events_pb.KvEventBatch] = []
             stored: set[bytes] = set()
             while not expected <= stored:
                 batch = await asyncio.wait_for(events.read(), timeout=30)
                 batches.append(batch)
                 for event in batch.events:
-                    if event.kind == pb.KV_EVENT_KIND_STORED:
+                    if event.kind == events_pb.KV_EVENT_KIND_STORED:
                         stored.update(event.block_hashes)
             events.cancel()
             return batches

@@ -1,0 +1,129 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class RankLoad(_message.Message):
+    __slots__ = ("running", "waiting", "waiting_prefill_tokens", "free_blocks", "total_blocks")
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FIELD_NUMBER: _ClassVar[int]
+    WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    running: int
+    waiting: int
+    waiting_prefill_tokens: int
+    free_blocks: int
+    total_blocks: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+
+class RegisterRankRequest(_message.Message):
+    __slots__ = ("rank_id", "address", "incarnation", "block_size", "hash_namespace", "load")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HASH_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    address: str
+    incarnation: str
+    block_size: int
+    hash_namespace: bytes
+    load: RankLoad
+    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ...) -> None: ...
+
+class RegisterRankResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("rank_id", "incarnation", "load")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    INCARNATION_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    incarnation: str
+    load: RankLoad
+    def __init__(self, rank_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("known",)
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    def __init__(self, known: _Optional[bool] = ...) -> None: ...
+
+class RouteRequest(_message.Message):
+    __slots__ = ("request_id", "session_id", "block_hashes", "prompt_tokens", "avoid_rank_ids")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    AVOID_RANK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    session_id: str
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    prompt_tokens: int
+    avoid_rank_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., prompt_tokens: _Optional[int] = ..., avoid_rank_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RouteResponse(_message.Message):
+    __slots__ = ("rank_id", "address", "expected_l0_tokens", "expected_l1_tokens", "reason")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_L0_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_L1_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    address: str
+    expected_l0_tokens: int
+    expected_l1_tokens: int
+    reason: str
+    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., expected_l0_tokens: _Optional[int] = ..., expected_l1_tokens: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class ListRanksRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RankStatus(_message.Message):
+    __slots__ = ("rank_id", "address", "healthy", "load", "l0_blocks", "last_heartbeat_age_s")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    L0_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    address: str
+    healthy: bool
+    load: RankLoad
+    l0_blocks: int
+    last_heartbeat_age_s: float
+    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ..., l0_blocks: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+
+class ListRanksResponse(_message.Message):
+    __slots__ = ("ranks", "l1_blocks", "redis_connected", "sessions")
+    RANKS_FIELD_NUMBER: _ClassVar[int]
+    L1_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REDIS_CONNECTED_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    ranks: _containers.RepeatedCompositeFieldContainer[RankStatus]
+    l1_blocks: int
+    redis_connected: bool
+    sessions: int
+    def __init__(self, ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., l1_blocks: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., sessions: _Optional[int] = ...) -> None: ...
+
+class ReportRankFailureRequest(_message.Message):
+    __slots__ = ("rank_id", "detail")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    detail: str
+    def __init__(self, rank_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ReportRankFailureResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

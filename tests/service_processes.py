@@ -122,3 +122,60 @@ def gateway_stack(tmp: Path, rank_settings: dict[str, str], gateway_settings: di
         finally:
             if gateway.poll() is not None:
                 print((tmp / "gateway.log").read_text(errors="replace")[-5000:])
+
+
+def wait_redis_ready(port: int, process: subprocess.Popen[bytes], timeout_s: float = 30) -> None:
+    import time
+
+    import redis
+
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {process.returncode}")
+        try:
+            if client.ping():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"redis-server on {port} not ready after {timeout_s} s")
+
+
+def start_redis(
+    log_path: Path, port: int, data_dir: Path
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """A real redis-server on loopback, persisting (append-only) into data_dir so a restart keeps state."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    args += ["--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
+    return running_process(args, service_env(), log_path, lambda process: wait_redis_ready(port, process))
+
+
+def start_kvstore(
+    log_path: Path, port: int, **settings: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """The L1 kvstore (its arena in /dev/shm unless KVSERVE_L1_ARENA_DIR says otherwise), ready once SERVING."""
+    from launcher.health import wait_for_serving
+
+    return running_process(
+        [sys.executable, "-m", "kvstore", "--port", str(port)],
+        service_env(**settings),
+        log_path,
+        lambda process: wait_for_serving(f"127.0.0.1:{port}", timeout_s=60, process=process),
+    )
+
+
+def start_router(
+    log_path: Path, port: int, **settings: str
+) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
+    """The router (Redis from KVSERVE_REDIS_URL, kvstore from KVSERVE_KVSTORE), ready once SERVING."""
+    from launcher.health import wait_for_serving
+
+    return running_process(
+        [sys.executable, "-m", "router", "--port", str(port)],
+        service_env(**settings),
+        log_path,
+        lambda process: wait_for_serving(f"127.0.0.1:{port}", timeout_s=60, process=process),
+    )

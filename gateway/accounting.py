@@ -22,6 +22,9 @@ def record_end(
     """A request that was answered (completely, or cut by an error or a disconnect)."""
     if finish is not None:
         record.cached_tokens = finish.usage.cached_tokens
+        record.l1_cached_tokens = finish.usage.l1_cached_tokens
+        record.rank = finish.rank
+        record.rank_switches = finish.rank_switches
         record.output_tokens = finish.usage.output_tokens
         record.queue_wait_s = finish.queue_wait_s
         record.ttft_s = finish.ttft_s
@@ -35,7 +38,7 @@ def record_end(
         record.status,
         ttft_s=record.ttft_s if finish else None,
         prompt_tokens=record.prompt_tokens,
-        cached_tokens={"l0": record.cached_tokens},
+        cached_tokens={"l0": record.cached_tokens - record.l1_cached_tokens, "l1": record.l1_cached_tokens},
         output_tokens=record.output_tokens,
     )
     log_request(record, log_prompts=state.config.log_prompts)

@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 import grpc
 
+from contracts.block_hash import lookup_block_hashes
 from gateway.chat import ChatRequest
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.parsing.events import OutputEvent, ToolCallStart
+from gateway.rank_choice import RankChoice, RankChooser, RouteQuery
 from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream
 from gateway.served_model import ServedModel
 
@@ -49,11 +51,20 @@ class StreamBroken(Exception):
     """The rank failed after tokens were sent: the client gets an error event, never a silent end."""
 
 
+# A stream cut by a failing rank is continued on another rank this many times at most.
+MAX_RANK_SWITCHES = 2
+
+
 @dataclass
 class Usage:
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # from any tier: L0 (GPU) + L1 (host)
     output_tokens: int = 0
+    l1_cached_tokens: int = 0
+
+    @property
+    def l0_cached_tokens(self) -> int:
+        return self.cached_tokens - self.l1_cached_tokens
 
     @property
     def uncached_tokens(self) -> int:
@@ -74,6 +85,7 @@ class Finish:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     rank: str = ""
+    rank_switches: int = 0  # streams continued on another rank after a failure
 
 
 GenerationEvent = OutputEvent | Ping | Finish
@@ -98,6 +110,7 @@ class Generation:
     def __init__(
         self,
         ranks: RankClient,
+        chooser: RankChooser,
         model: ServedModel,
         prompts: PromptFormat,
         ping_interval_s: float,
@@ -108,6 +121,7 @@ class Generation:
         self.default_temperature = 1.0 if default_temperature is None else default_temperature
         self.default_top_p = 1.0 if default_top_p is None else default_top_p
         self.ranks = ranks
+        self.chooser = chooser
         self.model = model
         self.prompts = prompts
         self.ping_interval_s = ping_interval_s
@@ -134,51 +148,69 @@ class Generation:
 
     async def open(self, prepared: PreparedRequest) -> OpenGeneration:
         """Find a rank that accepts the request. Refusals raise here, before any response is sent."""
-        stream = await self._start(prepared, avoid=set())
-        return OpenGeneration(self, prepared, stream)
+        stream, choice = await self._start(prepared, avoid=set())
+        return OpenGeneration(self, prepared, stream, choice)
 
-    async def _start(self, prepared: PreparedRequest, avoid: set[str]) -> RankStream:
+    async def _start(
+        self, prepared: PreparedRequest, avoid: set[str], continuation: list[int] | None = None
+    ) -> tuple[RankStream, RankChoice]:
+        """Open a stream on the best rank that accepts; `continuation` (tokens already sent to the client)
+        extends the prompt, so a stream cut on one rank goes on from where it stopped on another."""
         chat = prepared.chat
+        extra = continuation or []
+        prompt_ids = prepared.prompt_ids + extra
         sampling = pb.SamplingParams(
             temperature=self.default_temperature if chat.temperature is None else chat.temperature,
             top_p=self.default_top_p if chat.top_p is None else chat.top_p,
             top_k=chat.top_k,
-            max_tokens=prepared.max_tokens,
+            max_tokens=prepared.max_tokens - len(extra),
         )
         if chat.seed is not None:
             sampling.seed = chat.seed
+        request_id = f"{prepared.request_id}+{len(extra)}" if extra else prepared.request_id
         request = pb.GenerateRequest(
-            request_id=prepared.request_id,
-            prompt_token_ids=prepared.prompt_ids,
-            sampling=sampling,
-            session_id=chat.session_id,
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, session_id=chat.session_id
         )
-        candidates = self.ranks.preference(chat.session_id, avoid)
-        if not candidates:
-            raise Unavailable("no rank worker left to try")
-        full = 0
+        hashes = (
+            lookup_block_hashes(self.model.info.hash_namespace, prompt_ids, self.model.info.block_size)
+            if self.chooser.wants_block_hashes
+            else []
+        )
+        query = RouteQuery(request_id, chat.session_id, len(prompt_ids), hashes)
+        avoid = set(avoid)
+        tried = full = 0
         last_error: RankRefused | None = None
-        for target in candidates:
+        while (choice := await self.chooser.choose(query, avoid)) is not None:
+            tried += 1
             try:
-                return await self.ranks.start(target, request, self.request_timeout_s)
+                return await self.ranks.start(choice.address, request, self.request_timeout_s), choice
             except RankRefused as exc:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details) from exc
-                full += exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full += 1
+                else:
+                    self.chooser.report_failure(choice, str(exc))
                 last_error = exc
-        if full == len(candidates):
+                avoid.add(choice.rank_id)
+        if tried and full == tried:
             raise Overloaded(f"all {full} rank(s) are at their queue limit")
-        raise Unavailable(str(last_error))
+        raise Unavailable(str(last_error) if last_error else "no rank worker left to try")
 
 
 class OpenGeneration:
     """A request a rank accepted: iterate `events()` once; closing it early cancels the rank request."""
 
-    def __init__(self, owner: Generation, prepared: PreparedRequest, stream: RankStream) -> None:
+    def __init__(self, owner: Generation, prepared: PreparedRequest, stream: RankStream, choice: RankChoice) -> None:
         self.owner = owner
         self.prepared = prepared
         self.stream = stream
+        self.choice = choice
         self.started = time.monotonic()
+        self.delivered: list[int] = []  # tokens handed on, across every rank that served this request
+        self.delivered_before_stream = 0  # of those, the ones earlier streams produced
+        self.cache_stream: RankStream | None = None  # the stream whose cache use the client's prompt got
+        self.rank_switches = 0
 
     async def events(self) -> AsyncIterator[GenerationEvent]:
         owner, prepared = self.owner, self.prepared
@@ -217,9 +249,11 @@ class OpenGeneration:
         yield self._finish(saw_tool_call, stop_sequence, first_token_at, len(detok.token_ids))
 
     async def _token_chunks(self) -> AsyncIterator[list[int] | Ping]:
-        """Token chunks from the rank, Ping when none came for a while. A rank that fails before its first
-        token is replaced once (by another rank when there is one); after that, the failure is final."""
-        retried = False
+        """Token chunks from the rank, Ping when none came for a while. When the rank fails, the request
+        goes on on another rank: from the prompt if nothing was sent yet, else from the prompt plus the
+        tokens already sent (greedy output is then the same as an uninterrupted run). After
+        MAX_RANK_SWITCHES, the failure is final."""
+        avoid: set[str] = set()
         while True:
             queue: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
             reader = asyncio.create_task(_pump(self.stream, queue))
@@ -238,6 +272,9 @@ class OpenGeneration:
                         break
                     if isinstance(item, BaseException):
                         raise item
+                    if self.cache_stream is None:
+                        self.cache_stream = self.stream
+                    self.delivered.extend(item)
                     yield item
             finally:
                 reader.cancel()
@@ -245,24 +282,41 @@ class OpenGeneration:
                     await reader
                 if not self.stream.call.done():
                     self.stream.cancel()
-            if failure.tokens_sent > 0 or retried:
+            self.owner.chooser.report_failure(self.choice, str(failure))
+            if self.rank_switches >= MAX_RANK_SWITCHES:
                 raise StreamBroken(str(failure)) from failure
-            retried = True  # nothing reached the client yet: once more
-            self.stream = await self.owner._start(self.prepared, avoid={self.stream.target})
+            if len(self.delivered) >= self.prepared.max_tokens:
+                self.stream.finished = pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, stop_token_id=-1)
+                return  # it failed after its last token: nothing is missing
+            self.rank_switches += 1
+            avoid.add(self.choice.rank_id)
+            try:
+                self.stream, self.choice = await self.owner._start(self.prepared, avoid, list(self.delivered))
+            except (Unavailable, Overloaded, BadRequest) as exc:
+                raise StreamBroken(f"{failure}; no other rank could continue: {exc}") from failure
+            self.delivered_before_stream = len(self.delivered)
 
     def _finish(
         self, saw_tool_call: bool, stop_sequence: str | None, first_token_at: float | None, output_tokens: int
     ) -> Finish:
         done = self.stream.finished
-        stats = (
-            done.stats
-            if done is not None
-            else pb.GenerateStats(cached_tokens=self.stream.cached_tokens, queue_wait_s=self.stream.queue_wait_s)
-        )
+        cache = self.cache_stream or self.stream
+        stats = done.stats if done is not None else pb.GenerateStats()
+        if cache is not self.stream or done is None:  # cache use of the stream that served the first token
+            stats = pb.GenerateStats(
+                cached_tokens=cache.cached_tokens,
+                l1_cached_tokens=cache.l1_cached_tokens,
+                queue_wait_s=cache.queue_wait_s,
+                output_tokens=stats.output_tokens,
+            )
+        l0 = min(stats.cached_tokens, self.prepared.prompt_tokens)
+        l1 = min(stats.l1_cached_tokens, self.prepared.prompt_tokens - l0)
         usage = Usage(
             prompt_tokens=self.prepared.prompt_tokens,
-            cached_tokens=min(stats.cached_tokens, self.prepared.prompt_tokens),
-            output_tokens=stats.output_tokens or output_tokens,
+            cached_tokens=l0 + l1,
+            l1_cached_tokens=l1,
+            output_tokens=self.delivered_before_stream
+            + (stats.output_tokens or output_tokens - self.delivered_before_stream),
         )
         if stop_sequence is not None:
             reason = "stop_sequence"
@@ -275,7 +329,14 @@ class OpenGeneration:
         now = time.monotonic()
         ttft = (first_token_at or now) - self.started
         return Finish(
-            reason, usage, stop_sequence, stats.queue_wait_s, ttft, now - (first_token_at or now), self.stream.target
+            reason,
+            usage,
+            stop_sequence,
+            stats.queue_wait_s,
+            ttft,
+            now - (first_token_at or now),
+            self.choice.rank_id,
+            self.rank_switches,
         )
 
     async def aclose(self) -> None:

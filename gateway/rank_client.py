@@ -1,9 +1,8 @@
-"""Talking to rank workers over gRPC: which ranks exist (a static list until the router), what model they
-serve, and one Generate stream whose refusals surface before any token is produced."""
+"""Talking to rank workers over gRPC: what model they serve, and one Generate stream whose refusals surface
+before any token is produced. Which rank to talk to is rank_choice's business."""
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ class RankStream:
     finished: pb.Finished | None = None
     tokens_sent: int = 0
     cached_tokens: int = 0  # from the first chunk, so known even if we stop reading early
+    l1_cached_tokens: int = 0
     queue_wait_s: float = 0.0
 
     async def token_chunks(self) -> AsyncIterator[list[int]]:
@@ -52,6 +52,7 @@ class RankStream:
                 if response.HasField("tokens"):
                     if self.tokens_sent == 0:
                         self.cached_tokens = response.tokens.cached_tokens
+                        self.l1_cached_tokens = response.tokens.l1_cached_tokens
                         self.queue_wait_s = response.tokens.queue_wait_s
                     chunk = list(response.tokens.token_ids)
                     self.tokens_sent += len(chunk)
@@ -68,36 +69,35 @@ class RankStream:
 
 
 class RankClient:
-    def __init__(self, targets: list[str]) -> None:
-        if not targets:
-            raise ValueError("no rank workers configured")
-        self.targets = list(targets)
-        self._channels = {t: grpc.aio.insecure_channel(t, options=CHANNEL_OPTIONS) for t in self.targets}
-        self._stubs = {t: pb_grpc.RankWorkerStub(c) for t, c in self._channels.items()}
+    """gRPC channels to rank workers, one per address, opened on first use (the router names new ranks)."""
 
-    def preference(self, session_id: str, avoid: set[str] | None = None) -> list[str]:
-        """Ranks in the order to try: a session always starts at the same rank (its cache lives there)."""
-        order = self.targets
-        if session_id:
-            start = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest()) % len(order)
-            order = order[start:] + order[:start]
-        return [t for t in order if t not in (avoid or set())]
+    def __init__(self) -> None:
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, pb_grpc.RankWorkerStub] = {}
 
-    async def model_info(self, timeout_s: float = 10.0) -> pb.ModelInfoResponse:
+    def _stub(self, target: str) -> pb_grpc.RankWorkerStub:
+        stub = self._stubs.get(target)
+        if stub is None:
+            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            self._channels[target] = channel
+            stub = self._stubs[target] = pb_grpc.RankWorkerStub(channel)
+        return stub
+
+    async def model_info(self, targets: list[str], timeout_s: float = 10.0) -> pb.ModelInfoResponse:
         errors = []
-        for target in self.targets:
+        for target in targets:
             try:
-                return await self._stubs[target].ModelInfo(pb.ModelInfoRequest(), timeout=timeout_s)
+                return await self._stub(target).ModelInfo(pb.ModelInfoRequest(), timeout=timeout_s)
             except grpc.aio.AioRpcError as exc:
                 errors.append(f"{target}: {exc.code().name}")
         raise ConnectionError("no rank worker answered ModelInfo (" + ", ".join(errors) + ")")
 
     async def stats(self, target: str, timeout_s: float = 5.0) -> pb.StatsResponse:
-        return await self._stubs[target].Stats(pb.StatsRequest(), timeout=timeout_s)
+        return await self._stub(target).Stats(pb.StatsRequest(), timeout=timeout_s)
 
     async def start(self, target: str, request: pb.GenerateRequest, timeout_s: float | None) -> RankStream:
         """Open the stream and wait until the rank has accepted (or refused) the request."""
-        call = self._stubs[target].Generate(request, timeout=timeout_s)
+        call = self._stub(target).Generate(request, timeout=timeout_s)
         try:
             metadata = await call.initial_metadata()
             if not any(key == "kvserve-accepted" for key, _ in (metadata or ())):

@@ -25,8 +25,11 @@ class RequestRecord:
     session: str = ""  # X-Claude-Code-Session-Id, or the session id found in metadata
     status: int = 200
     prompt_tokens: int = 0  # cached ones included
-    cached_tokens: int = 0
+    cached_tokens: int = 0  # from any tier
+    l1_cached_tokens: int = 0  # of those, restored from the host cache (L1)
     output_tokens: int = 0
+    rank: str = ""  # the rank that served it (the last one, after a switch)
+    rank_switches: int = 0  # the stream went on on another rank after a failure
     queue_wait_s: float | None = None  # until a rank started the prefill
     ttft_s: float | None = None  # from receiving the request to the first output token
     decode_s: float | None = None  # from the first output token to the last
@@ -55,13 +58,18 @@ def format_request_line(record: RequestRecord) -> str:
         ("status", str(record.status)),
         ("prompt_tokens", str(record.prompt_tokens)),
         ("cached_tokens", str(record.cached_tokens)),
+        ("l0_cached", str(record.cached_tokens - record.l1_cached_tokens)),
+        ("l1_cached", str(record.l1_cached_tokens)),
         ("hit_pct", _number(record.hit_pct, 1)),
         ("queue_ms", _number(_ms(record.queue_wait_s), 1)),
         ("ttft_ms", _number(_ms(record.ttft_s), 1)),
         ("output_tokens", str(record.output_tokens)),
         ("tok_s", _number(record.tokens_per_s, 1)),
         ("finish", _text(record.finish_reason)),
+        ("rank", _text(record.rank)),
     ]
+    if record.rank_switches:
+        fields.append(("rank_switches", str(record.rank_switches)))
     if record.error_type:
         fields.append(("error", _text(record.error_type)))
     return "request " + " ".join(f"{key}={value}" for key, value in fields)

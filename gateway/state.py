@@ -12,6 +12,7 @@ from gateway.auth import KeyStore, auth_mode, open_local_warning
 from gateway.generation import Generation
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_format import PromptFormat
+from gateway.rank_choice import RankChooser, RouterRanks, StaticRanks
 from gateway.rank_client import RankClient
 from gateway.served_model import ServedModel
 
@@ -19,6 +20,7 @@ log = logging.getLogger(__name__)
 
 
 def rank_targets(config: KvServeConfig) -> list[str]:
+    """The static rank list (no router)."""
     return config.rank_workers or [f"{config.rank_worker_host}:{config.rank_worker_port}"]
 
 
@@ -30,7 +32,9 @@ class GatewayState:
         self.keys: KeyStore | None = KeyStore.load(config.api_keys_file) if mode == "keys" else None
         if self.keys is None:
             log.warning(open_local_warning(config))
-        self.ranks: RankClient | None = None  # made in connect(): grpc.aio channels belong to the serving loop
+        # made in connect(): grpc.aio channels belong to the serving loop
+        self.ranks: RankClient | None = None
+        self.chooser: RankChooser | None = None
         self.model: ServedModel | None = None
         self.generation: Generation | None = None
         self.started_at = int(time.time())
@@ -38,10 +42,14 @@ class GatewayState:
     async def connect(self, retry_every_s: float = 1.0) -> None:
         """Ask the ranks what they serve, until one answers (they may still be loading)."""
         if self.ranks is None:
-            self.ranks = RankClient(rank_targets(self.config))
+            self.ranks = RankClient()
+            self.chooser = self._make_chooser()
+        assert self.chooser is not None
         while self.model is None:
+            if isinstance(self.chooser, RouterRanks):
+                await self.chooser.refresh()
             try:
-                info = await self.ranks.model_info()
+                info = await self.ranks.model_info(self.chooser.known_addresses())
             except ConnectionError as exc:
                 log.info("waiting for a rank worker: %s", exc)
                 await asyncio.sleep(retry_every_s)
@@ -49,6 +57,7 @@ class GatewayState:
             model = ServedModel.from_info(info, self.config.deployment_slug, self.started_at)
             self.generation = Generation(
                 self.ranks,
+                self.chooser,
                 model,
                 PromptFormat.for_model(model),
                 ping_interval_s=self.config.ping_interval_secs,
@@ -59,6 +68,15 @@ class GatewayState:
             self.model = model
             log.info("serving %s (max_model_len %d) as %s", info.model_id, info.max_model_len, ", ".join(model.names))
 
+    def _make_chooser(self) -> RankChooser:
+        if not self.config.router:
+            return StaticRanks(rank_targets(self.config))
+        chooser = RouterRanks(self.config.router, self.config.rank_workers)
+        chooser.start()
+        return chooser
+
     async def close(self) -> None:
+        if self.chooser is not None:
+            await self.chooser.close()
         if self.ranks is not None:
             await self.ranks.close()

@@ -1,5 +1,6 @@
 """Failures with real processes: a full rank queue (529), a dead rank before the first token (retried on
-another), a rank killed mid-stream (an error event, never a silent end), API keys (401/403)."""
+another), a rank killed mid-stream (continued on the other rank; an error event, never a silent end, when no
+rank is left), API keys (401/403)."""
 
 from __future__ import annotations
 
@@ -105,25 +106,67 @@ def test_rank_killed_before_the_first_token_is_retried_on_the_other(two_ranks) -
     assert _stats(survivor).finished_requests >= 1
 
 
-def test_rank_killed_mid_stream_ends_with_an_error_event(two_ranks) -> None:
-    url, ranks = two_ranks
+def _stream_story(
+    url: str, ranks: dict[int, subprocess.Popen[bytes]], kill_after_deltas: int | None
+) -> tuple[list[str], str, dict]:
+    """Stream a greedy story; optionally SIGKILL the serving rank after some deltas. Returns the event
+    names, the text and the final usage (or the error body)."""
     body = {
         "model": "default",
-        "max_tokens": 400,
+        "max_tokens": 120,
         "stream": True,
         "temperature": 0,
         "messages": [{"role": "user", "content": "Write a long story about a cache."}],
     }
     names: list[str] = []
+    text: list[str] = []
+    last: dict = {}
     with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=180) as response:
         assert response.status_code == 200
-        killed = False
         for line in response.iter_lines():
             if line.startswith("event: "):
                 names.append(line[7:])
-            if not killed and names.count("content_block_delta") >= 3:
-                os.kill(ranks[_busy_rank(ranks)].pid, signal.SIGKILL)
-                killed = True
+                if kill_after_deltas is not None and names.count("content_block_delta") == kill_after_deltas:
+                    alive = {p: r for p, r in ranks.items() if r.poll() is None}
+                    os.kill(alive[_busy_rank(alive)].pid, signal.SIGKILL)
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if data.get("type") == "content_block_delta":
+                    text.append(data["delta"].get("text", ""))
+                if data.get("type") in ("message_delta", "error"):
+                    last = data
+    return names, "".join(text), last
+
+
+def test_rank_killed_mid_stream_continues_on_the_other_rank(two_ranks) -> None:
+    url, ranks = two_ranks
+    _, reference, reference_end = _stream_story(url, ranks, None)
+    names, text, end = _stream_story(url, ranks, kill_after_deltas=3)
+    # the cut stream went on on the surviving rank from prompt + tokens sent: nothing lost or repeated
+    assert names[-1] == "message_stop" and "error" not in names
+    assert text == reference
+    assert end["usage"]["output_tokens"] == reference_end["usage"]["output_tokens"]
+
+
+def test_a_stream_with_no_rank_left_ends_with_an_error_event(two_ranks) -> None:
+    url, ranks = two_ranks
+    body = {
+        "model": "default",
+        "max_tokens": 300,
+        "stream": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": "Write a long story about a cache."}],
+    }
+    names: list[str] = []
+    error: dict = {}
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=180) as response:
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+                # the serving rank dies; the stream moves to the other one, which dies as well
+                if names[-1] == "content_block_delta" and names.count("content_block_delta") in (3, 6):
+                    alive = {p: r for p, r in ranks.items() if r.poll() is None}
+                    os.kill(alive[_busy_rank(alive)].pid, signal.SIGKILL)
             if line.startswith("data: ") and names[-1] == "error":
                 error = json.loads(line[6:])
     assert names[-1] == "error" and "message_stop" not in names

@@ -24,7 +24,10 @@ def full_record(**changes: object) -> RequestRecord:
         status=200,
         prompt_tokens=12000,
         cached_tokens=9000,
+        l1_cached_tokens=2000,
         output_tokens=201,
+        rank="rank-0",
+        rank_switches=1,
         queue_wait_s=0.0042,
         ttft_s=0.350,
         decode_s=4.0,
@@ -60,12 +63,16 @@ def test_every_field_is_in_the_line() -> None:
         "status": "200",
         "prompt_tokens": "12000",
         "cached_tokens": "9000",
+        "l0_cached": "7000",
+        "l1_cached": "2000",
         "hit_pct": "75.0",
         "queue_ms": "4.2",
         "ttft_ms": "350.0",
         "output_tokens": "201",
         "tok_s": "50.0",  # 200 tokens after the first, in 4 s
         "finish": "tool_use",
+        "rank": "rank-0",
+        "rank_switches": "1",
     }
 
 

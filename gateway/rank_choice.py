@@ -1,0 +1,184 @@
+"""Which rank serves a request: the router's answer, or, without a router (or while it is away), a
+session-hashed preference over the ranks we know, so a session still lands where its cache lives."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from protos import router_pb2 as router_pb
+from protos import router_pb2_grpc as router_grpc
+
+log = logging.getLogger(__name__)
+
+ROUTE_TIMEOUT_S = 2.0
+RANK_LIST_REFRESH_S = 2.0
+
+
+@dataclass(frozen=True)
+class RankChoice:
+    rank_id: str
+    address: str
+    reason: str = ""
+    expected_l0_tokens: int = 0
+    expected_l1_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    request_id: str
+    session_id: str
+    prompt_tokens: int
+    block_hashes: list[bytes]
+
+
+class RankChooser(Protocol):
+    wants_block_hashes: bool
+
+    async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+        """The rank to try next, never one whose rank_id is in `avoid`; None when none is left."""
+        ...
+
+    def report_failure(self, choice: RankChoice, detail: str) -> None:
+        """A rank refused a connection or cut a stream."""
+        ...
+
+    def known_addresses(self) -> list[str]: ...
+
+    async def close(self) -> None: ...
+
+
+def session_preference(ranks: list[RankChoice], session_id: str) -> list[RankChoice]:
+    """The ranks in the order to try: one session always starts at the same rank."""
+    if not session_id or not ranks:
+        return list(ranks)
+    start = int.from_bytes(hashlib.blake2b(session_id.encode(), digest_size=8).digest()) % len(ranks)
+    return ranks[start:] + ranks[:start]
+
+
+class StaticRanks:
+    """A fixed list of rank addresses (no router): the address is the rank's id."""
+
+    wants_block_hashes = False
+
+    def __init__(self, addresses: list[str]) -> None:
+        if not addresses:
+            raise ValueError("no rank workers configured")
+        self._ranks = [RankChoice(address, address, "static") for address in addresses]
+
+    async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+        return next((r for r in session_preference(self._ranks, query.session_id) if r.rank_id not in avoid), None)
+
+    def report_failure(self, choice: RankChoice, detail: str) -> None:
+        pass
+
+    def known_addresses(self) -> list[str]:
+        return [r.address for r in self._ranks]
+
+    async def close(self) -> None:
+        pass
+
+
+class RouterRanks:
+    """Routing by the router. While it does not answer, the last rank list it gave (or the static fallback
+    list) is used with the session-hashed preference, so serving never depends on the router being up."""
+
+    wants_block_hashes = True  # the router scores ranks by the prompt's cached prefix
+
+    def __init__(self, router_address: str, fallback_addresses: list[str]) -> None:
+        self.router_address = router_address
+        self._channel = grpc.aio.insecure_channel(router_address)
+        self._stub = router_grpc.RouterStub(self._channel)
+        self._fallback = [RankChoice(a, a, "fallback") for a in fallback_addresses]
+        self._known: list[RankChoice] = []  # healthy ranks from the router's last ListRanks
+        self._router_down_since: float | None = None
+        self._refresher: asyncio.Task[None] | None = None
+        self._failure_reports: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        if self._refresher is None:
+            self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    async def refresh(self) -> bool:
+        """Read the router's rank list; False if the router did not answer."""
+        try:
+            reply = await self._stub.ListRanks(router_pb.ListRanksRequest(), timeout=ROUTE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            self._router_unreachable(exc)
+            return False
+        self._router_back()
+        self._known = [RankChoice(r.rank_id, r.address, "fallback") for r in reply.ranks if r.healthy]
+        return True
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(RANK_LIST_REFRESH_S)
+
+    async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+        request = router_pb.RouteRequest(
+            request_id=query.request_id,
+            session_id=query.session_id,
+            block_hashes=query.block_hashes,
+            prompt_tokens=query.prompt_tokens,
+            avoid_rank_ids=sorted(avoid),
+        )
+        try:
+            reply = await self._stub.Route(request, timeout=ROUTE_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            # Also when the router answers that no rank is left: the known list is then tried, and each
+            # dead rank refuses at once, so the request still ends quickly.
+            self._router_unreachable(exc)
+            candidates = self._known or self._fallback
+            preferred = session_preference(candidates, query.session_id)
+            return next((r for r in preferred if r.rank_id not in avoid and r.address not in avoid), None)
+        self._router_back()
+        return RankChoice(
+            reply.rank_id, reply.address, reply.reason, reply.expected_l0_tokens, reply.expected_l1_tokens
+        )
+
+    def report_failure(self, choice: RankChoice, detail: str) -> None:
+        async def report() -> None:
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await self._stub.ReportRankFailure(
+                    router_pb.ReportRankFailureRequest(rank_id=choice.rank_id, detail=detail), timeout=ROUTE_TIMEOUT_S
+                )
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._failure_reports.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._failure_reports.discard)
+
+    def known_addresses(self) -> list[str]:
+        addresses = [r.address for r in self._known] or [r.address for r in self._fallback]
+        return list(dict.fromkeys(addresses))
+
+    def _router_unreachable(self, exc: grpc.aio.AioRpcError) -> None:
+        if self._router_down_since is None:
+            self._router_down_since = time.monotonic()
+            log.warning(
+                "router %s not answering (%s): routing by session hash over %d known rank(s) until it is back",
+                self.router_address,
+                exc.code().name,
+                len(self._known or self._fallback),
+            )
+
+    def _router_back(self) -> None:
+        if self._router_down_since is not None:
+            log.warning(
+                "router %s is back after %.1f s", self.router_address, time.monotonic() - self._router_down_since
+            )
+            self._router_down_since = None
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._refresher
+        await self._channel.close()

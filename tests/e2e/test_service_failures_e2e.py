@@ -1,0 +1,187 @@
+"""What each failure does, with the whole stack as real processes: a rank SIGKILLed under load, the router
+killed and restarted, the kvstore restarted, Redis restarted."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+from whole_stack import Stack, cached_tokens_metric, chat_turn, finished_per_rank, served_by, whole_stack
+
+# A small L0 pool so sessions get evicted to L1; prefill in small chunks so a kill lands mid-request.
+RANK_SETTINGS = {
+    "KVSERVE_NUM_KV_BLOCKS": "128",
+    "KVSERVE_MAX_MODEL_LEN": "2048",
+    "KVSERVE_MAX_NUM_BATCHED_TOKENS": "128",
+}
+
+
+def context(name: str, words: int = 300) -> str:
+    return f"Session {name}. Notes: " + " ".join(f"{name}{i % 29} entry {i}" for i in range(words // 3))
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Iterator[Stack]:
+    with whole_stack(
+        tmp_path, ranks=2, rank_settings=RANK_SETTINGS, gateway_settings={"KVSERVE_PING_INTERVAL_SECS": "0.5"}
+    ) as s:
+        yield s
+
+
+def stream_story(url: str, session: str, on_delta=None, max_tokens: int = 80) -> tuple[list[str], str]:
+    """A greedy streamed reply; `on_delta(count)` runs after each text delta. Returns event names and text."""
+    body = {
+        "model": "default",
+        "max_tokens": max_tokens,
+        "stream": True,
+        "temperature": 0,
+        "messages": [{"role": "user", "content": f"Write a long story about {session}."}],
+    }
+    names: list[str] = []
+    text: list[str] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/messages", json=body, headers={"x-claude-code-session-id": session}, timeout=300
+    ) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if data.get("type") == "content_block_delta":
+                    text.append(data["delta"].get("text", ""))
+                    if on_delta is not None:
+                        on_delta(len(text))
+    return names, "".join(text)
+
+
+def test_rank_killed_under_load(stack: Stack) -> None:
+    # a session with history on some rank, and the uninterrupted text of a story, for reference
+    history = [{"role": "user", "content": context("resume")}]
+    before = finished_per_rank(stack)
+    reply, _ = chat_turn(stack.url, "resume", history)
+    home = served_by(before, finished_per_rank(stack))[0]
+    history += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "Continue."}]
+    _, reference = stream_story(stack.url, "resume")  # same session: served by `home` too
+
+    # load: several requests at once, on both ranks; kill `home` once streams are flowing
+    killed = threading.Event()
+
+    def kill_home(count: int) -> None:
+        if count == 3 and not killed.is_set():
+            killed.set()
+            os.kill(stack[home].process.pid, signal.SIGKILL)
+
+    def short(i: int) -> str:
+        return chat_turn(stack.url, f"load-{i}", [{"role": "user", "content": context(f"l{i}", 120)}], 4)[0]
+
+    with ThreadPoolExecutor(8) as pool:
+        shorts = [pool.submit(short, i) for i in range(6)]
+        story = pool.submit(stream_story, stack.url, "resume", kill_home)
+        names, text = story.result(timeout=300)
+        results = [f.result(timeout=300) for f in shorts]  # chat_turn asserts 200 for each
+    assert killed.is_set() and len(results) == 6
+    # the story was cut mid-way and went on on the survivor: it reads exactly like the uninterrupted run
+    assert names[-1] == "message_stop" and "error" not in names
+    assert text == reference
+
+    survivor = next(r for r in stack.rank_names() if r != home)
+    stack.wait_until(
+        "the router marking the killed rank down",
+        lambda: all(r.healthy == (r.rank_id == survivor) for r in stack.router_ranks().ranks),
+        timeout_s=30,
+    )
+    # new requests go to the survivor; the dead rank's session continues there, from L1
+    before = finished_per_rank(stack)
+    l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
+    _, usage = chat_turn(stack.url, "resume", history)
+    assert served_by(before, finished_per_rank(stack)) == [survivor]
+    assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0, usage
+
+
+def test_router_killed_and_restarted(stack: Stack) -> None:
+    sessions = ["s-a", "s-b", "s-c", "s-d"]
+    homes: dict[str, str] = {}
+    for session in sessions:
+        before = finished_per_rank(stack)
+        chat_turn(stack.url, session, [{"role": "user", "content": context(session, 90)}], 2)
+        homes[session] = served_by(before, finished_per_rank(stack))[0]
+    assert len(set(homes.values())) == 2  # new sessions spread over both ranks
+
+    # a stream in flight while the router dies: the data plane does not go through the router
+    def kill_router(count: int) -> None:
+        if count == 2:
+            stack["router"].kill()
+
+    names, text = stream_story(stack.url, "in-flight", kill_router)
+    assert names[-1] == "message_stop" and "error" not in names and text
+    assert not stack["router"].alive()
+    # while it is away, requests are still served
+    chat_turn(stack.url, "s-a", [{"role": "user", "content": context("s-a", 90)}], 2)
+
+    stack["router"].start()
+    stack.wait_ranks_healthy(2)
+    for session in sessions:  # sticky across the restart: state came back from Redis
+        before = finished_per_rank(stack)
+        chat_turn(stack.url, session, [{"role": "user", "content": context(session, 90) + " More."}], 2)
+        assert served_by(before, finished_per_rank(stack)) == [homes[session]], session
+
+
+def test_kvstore_restart_serves_l0_only_then_l1_again(stack: Stack) -> None:
+    stack["kvstore"].kill()
+    # L0 only: requests still succeed
+    for i in range(3):
+        chat_turn(stack.url, f"k{i}", [{"role": "user", "content": context(f"k{i}", 60)}], 2)
+    stack["kvstore"].start()
+    stack.wait_until(
+        "ranks re-attached to the new arena",
+        lambda: all(stack.rank_stats(r).l1_attached for r in stack.rank_names()),
+        timeout_s=60,
+    )
+    stack.wait_until("L1 written again", lambda: _warm_l1(stack) > 0, timeout_s=60)
+    # and used again: a session evicted from L0 comes back from the new arena
+    history = [{"role": "user", "content": context("again")}]
+    reply, _ = chat_turn(stack.url, "again", history)
+    history += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "More."}]
+    for i in range(6):
+        chat_turn(stack.url, f"flood{i}", [{"role": "user", "content": context(f"f{i}")}], 2)
+    l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
+    chat_turn(stack.url, "again", history)
+    assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0
+
+
+def _warm_l1(stack: Stack) -> int:
+    chat_turn(stack.url, f"warm-{time.monotonic()}", [{"role": "user", "content": context("warm", 60)}], 2)
+    return stack.kvstore_stats().stored_slots
+
+
+def test_redis_restart_router_survives_and_resyncs(stack: Stack) -> None:
+    client = redis.Redis(host="127.0.0.1", port=stack["redis"].port, socket_timeout=5)
+    chat_turn(stack.url, "before-outage", [{"role": "user", "content": "hello"}], 2)
+    assert client.exists("kvserve:session:before-outage")
+
+    stack["redis"].kill()
+    # the router keeps routing from memory
+    for i in range(3):
+        chat_turn(stack.url, f"during-outage-{i}", [{"role": "user", "content": f"hi {i}"}], 2)
+    assert stack.router_ranks().redis_connected is False
+
+    client.connection_pool.disconnect()
+    stack["redis"].start()  # same port, same append-only dir
+    stack.wait_until("the router reconnected to Redis", lambda: stack.router_ranks().redis_connected, timeout_s=60)
+    # resynced: what was routed during the outage is in Redis now
+    stack.wait_until(
+        "outage sessions written back",
+        lambda: all(client.exists(f"kvserve:session:during-outage-{i}") for i in range(3)),
+        timeout_s=30,
+    )
+    assert client.exists("kvserve:session:before-outage")

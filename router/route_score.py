@@ -1,0 +1,118 @@
+"""The routing decision, as a pure function of the candidates' cache matches and load.
+
+score = new prefill work on that rank + work already queued there (lower is better), where a token held
+in L0 costs nothing, a token restored from L1 costs l1_restore_cost of a prefilled one, and each running
+sequence adds a fixed amount because decode steps share the GPU with the prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# A running sequence slows the rank's prefill down by roughly this many prompt tokens' worth of work.
+RUNNING_SEQUENCE_TOKENS = 256
+# An overloaded session rank is left only for a rank whose score is at most this fraction of its own:
+# moving a session throws its L0 prefix away, so "slightly better" is not worth it.
+ESCAPE_SCORE_RATIO = 0.5
+
+
+@dataclass(frozen=True)
+class RoutePolicy:
+    l1_restore_cost: float
+    overload_prefill_tokens: int
+    running_sequence_tokens: int = RUNNING_SEQUENCE_TOKENS
+    escape_score_ratio: float = ESCAPE_SCORE_RATIO
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One healthy rank the request may go to."""
+
+    rank_id: str
+    block_size: int
+    l0_blocks: int  # leading lookup hashes in the rank's L0
+    l1_blocks: int  # lookup hashes after those that the node's L1 holds
+    queued_prefill_tokens: int  # reported waiting prefill plus what we routed there since
+    running: int
+
+
+@dataclass(frozen=True)
+class ScoredCandidate:
+    candidate: Candidate
+    l0_tokens: int
+    l1_tokens: int
+    uncached_tokens: int  # prompt tokens the rank must compute
+    new_prefill: float  # uncached tokens plus the weighted cost of restoring the L1 ones
+    queue: float
+
+    @property
+    def score(self) -> float:
+        return self.new_prefill + self.queue
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.l0_tokens + self.l1_tokens
+
+
+@dataclass(frozen=True)
+class RouteChoice:
+    rank_id: str
+    reason: str  # "session", "overloaded-session-rank", "prefix", "load", "only-rank"
+    expected_l0_tokens: int
+    expected_l1_tokens: int
+    score: float
+    new_prefill_tokens: int  # prompt tokens the rank will compute (for the optimistic load estimate)
+
+
+def score_candidate(candidate: Candidate, prompt_tokens: int, policy: RoutePolicy) -> ScoredCandidate:
+    """Expected work for `candidate` to start this prompt, in prefill-token units."""
+    prompt_tokens = max(prompt_tokens, 0)
+    l0_tokens = min(candidate.l0_blocks * candidate.block_size, prompt_tokens)
+    l1_tokens = min(candidate.l1_blocks * candidate.block_size, prompt_tokens - l0_tokens)
+    uncached = prompt_tokens - l0_tokens - l1_tokens
+    new_prefill = uncached + l1_tokens * policy.l1_restore_cost
+    queue = candidate.queued_prefill_tokens + candidate.running * policy.running_sequence_tokens
+    return ScoredCandidate(candidate, l0_tokens, l1_tokens, uncached, new_prefill, queue)
+
+
+def choose_rank(
+    candidates: Sequence[Candidate], prompt_tokens: int, session_rank_id: str | None, policy: RoutePolicy
+) -> RouteChoice | None:
+    """The rank for one request, or None when there is no candidate. `session_rank_id`: where the
+    session's previous turn went (None for no session or a new one)."""
+    if not candidates:
+        return None
+    scored = [score_candidate(candidate, prompt_tokens, policy) for candidate in candidates]
+    best = min(scored, key=_order)
+    session = next((item for item in scored if item.candidate.rank_id == session_rank_id), None)
+    if session is not None:
+        if session.candidate.queued_prefill_tokens < policy.overload_prefill_tokens:
+            return _choice(session, "session")
+        others = [item for item in scored if item is not session]
+        if others:
+            best_other = min(others, key=_order)
+            if best_other.score <= session.score * policy.escape_score_ratio:
+                return _choice(best_other, "overloaded-session-rank")
+        return _choice(session, "session")
+    if len(scored) == 1:
+        return _choice(best, "only-rank")
+    # The cache decided when the chosen rank has more of the prompt cached than some other candidate.
+    least_cached = min(item.cached_tokens for item in scored)
+    return _choice(best, "prefix" if best.cached_tokens > least_cached else "load")
+
+
+def _order(item: ScoredCandidate) -> tuple[float, float, str]:
+    # Ties: the emptier queue, then the name, so equal ranks get a stable answer.
+    return (item.score, item.queue, item.candidate.rank_id)
+
+
+def _choice(item: ScoredCandidate, reason: str) -> RouteChoice:
+    return RouteChoice(
+        rank_id=item.candidate.rank_id,
+        reason=reason,
+        expected_l0_tokens=item.l0_tokens,
+        expected_l1_tokens=item.l1_tokens,
+        score=item.score,
+        new_prefill_tokens=item.uncached_tokens,
+    )

@@ -1,0 +1,236 @@
+"""The router's state and its operations, free of gRPC: ranks register and heartbeat, event feeds fill
+the prefix index, Route scores the healthy ranks. The servicer calls these; tests call them directly.
+
+Two outside effects are hooks: which ranks' KV event streams to follow (router/event_feeds.py) and which
+keys changed for Redis (router/durable_state.py). Both are plain method calls that never block.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from router.prefix_index import KvEvent, PrefixIndex
+from router.rank_registry import RankEntry, RankIdentity, RankLoad, RankRegistry, RegisterOutcome
+from router.route_score import Candidate, RouteChoice, RoutePolicy, choose_rank
+from router.session_table import SessionTable
+
+log = logging.getLogger("router")
+
+# A rank down this long is forgotten (registry, index, Redis): rank ids of retired machines do not pile up.
+FORGET_DOWN_RANK_AFTER_S = 600.0
+
+
+class RankFollower(Protocol):
+    """Keeps one KV event subscription per followed rank."""
+
+    def follow_rank(self, identity: RankIdentity) -> None:
+        """(Re)subscribe to this rank's events; a previous subscription for the rank id is replaced."""
+
+    def unfollow_rank(self, rank_id: str) -> None:
+        """Stop the rank's subscription, if any."""
+
+
+class DurableChanges(Protocol):
+    """Told which durable keys changed; writes them to Redis later, never in the caller's path."""
+
+    def session_changed(self, session_id: str) -> None: ...
+
+    def rank_changed(self, rank_id: str) -> None: ...
+
+    def rank_forgotten(self, rank_id: str) -> None: ...
+
+
+class _NoFollower:
+    def follow_rank(self, identity: RankIdentity) -> None:
+        pass
+
+    def unfollow_rank(self, rank_id: str) -> None:
+        pass
+
+
+class _NoDurability:
+    def session_changed(self, session_id: str) -> None:
+        pass
+
+    def rank_changed(self, rank_id: str) -> None:
+        pass
+
+    def rank_forgotten(self, rank_id: str) -> None:
+        pass
+
+
+class NoRankAvailableError(Exception):
+    """No healthy rank outside the request's avoid list."""
+
+
+@dataclass(frozen=True)
+class RouteQuery:
+    request_id: str
+    session_id: str  # empty: no stickiness
+    block_hashes: Sequence[bytes]
+    prompt_tokens: int
+    avoid_rank_ids: frozenset[str] = frozenset()
+
+
+@dataclass(frozen=True)
+class RouteAnswer:
+    choice: RouteChoice
+    address: str
+
+
+class RouterState:
+    """Registry + prefix index + session table, and the decisions made from them."""
+
+    def __init__(
+        self,
+        policy: RoutePolicy,
+        session_ttl_s: float,
+        rank_down_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.policy = policy
+        self.registry = RankRegistry(rank_down_after_s)
+        self.index = PrefixIndex()
+        self.sessions = SessionTable(session_ttl_s)
+        self.follower: RankFollower = _NoFollower()
+        self.durable: DurableChanges = _NoDurability()
+        self._clock = clock
+
+    # --- ranks ---
+
+    def register_rank(self, identity: RankIdentity, load: RankLoad) -> RegisterOutcome:
+        """A rank (re)announces itself: healthy now; a new incarnation starts with an empty index."""
+        previous = self.registry.get(identity.rank_id)
+        outcome = self.registry.register(identity, load, self._clock())
+        if outcome is not RegisterOutcome.SAME_INCARNATION:
+            self.index.clear_rank(identity.rank_id)
+        if previous is None or previous.identity != identity:
+            self.durable.rank_changed(identity.rank_id)
+        # A fresh subscription starts with a snapshot, so the index is right whatever happened before.
+        self.follower.follow_rank(identity)
+        log.info(
+            "rank %s registered (%s) at %s, incarnation %s, block size %d",
+            identity.rank_id,
+            outcome.value,
+            identity.address,
+            identity.incarnation,
+            identity.block_size,
+        )
+        return outcome
+
+    def restore_rank(self, identity: RankIdentity) -> None:
+        """A rank read back from Redis at start: follow its events, route to it once it heartbeats."""
+        if self.registry.get(identity.rank_id) is not None:
+            return
+        self.registry.restore(identity, self._clock())
+        self.follower.follow_rank(identity)
+
+    def heartbeat(self, rank_id: str, incarnation: str, load: RankLoad) -> bool:
+        """False: the router does not know this process (or declared it down); it must register again."""
+        entry = self.registry.get(rank_id)
+        was_unconfirmed = entry is not None and not entry.healthy
+        known = self.registry.heartbeat(rank_id, incarnation, load, self._clock())
+        if known and was_unconfirmed:
+            log.info("rank %s confirmed by its heartbeat (known from Redis)", rank_id)
+        return known
+
+    def report_failure(self, rank_id: str, detail: str) -> bool:
+        """A client saw the rank fail: take it out now. False if unknown or already down."""
+        return self._mark_down(rank_id, f"reported failed: {detail}" if detail else "reported failed")
+
+    def feed_lost(self, rank_id: str, incarnation: str, detail: str) -> None:
+        """The rank's event stream has been unreachable for rank_down_after_secs: it is most likely dead."""
+        self._mark_down(rank_id, f"event stream lost: {detail}", incarnation)
+
+    def apply_rank_events(self, rank_id: str, incarnation: str, events: Iterable[KvEvent]) -> None:
+        entry = self.registry.get(rank_id)
+        if entry is not None and entry.identity.incarnation == incarnation:
+            self.index.apply(rank_id, events)
+
+    def reset_rank_events(self, rank_id: str, incarnation: str) -> None:
+        """A new subscription: what we held for the rank is replaced by the snapshot that follows."""
+        entry = self.registry.get(rank_id)
+        if entry is not None and entry.identity.incarnation == incarnation:
+            self.index.clear_rank(rank_id)
+
+    def sweep(self) -> None:
+        """Periodic: ranks silent too long go down, long-down ranks are forgotten, idle sessions expire."""
+        now = self._clock()
+        for entry in self.registry.stale(now):
+            silent_s = now - entry.last_heartbeat
+            self._mark_down(entry.rank_id, f"no heartbeat for {silent_s:.1f}s")
+        for entry in self.registry.down_longer_than(FORGET_DOWN_RANK_AFTER_S, now):
+            self.registry.forget(entry.rank_id)
+            self.index.clear_rank(entry.rank_id)
+            self.follower.unfollow_rank(entry.rank_id)
+            self.durable.rank_forgotten(entry.rank_id)
+            log.info("rank %s forgotten after %.0fs down", entry.rank_id, FORGET_DOWN_RANK_AFTER_S)
+        self.sessions.purge_expired(now)
+
+    def _mark_down(self, rank_id: str, reason: str, incarnation: str | None = None) -> bool:
+        if not self.registry.mark_down(rank_id, reason, self._clock(), incarnation):
+            return False
+        self.follower.unfollow_rank(rank_id)
+        self.index.clear_rank(rank_id)  # a rank back from down re-registers and resends a snapshot
+        log.warning("rank %s marked down: %s", rank_id, reason)
+        return True
+
+    # --- routing ---
+
+    def route(self, query: RouteQuery) -> RouteAnswer:
+        """Choose a rank, remember it for the session, count the new prefill against its load."""
+        now = self._clock()
+        ranks = {entry.rank_id: entry for entry in self.registry.healthy() if entry.rank_id not in query.avoid_rank_ids}
+        if not ranks:
+            raise NoRankAvailableError(
+                f"no healthy rank to route to ({len(self.registry)} known, {len(query.avoid_rank_ids)} avoided)"
+            )
+        matches = self.index.match(query.block_hashes, ranks)
+        candidates = [
+            Candidate(
+                rank_id=rank_id,
+                block_size=entry.identity.block_size,
+                l0_blocks=matches[rank_id].l0_blocks,
+                l1_blocks=matches[rank_id].l1_blocks,
+                queued_prefill_tokens=entry.queued_prefill_tokens,
+                running=entry.load.running,
+            )
+            for rank_id, entry in ranks.items()
+        ]
+        session_rank = self.sessions.rank_of(query.session_id, now) if query.session_id else None
+        choice = choose_rank(candidates, query.prompt_tokens, session_rank, self.policy)
+        assert choice is not None  # candidates is not empty
+        self.registry.add_pending_prefill(choice.rank_id, choice.new_prefill_tokens)
+        if query.session_id:
+            self.sessions.record(query.session_id, choice.rank_id, now)
+            self.durable.session_changed(query.session_id)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "route request=%s session=%s rank=%s reason=%s prompt=%d l0=%d l1=%d score=%.0f candidates=%d",
+                query.request_id,
+                query.session_id or "-",
+                choice.rank_id,
+                choice.reason,
+                query.prompt_tokens,
+                choice.expected_l0_tokens,
+                choice.expected_l1_tokens,
+                choice.score,
+                len(candidates),
+            )
+        return RouteAnswer(choice, ranks[choice.rank_id].identity.address)
+
+    # --- status ---
+
+    def now(self) -> float:
+        """The state's clock (monotonic seconds)."""
+        return self._clock()
+
+    def ranks(self) -> list[RankEntry]:
+        return sorted(self.registry, key=lambda entry: entry.rank_id)
+
+    def heartbeat_age(self, entry: RankEntry) -> float:
+        return max(self._clock() - entry.last_heartbeat, 0.0)

@@ -1,0 +1,156 @@
+"""The Router gRPC service: check and convert wire messages, call RouterState, convert back. Nothing else."""
+
+from __future__ import annotations
+
+import grpc
+
+from protos import router_pb2 as pb
+from protos import router_pb2_grpc as pb_grpc
+from router.durable_state import DurableState
+from router.rank_registry import RankEntry, RankIdentity, RankLoad
+from router.router_state import NoRankAvailableError, RouteQuery, RouterState
+
+MAX_ID_CHARS = 256  # rank, incarnation, request and session ids: they become Redis keys and log fields
+BLOCK_HASH_BYTES = 16
+
+
+class InvalidMessageError(ValueError):
+    """A request the router refuses with INVALID_ARGUMENT."""
+
+
+def _check_id(name: str, value: str, *, required: bool) -> str:
+    if required and not value:
+        raise InvalidMessageError(f"{name} is required")
+    if len(value) > MAX_ID_CHARS:
+        raise InvalidMessageError(f"{name} is longer than {MAX_ID_CHARS} characters")
+    if not value.isprintable():
+        raise InvalidMessageError(f"{name} has unprintable characters")
+    return value
+
+
+def _check_address(address: str) -> str:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise InvalidMessageError(f"address must be host:port, got {address!r}")
+    return _check_id("address", address, required=True)
+
+
+def rank_load(message: pb.RankLoad) -> RankLoad:
+    """The registry's load for a wire load; negative counts are refused."""
+    load = RankLoad(
+        running=message.running,
+        waiting=message.waiting,
+        waiting_prefill_tokens=message.waiting_prefill_tokens,
+        free_blocks=message.free_blocks,
+        total_blocks=message.total_blocks,
+    )
+    if min(load.running, load.waiting, load.waiting_prefill_tokens, load.free_blocks, load.total_blocks) < 0:
+        raise InvalidMessageError("load counts must not be negative")
+    return load
+
+
+def rank_identity(message: pb.RegisterRankRequest) -> RankIdentity:
+    if message.block_size <= 0:
+        raise InvalidMessageError("block_size must be positive")
+    return RankIdentity(
+        rank_id=_check_id("rank_id", message.rank_id, required=True),
+        address=_check_address(message.address),
+        incarnation=_check_id("incarnation", message.incarnation, required=True),
+        block_size=message.block_size,
+        hash_namespace=bytes(message.hash_namespace),
+    )
+
+
+def route_query(message: pb.RouteRequest) -> RouteQuery:
+    if message.prompt_tokens < 0:
+        raise InvalidMessageError("prompt_tokens must not be negative")
+    hashes = list(message.block_hashes)
+    if any(len(block_hash) != BLOCK_HASH_BYTES for block_hash in hashes):
+        raise InvalidMessageError(f"block_hashes must be {BLOCK_HASH_BYTES} bytes each")
+    return RouteQuery(
+        request_id=_check_id("request_id", message.request_id, required=False),
+        session_id=_check_id("session_id", message.session_id, required=False),
+        block_hashes=hashes,
+        prompt_tokens=message.prompt_tokens,
+        avoid_rank_ids=frozenset(message.avoid_rank_ids),
+    )
+
+
+def load_message(load: RankLoad) -> pb.RankLoad:
+    return pb.RankLoad(
+        running=load.running,
+        waiting=load.waiting,
+        waiting_prefill_tokens=load.waiting_prefill_tokens,
+        free_blocks=load.free_blocks,
+        total_blocks=load.total_blocks,
+    )
+
+
+class RouterServicer(pb_grpc.RouterServicer):
+    def __init__(self, state: RouterState, durable: DurableState | None) -> None:
+        self._state = state
+        self._durable = durable
+
+    async def RegisterRank(
+        self, request: pb.RegisterRankRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RegisterRankResponse:
+        try:
+            identity, load = rank_identity(request), rank_load(request.load)
+        except InvalidMessageError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._state.register_rank(identity, load)
+        return pb.RegisterRankResponse()
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
+        try:
+            rank_id = _check_id("rank_id", request.rank_id, required=True)
+            load = rank_load(request.load)
+        except InvalidMessageError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        return pb.HeartbeatResponse(known=self._state.heartbeat(rank_id, request.incarnation, load))
+
+    async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
+        try:
+            query = route_query(request)
+        except InvalidMessageError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        try:
+            answer = self._state.route(query)
+        except NoRankAvailableError as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        choice = answer.choice
+        return pb.RouteResponse(
+            rank_id=choice.rank_id,
+            address=answer.address,
+            expected_l0_tokens=choice.expected_l0_tokens,
+            expected_l1_tokens=choice.expected_l1_tokens,
+            reason=choice.reason,
+        )
+
+    async def ListRanks(self, request: pb.ListRanksRequest, context: grpc.aio.ServicerContext) -> pb.ListRanksResponse:
+        return pb.ListRanksResponse(
+            ranks=[self._rank_status(entry) for entry in self._state.ranks()],
+            l1_blocks=self._state.index.l1_blocks,
+            redis_connected=self._durable is not None and self._durable.connected,
+            sessions=len(self._state.sessions),
+        )
+
+    async def ReportRankFailure(
+        self, request: pb.ReportRankFailureRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportRankFailureResponse:
+        try:
+            rank_id = _check_id("rank_id", request.rank_id, required=True)
+        except InvalidMessageError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._state.report_failure(rank_id, request.detail[:1000])  # unknown or already down: nothing to do
+        return pb.ReportRankFailureResponse()
+
+    def _rank_status(self, entry: RankEntry) -> pb.RankStatus:
+        return pb.RankStatus(
+            rank_id=entry.rank_id,
+            address=entry.identity.address,
+            healthy=entry.healthy,
+            load=load_message(entry.load),
+            l0_blocks=self._state.index.l0_blocks(entry.rank_id),
+            last_heartbeat_age_s=self._state.heartbeat_age(entry),
+        )

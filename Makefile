@@ -1,4 +1,5 @@
 # Development entry points: `make up` runs the local stack, `make test` is what CI runs (.ci/run).
+# `make up RANKS=2` starts two rank workers (one GPU each where there are GPUs).
 
 VENV := .venv
 BIN := $(VENV)/bin
@@ -15,6 +16,7 @@ TORCH_PIP_ARGS ?=
 PROTOS := $(wildcard protos/*.proto)
 CLAUDE_CODE_VERSION ?= 2.1.197
 CLAUDE_CODE_DIR := .claude-code
+RANKS ?= 1
 
 .PHONY: setup up test lint format protos check-protos clean
 
@@ -40,7 +42,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 up: setup
-	$(BIN)/kvserve up --config config/local.yaml
+	$(BIN)/kvserve up --config config/local.yaml --ranks $(RANKS)
 
 test: setup
 	$(MAKE) check-protos

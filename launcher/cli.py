@@ -1,10 +1,11 @@
-"""The `kvserve` command: `rank-worker`, `complete`, `up`, `keys`."""
+"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import grpc
 
@@ -30,10 +31,18 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--config", help="YAML config file (for the default target)")
     complete.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
 
-    up = commands.add_parser("up", help="start the local stack and keep it running until Ctrl-C")
-    up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports)")
+    up = commands.add_parser(
+        "up", help="start the local stack (redis, kvstore, router, rank workers, gateway) until Ctrl-C"
+    )
+    up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports, a GPU each)")
     up.add_argument("--config", help="YAML config file, passed to every service")
-    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for health SERVING")
+    up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a rank worker may take to load")
+    up.add_argument("--state-dir", default=".kvserve/run", help="logs, redis data, services.json")
+
+    compose = commands.add_parser("compose", help="render docker-compose.yml from the stack's topology")
+    compose.add_argument("--ranks", type=int, default=4, help="rank workers, one GPU each (default: 4)")
+    compose.add_argument("--config", default="config/compose.yaml", help="the config file mounted in containers")
+    compose.add_argument("--output", "-o", default="docker-compose.yml", help="file to write, or - for stdout")
 
     keys = commands.add_parser("keys", help="manage the gateway's API keys").add_subparsers(
         dest="keys_command", required=True, metavar="ACTION"
@@ -58,18 +67,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "complete":
         return _complete(args)
+    if args.command in ("up", "compose") and args.ranks < 1:
+        build_parser().error("--ranks must be at least 1")
     if args.command == "up":
-        from launcher.up import run_up
+        from launcher.up import UpOptions, run_up
 
-        if args.ranks < 1:
-            build_parser().error("--ranks must be at least 1")
-        return run_up(args.config, args.ranks, args.ready_timeout)
+        return run_up(UpOptions(args.config, args.ranks, args.ready_timeout, Path(args.state_dir)))
+    if args.command == "compose":
+        return _compose(args)
     if args.command == "keys":
         from launcher.keys import create_command, keys_file, list_command
 
         path = keys_file(args.file, args.config)
         return create_command(path, args.name, args.models) if args.keys_command == "create" else list_command(path)
     raise AssertionError(args.command)
+
+
+def _compose(args: argparse.Namespace) -> int:
+    from launcher.compose import render_compose
+
+    output = Path("docker-compose.yml" if args.output == "-" else args.output)
+    try:
+        text = render_compose(args.ranks, Path(args.config), output)
+    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.output == "-":
+        sys.stdout.write(text)
+    else:
+        output.write_text(text)
+        print(f"wrote {output} ({args.ranks} rank workers, config {args.config})", file=sys.stderr)
+    return 0
 
 
 def _complete(args: argparse.Namespace) -> int:

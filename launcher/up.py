@@ -1,128 +1,187 @@
-"""`kvserve up`: start the local stack and keep it running until Ctrl-C.
+"""`kvserve up`: start the whole local stack and keep it running until Ctrl-C.
 
-The stack: rank worker processes (one per rank, on consecutive ports from rank_worker_port) and the HTTP
-gateway in front of them; the router and kvstore join it in a later issue.
+The stack is the topology (launcher/topology.py) in local mode: redis-server, the kvstore, the router, N rank
+workers and the gateway, started tier by tier in dependency order, each waited on until healthy. Logs, the
+redis data and services.json (names, pids, addresses) go to the state dir (default .kvserve/run). SIGINT or
+SIGTERM stops everything in reverse order. A service that exits once the stack is up is restarted, as
+compose's `restart: unless-stopped` would; one that keeps crashing stops the stack.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
-from contracts.config import load_config
-from launcher.health import ServiceExitedError, client_target, wait_for_serving
+from contracts.config import KvServeConfig, load_config
+from launcher.supervisor import ServiceFailedError, Supervisor
+from launcher.topology import ServiceSpec, StackPlan, build_topology, cpu_kv_cache_gb, start_tiers
 
-STOP_TIMEOUT_S = 20.0
+DEFAULT_STATE_DIR = Path(".kvserve/run")
+WATCH_INTERVAL_S = 0.5
+REDIS_INSTALL_HINT = (
+    "redis-server not found on PATH: the router keeps its state in Redis. Install it: "
+    "`sudo apt-get install redis-server` (Debian/Ubuntu), `brew install redis` (macOS), "
+    "or run `make setup` as root, which installs it"
+)
 
 
-@dataclass
-class ServiceProcess:
-    name: str
-    target: str
-    process: subprocess.Popen[bytes]
+class StackError(RuntimeError):
+    """The stack cannot start as configured (missing redis-server, a port in use, a bad config)."""
+
+
+@dataclass(frozen=True)
+class UpOptions:
+    config_file: str | None
+    ranks: int = 1
+    ready_timeout_s: float = 600.0
+    state_dir: Path = DEFAULT_STATE_DIR
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt  # SIGTERM to the launcher stops the stack the same way Ctrl-C does
 
 
-def start_rank_workers(config_file: str | None, ranks: int, host: str, base_port: int) -> list[ServiceProcess]:
-    services: list[ServiceProcess] = []
-    for rank in range(ranks):
-        port = base_port + rank
-        command = [sys.executable, "-m", "rank_worker", "--host", host, "--port", str(port)]
-        if config_file:
-            command += ["--config", config_file]
-        # A session of its own: Ctrl-C reaches only the launcher, which then stops workers in order.
-        process = subprocess.Popen(command, start_new_session=True)
-        services.append(ServiceProcess(f"rank worker {rank}", client_target(host, port), process))
-    return services
-
-
-def start_gateway(config_file: str | None, ranks: list[ServiceProcess]) -> ServiceProcess:
-    config = load_config(config_file)
-    command = [sys.executable, "-m", "gateway"]
-    if config_file:
-        command += ["--config", config_file]
-    for rank in ranks:
-        command += ["--rank", rank.target]
-    process = subprocess.Popen(command, start_new_session=True)
-    base_url = f"http://{client_target(config.gateway_host, config.gateway_port)}"
-    return ServiceProcess("gateway", base_url, process)
-
-
-def wait_for_gateway(gateway: ServiceProcess, timeout_s: float) -> str:
-    """Wait until /ready answers 200; returns the served model name."""
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if gateway.process.poll() is not None:
-            raise ServiceExitedError(f"the gateway exited with code {gateway.process.returncode}")
-        try:
-            response = httpx.get(f"{gateway.target}/ready", timeout=2)
-            if response.status_code == 200:
-                return str(response.json()["model"])
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"the gateway at {gateway.target} was not ready after {timeout_s:.0f} s")
-
-
-def stop_services(services: list[ServiceProcess], timeout_s: float = STOP_TIMEOUT_S) -> None:
-    """SIGTERM (graceful stop) to each, then SIGKILL to any still running after timeout_s."""
-    for service in services:
-        if service.process.poll() is None:
-            service.process.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout_s
-    for service in services:
-        try:
-            service.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            service.process.kill()
-            service.process.wait()
-
-
-def run_up(config_file: str | None, ranks: int, ready_timeout_s: float, out: TextIO = sys.stdout) -> int:
-    config = load_config(config_file)
-    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
-    services: list[ServiceProcess] = []
+def visible_gpu_ids(config: KvServeConfig) -> list[str]:
+    """The GPUs local ranks may use, one each: CUDA_VISIBLE_DEVICES when set, else what nvidia-smi lists."""
+    if config.device == "cpu":
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [device.strip() for device in visible.split(",") if device.strip() and device.strip() != "-1"]
+    if shutil.which("nvidia-smi") is None:
+        return []
     try:
-        services = start_rank_workers(config_file, ranks, config.rank_worker_host, config.rank_worker_port)
-        for service in services:
-            wait_for_serving(service.target, ready_timeout_s, process=service.process)
-        gateway = start_gateway(config_file, services)
-        services.insert(0, gateway)  # stopped first: no new requests while ranks wind down
-        model = wait_for_gateway(gateway, ready_timeout_s)
-        _print_ready(services, model, _max_model_len(services[1].target), out)
+        listed = subprocess.run(
+            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []  # a driver that does not answer: the ranks run on the CPU (and say so in their logs)
+    return [line.strip() for line in listed.splitlines() if line.strip()]
+
+
+def plan_stack(options: UpOptions, config: KvServeConfig) -> list[ServiceSpec]:
+    """The local topology for these options, after the checks that would otherwise fail one service deep."""
+    if shutil.which("redis-server") is None:
+        raise StackError(REDIS_INSTALL_HINT)
+    gpu_ids = visible_gpu_ids(config)
+    if gpu_ids and options.ranks > len(gpu_ids):
+        raise StackError(f"--ranks {options.ranks} needs one GPU per rank; {len(gpu_ids)} visible ({gpu_ids})")
+    plan = StackPlan(
+        mode="local",
+        config_file=str(Path(options.config_file).resolve()) if options.config_file else None,
+        python=sys.executable,
+        state_dir=options.state_dir.resolve(),
+        gpu_ids=gpu_ids[: options.ranks],
+        rank_startup_s=options.ready_timeout_s,
+    )
+    specs = build_topology(config, options.ranks, plan)
+    for spec in specs:
+        _check_port_free(spec)
+    return specs
+
+
+def _check_port_free(spec: ServiceSpec) -> None:
+    family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
+    with socket.socket(family) as sock:
+        try:
+            sock.bind((spec.host, spec.port))
+        except OSError as exc:
+            key = "redis_url" if spec.role == "redis" else f"{spec.role.replace('-', '_')}_port"
+            raise StackError(
+                f"{spec.name} cannot listen on {spec.host}:{spec.port} ({exc.strerror}): another process uses "
+                f"it. Stop it, or choose another port with the config key {key} (or KVSERVE_{key.upper()}; "
+                "0 picks a free port)"
+            ) from exc
+
+
+def _prepare_state_dir(state_dir: Path) -> None:
+    (state_dir / "redis").mkdir(parents=True, exist_ok=True)
+    ignore = state_dir / ".gitignore"
+    if not ignore.exists():
+        ignore.write_text("# kvserve up's logs and local state\n*\n")  # the state dir ignores itself
+
+
+def write_services_file(supervisor: Supervisor, path: Path) -> None:
+    """services.json: what runs where, for scripts and tests (pids change when a service is restarted)."""
+    entries = [
+        {
+            "name": service.spec.name,
+            "role": service.spec.role,
+            "pid": service.process.pid,
+            "address": service.spec.address,
+            "log": str(service.log_path),
+        }
+        for service in supervisor.services
+    ]
+    temporary = path.with_suffix(".tmp")
+    temporary.write_text(json.dumps({"launcher_pid": os.getpid(), "services": entries}, indent=2) + "\n")
+    temporary.replace(path)
+
+
+def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
+    def say(text: str) -> None:
+        out.write(text)
+        out.flush()
+
+    try:
+        config = load_config(options.config_file)
+        specs = plan_stack(options, config)
+    except (StackError, FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        say(f"error: {exc}\n")
+        return 1
+    _prepare_state_dir(options.state_dir)
+    tiers = start_tiers(specs)
+    supervisor = Supervisor(options.state_dir / "logs", say)
+    services_file = options.state_dir / "services.json"
+    previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    say(f"starting {len(specs)} services; logs in {supervisor.log_dir}\n")
+    try:
+        for tier in tiers:
+            started = [supervisor.start(spec) for spec in tier]
+            write_services_file(supervisor, services_file)
+            supervisor.wait_healthy(started)
+        gateway = next(spec for spec in specs if spec.role == "gateway")
+        ranks = [spec for spec in specs if spec.role == "rank-worker"]
+        ready = _gateway_ready(gateway)
+        _print_ready(specs, str(ready["model"]), _max_model_len(ranks[0].address), config, options, out)
         while True:
-            for service in services:
-                if service.process.poll() is not None:
-                    out.write(f"{service.name} exited with code {service.process.returncode}; stopping\n")
-                    return 1
-            time.sleep(0.5)
-    except (ServiceExitedError, TimeoutError) as exc:
-        out.write(f"error: {exc}\n")
+            time.sleep(WATCH_INTERVAL_S)
+            if supervisor.watch():
+                write_services_file(supervisor, services_file)
+    except ServiceFailedError as exc:
+        say(f"error: {exc}\nstopping...\n")
         return 1
     except KeyboardInterrupt:
-        out.write("stopping...\n")
+        say("stopping...\n")
         return 0
     finally:
-        # A second Ctrl-C must not cut the stop short and leave workers running in their own sessions.
+        # A second Ctrl-C must not cut the stop short and leave services running in their own sessions.
         previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        stop_services(services)
+        supervisor.stop_all(tiers)
+        say("stopped\n")
         signal.signal(signal.SIGINT, previous_sigint)
         signal.signal(signal.SIGTERM, previous_sigterm)
-        out.flush()
+
+
+def _gateway_ready(gateway: ServiceSpec) -> dict[str, object]:
+    with urllib.request.urlopen(gateway.health.target, timeout=10) as response:
+        return dict(json.loads(response.read()))
 
 
 def _max_model_len(rank_target: str) -> int:
@@ -153,19 +212,33 @@ def claude_code_environment(base_url: str, model: str, max_model_len: int) -> di
     }
 
 
-def _print_ready(services: list[ServiceProcess], model: str, max_model_len: int, out: TextIO) -> None:
-    gateway, ranks = services[0], services[1:]
+def _print_ready(
+    specs: list[ServiceSpec], model: str, max_model_len: int, config: KvServeConfig, options: UpOptions, out: TextIO
+) -> None:
+    gateway = next(spec for spec in specs if spec.role == "gateway")
+    ranks = [spec for spec in specs if spec.role == "rank-worker"]
+    base_url = f"http://{gateway.address}"
     out.write("\nkvserve is up:\n")
-    out.write(f"  gateway: {gateway.target} (Anthropic /v1/messages, OpenAI /v1/chat/completions), model {model}\n")
-    for service in ranks:
-        out.write(f"  {service.name}: {service.target} (gRPC)\n")
+    out.write(f"  gateway: {base_url} (Anthropic /v1/messages, OpenAI /v1/chat/completions), model {model}\n")
+    for spec in specs:
+        if spec.role == "gateway":
+            continue
+        kind = "redis" if spec.role == "redis" else "gRPC"
+        device = f", GPU {spec.gpu}" if spec.gpu is not None else ""
+        out.write(f"  {spec.name}: {spec.address} ({kind}{device})\n")
+    if ranks[0].gpu is None and len(ranks) > 1 and config.num_kv_blocks is None:
+        out.write(
+            f"  CPU KV pools: kv_cache_memory_gb {config.kv_cache_memory_gb:g} is split between the {len(ranks)} "
+            f"ranks: {cpu_kv_cache_gb(config, len(ranks)):g} GB each\n"
+        )
+    out.write(f"  logs: {(options.state_dir / 'logs').resolve()}\n")
     out.write("\nUse it from Claude Code:\n")
-    for name, value in claude_code_environment(gateway.target, model, max_model_len).items():
+    for name, value in claude_code_environment(base_url, model, max_model_len).items():
         out.write(f"  export {name}={value}\n")
     out.write(
         "  claude\n"
         "\nOr from the command line:\n"
-        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].target}\n'
+        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].address}\n'
         "\nCtrl-C stops everything.\n"
     )
     out.flush()

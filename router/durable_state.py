@@ -141,7 +141,8 @@ class DurableState:
         while True:
             if not self.connected:
                 await asyncio.sleep(PROBE_INTERVAL_S)
-                await self._probe()
+                if not self.connected:  # start() may have connected meanwhile
+                    await self._probe()
                 continue
             if not self.pending_writes:
                 self._wake.clear()
@@ -166,8 +167,8 @@ class DurableState:
         try:
             await self._client.ping()
             merged = None if self._loaded else await self._load()
-            written_sessions, written_ranks = self._mark_everything_dirty()
             pending_before = self.pending_writes
+            written_sessions, written_ranks = self._mark_everything_dirty()
             await self._flush()
         except _UNREACHABLE as exc:
             self._still_down(exc)
@@ -176,7 +177,8 @@ class DurableState:
         self.connected = True
         self._down_since = None
         log.warning(
-            "Redis %s is back after %.1fs: resynced %d sessions and %d ranks from memory (%d writes pending)%s",
+            "Redis %s is back after %.1fs: resynced %d sessions and %d ranks from memory "
+            "(%d writes had been pending)%s",
             self._url,
             down_s,
             written_sessions,

@@ -178,7 +178,10 @@ class _Feed:
                 log.warning("KV events from %s unreachable for %.1fs (%s)", self.name, now - broken_since, detail)
                 self._on_lost(detail)
                 return
-            await asyncio.sleep(retry_s)
+            sleep_s = retry_s
+            if self._on_lost is not None:  # wake up at the deadline, not a whole backoff step past it
+                sleep_s = min(sleep_s, max(self._lost_after_s - (now - broken_since), 0.01))
+            await asyncio.sleep(sleep_s)
             retry_s = min(retry_s * 2, RETRY_MAX_S)
 
     async def _subscribe_once(self) -> str:

@@ -211,6 +211,7 @@ def main() -> None:
         f"registered in {bench.register_s:.2f} s)",
         flush=True,
     )
+    pinned = bench.mapping.pinned  # read before close() unregisters it
     try:
         bandwidth = bench.bandwidth(sizes, repeats)
         session = bench.session(session_tokens, repeats)
@@ -225,7 +226,7 @@ def main() -> None:
         "shape": shape,
         "dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
         "block_bytes": block_bytes,
-        "arena": {"dir": args.arena_dir, "bytes": arena_bytes, "pinned": bench.mapping.pinned},
+        "arena": {"dir": args.arena_dir, "bytes": arena_bytes, "pinned": pinned},
         "pinned_reference_GBps": PINNED_GBPS,
         "restore": bandwidth["restore"],
         "offload": bandwidth["offload"],

@@ -1,0 +1,193 @@
+"""Start the kvstore: read the config, bind the port, create the arena, serve until SIGTERM/SIGINT.
+
+The port is bound first (a conflict fails at once) and health answers NOT_SERVING while the arena's RAM
+is being reserved (seconds for tens of GB), SERVING once the arena exists. The arena file is deleted on
+every way out we control; one left by a SIGKILL is removed by the next start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from contracts.config import KvServeConfig, load_config
+from kvstore.arena import Arena, ArenaError, create_arena, remove_stale_arenas
+from kvstore.l1_tier import ArenaInfo, L1Tier
+from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
+from kvstore.servicer import KvStoreServicer
+from protos import kvstore_pb2, kvstore_pb2_grpc
+
+log = logging.getLogger("kvstore")
+
+SHUTDOWN_GRACE_S = 2.0
+SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name
+SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second kvstore on the same port must fail, not silently share it
+    ("grpc.keepalive_permit_without_calls", 1),  # ranks and the router keep long-lived channels
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="kvserve kvstore", description="Run the node's L1 KV cache (gRPC).")
+    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG, then defaults)")
+    parser.add_argument("--host", help="bind address (overrides kvstore_host)")
+    parser.add_argument("--port", type=int, help="port (overrides kvstore_port)")
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    return parser.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> KvServeConfig:
+    overrides = {
+        key: value for key, value in (("kvstore_host", args.host), ("kvstore_port", args.port)) if value is not None
+    }
+    return load_config(args.config, **overrides)
+
+
+def listen_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+@dataclass(frozen=True)
+class PreparedArena:
+    arena: Arena
+    budget: RamBudget
+    reason: str  # every reason the arena is smaller than l1_host_gb, for the log and Stats
+
+
+def prepare_arena(config: KvServeConfig) -> PreparedArena:
+    """Remove stale arenas of ours, size the budget from the machine, create and reserve the arena."""
+    for path in remove_stale_arenas(config.l1_arena_dir):
+        log.info("removed a stale arena left by a killed kvstore: %s", path)
+    readings = read_machine(config.l1_arena_dir)
+    budget = plan_ram_budget(config.l1_host_gb, config.l1_headroom_gb, readings, config.l1_arena_dir)
+    if budget.granted_bytes <= 0:
+        raise ArenaError(f"no RAM for the L1 arena: {budget.describe()}")
+    arena = create_arena(config.l1_arena_dir, budget.granted_bytes)
+    reason = "; ".join(text for text in (budget.reason, arena.lowered_reason) if text)
+    return PreparedArena(arena, budget, reason)
+
+
+async def sweep_pins(tier: L1Tier, interval_s: float) -> None:
+    """Drop pins of copiers that died or forgot to release, every interval_s."""
+    while True:
+        await asyncio.sleep(interval_s)
+        try:
+            dropped = tier.expire_pins()
+        except Exception:  # a bug here must not end the sweeping for the rest of the process's life
+            log.exception("sweeping expired pins failed")
+            continue
+        if dropped:
+            log.warning("dropped %d pins older than l1_pin_ttl_secs (a copier died or never released)", dropped)
+
+
+async def serve(config: KvServeConfig) -> int:
+    address = listen_address(config.kvstore_host, config.kvstore_port)
+    health_servicer = health.aio.HealthServicer()
+    servicer = KvStoreServicer()
+    server = grpc.aio.server(options=SERVER_OPTIONS)
+    kvstore_pb2_grpc.add_KvStoreServicer_to_server(servicer, server)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    for service in ("", SERVICE_NAME):
+        await health_servicer.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        log.error("cannot listen on %s: %s", address, exc)
+        return 1
+    address = listen_address(config.kvstore_host, port)
+    await server.start()
+    log.info("listening on %s; creating the arena in %s", address, config.l1_arena_dir)
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+
+    # Reserving tens of GB takes seconds: in a thread, so health keeps answering NOT_SERVING meanwhile.
+    creating = asyncio.ensure_future(asyncio.to_thread(prepare_arena, config))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({creating, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not creating.done():
+        log.info("stop requested while creating the arena; waiting for it, then removing it")
+        await server.stop(0)
+        with contextlib.suppress(Exception):
+            (await creating).arena.remove()
+        return 0
+    stopped.cancel()
+    error = creating.exception()
+    if error is not None:
+        if isinstance(error, ArenaError | OSError):
+            log.error("cannot create the L1 arena in %s: %s", config.l1_arena_dir, error)
+        else:
+            log.error("cannot create the L1 arena", exc_info=error)
+        await server.stop(0)
+        return 1
+
+    prepared: PreparedArena = creating.result()
+    arena = prepared.arena
+    try:
+        tier = L1Tier(ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes), config.l1_pin_ttl_secs)
+        servicer.open(tier, prepared.budget.requested_bytes, prepared.reason)
+        sweeper = asyncio.ensure_future(sweep_pins(tier, sweep_interval_s(config.l1_pin_ttl_secs)))
+        for service in ("", SERVICE_NAME):
+            await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
+        log.info(
+            "ready on %s: arena %s, %s (requested %s; %s)",
+            address,
+            arena.path,
+            format_bytes(arena.size_bytes),
+            format_bytes(prepared.budget.requested_bytes),
+            prepared.reason or "granted in full",
+        )
+
+        await stop.wait()
+        log.info("stopping")
+        sweeper.cancel()
+        await health_servicer.enter_graceful_shutdown()
+        tier.feed.close()  # KvEvents streams end cleanly instead of being cancelled
+        await server.stop(SHUTDOWN_GRACE_S)
+    finally:
+        arena.remove()
+    log.info("stopped; removed %s", arena.path)
+    return 0
+
+
+def sweep_interval_s(pin_ttl_s: float) -> float:
+    """Often enough that a dead pin outlives its TTL by at most a quarter of it (and at most 10 s)."""
+    return min(max(pin_ttl_s / 4, 0.1), 10.0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        config = config_from_args(args)
+    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        log.error("bad configuration: %s", exc)
+        return 2
+    if not config.l1_cache or config.l1_host_gb <= 0:
+        log.error(
+            "L1 disabled (l1_cache=%s, l1_host_gb=%g): the kvstore has nothing to serve; "
+            "enable l1_cache and set l1_host_gb > 0 to run it",
+            config.l1_cache,
+            config.l1_host_gb,
+        )
+        return 2
+    return asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The tier: the first Attach fixes the layout, later ones must match; arena ids, input checks, events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from kvstore.arena_layout import (
+    MAX_NAMESPACE_BYTES,
+    InvalidAttachError,
+    LayoutMismatchError,
+    check_layout,
+    plan_layout,
+)
+from kvstore.l1_tier import ArenaInfo, InvalidRequestError, L1Tier, StaleArenaError
+from kvstore.slot_index import KvEvent, KvEventKind, UnknownRankError
+
+NS = b"n" * 16
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def make_tier(arena_bytes: int = 10_000, max_slots: int = 1000) -> L1Tier:
+    return L1Tier(ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", arena_bytes), pin_ttl_s=60.0, max_slots=max_slots)
+
+
+def test_plan_layout_divides_the_arena_and_caps_the_slot_count() -> None:
+    layout, note = plan_layout(10_000, 3_000, NS)
+    assert (layout.slot_bytes, layout.num_slots, note) == (3_000, 3, "")
+    capped, note = plan_layout(10_000, 10, NS, max_slots=100)
+    assert capped.num_slots == 100 and "using the first 100" in note
+    with pytest.raises(LayoutMismatchError, match="does not fit"):
+        plan_layout(1_000, 3_000, NS)
+    with pytest.raises(InvalidAttachError, match="slot_bytes"):
+        plan_layout(1_000, 0, NS)
+    with pytest.raises(InvalidAttachError, match="hash_namespace"):
+        plan_layout(1_000, 10, b"")
+    with pytest.raises(InvalidAttachError, match="hash_namespace"):
+        plan_layout(1_000, 10, b"x" * (MAX_NAMESPACE_BYTES + 1))
+
+
+def test_check_layout_names_what_differs() -> None:
+    layout, _ = plan_layout(10_000, 1_000, NS)
+    check_layout(layout, 1_000, NS)
+    with pytest.raises(LayoutMismatchError, match="slot_bytes 2000 differs"):
+        check_layout(layout, 2_000, NS)
+    with pytest.raises(LayoutMismatchError, match=r"hash_namespace .* differs"):
+        check_layout(layout, 1_000, b"m" * 16)
+
+
+def test_first_attach_fixes_the_layout_and_others_must_match() -> None:
+    tier = make_tier()
+    assert tier.stats() is None
+    layout = tier.attach("r0", "a", 1_000, NS)
+    assert layout.num_slots == 10 and tier.stats() is not None
+    assert tier.attach("r1", "b", 1_000, NS) == layout
+    with pytest.raises(LayoutMismatchError):
+        tier.attach("r2", "c", 500, NS)
+    with pytest.raises(LayoutMismatchError):
+        tier.attach("r2", "c", 1_000, b"other-namespace!")
+    with pytest.raises(InvalidRequestError, match="rank_id"):
+        tier.attach("", "c", 1_000, NS)
+    with pytest.raises(InvalidRequestError, match="incarnation"):
+        tier.attach("r3", "", 1_000, NS)
+    assert tier.layout == layout
+
+
+def test_requests_must_name_this_arena_and_an_attached_rank() -> None:
+    tier = make_tier()
+    with pytest.raises(UnknownRankError, match="Attach first"):
+        tier.allocate("r0", "arena-1", [h(1)])  # nobody attached yet
+    tier.attach("r0", "a", 1_000, NS)
+    with pytest.raises(StaleArenaError, match="attach again"):
+        tier.allocate("r0", "arena-0", [h(1)])
+    with pytest.raises(StaleArenaError):
+        tier.release("r0", "", [0])
+    with pytest.raises(UnknownRankError):
+        tier.lookup("r9", "arena-1", [h(1)])
+
+
+def test_hashes_must_be_16_bytes() -> None:
+    tier = make_tier()
+    tier.attach("r0", "a", 1_000, NS)
+    with pytest.raises(InvalidRequestError, match=r"block_hashes\[1\] has 3 bytes"):
+        tier.allocate("r0", "arena-1", [h(1), b"abc"])
+    with pytest.raises(InvalidRequestError):
+        tier.lookup("r0", "arena-1", [b""])
+    assert tier.stats().writing_slots == 0  # type: ignore[union-attr]
+
+
+def test_changes_reach_subscribers_as_batches() -> None:
+    async def scenario() -> None:
+        tier = make_tier(arena_bytes=2_000)
+        subscription = tier.feed.subscribe()  # before the first attach: an empty snapshot
+        tier.attach("r0", "a", 1_000, NS)
+        tier.commit("r0", "arena-1", tier.allocate("r0", "arena-1", [h(1), h(2)]))
+        tier.commit("r0", "arena-1", tier.allocate("r0", "arena-1", [h(3)]))  # evicts h1
+        tier.lookup("r0", "arena-1", [h(2)])  # no change, no batch
+        batches = [await subscription.get() for _ in range(3)]
+        assert [batch.sequence for batch in batches] == [1, 2, 3]
+        assert batches[0].events == (KvEvent(KvEventKind.ALL_CLEARED), KvEvent(KvEventKind.STORED, ()))
+        assert batches[1].events == (KvEvent(KvEventKind.STORED, (h(1), h(2))),)
+        assert batches[2].events == (KvEvent(KvEventKind.REMOVED, (h(1),)),)
+        commit_batch = await subscription.get()
+        assert commit_batch.events == (KvEvent(KvEventKind.STORED, (h(3),)),)
+        late = tier.feed.subscribe()
+        snapshot = await late.get()
+        assert snapshot.events[1].kind is KvEventKind.STORED and set(snapshot.events[1].block_hashes) == {h(2), h(3)}
+
+    asyncio.run(scenario())

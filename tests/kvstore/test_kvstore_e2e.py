@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -264,7 +265,36 @@ def test_restarts_void_old_arenas_and_clean_up_their_files(tmp_path: Path) -> No
     assert "removed a stale arena" in (tmp_path / "second.log").read_text()
 
 
-def test_l1_disabled_exits_2_with_a_clear_message(tmp_path: Path) -> None:
+def test_pins_nobody_releases_expire(tmp_path: Path) -> None:
+    port = free_port()
+    settings = {**kvstore_settings(tmp_path), "KVSERVE_L1_PIN_TTL_SECS": "0.3"}
+    with (
+        start_kvstore(tmp_path / "kvstore.log", port, **settings),
+        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+    ):
+        stub = pb_grpc.KvStoreStub(channel)
+        arena = attach(stub, "rank-a")
+        stub.Allocate(pb.AllocateRequest(rank_id="rank-a", arena_id=arena.arena_id, block_hashes=[h(1)]))
+        assert stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S).pinned_slots == 1
+        deadline = time.monotonic() + TIMEOUT_S
+        while stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S).pinned_slots and time.monotonic() < deadline:
+            time.sleep(0.1)  # the copier "died": the sweep drops its pin after the TTL
+        stats = stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
+        assert (stats.pinned_slots, stats.writing_slots, stats.free_slots) == (0, 0, stats.num_slots)
+
+
+def test_no_ram_exits_1_and_l1_disabled_exits_2(tmp_path: Path) -> None:
+    env = service_env(KVSERVE_L1_ARENA_DIR=str(tmp_path), KVSERVE_L1_HOST_GB=ARENA_GB, KVSERVE_L1_HEADROOM_GB="1000000")
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--port", str(free_port())],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1 and "no RAM for the L1 arena" in result.stderr and "l1_headroom_gb" in result.stderr
+
     for settings in ({"KVSERVE_L1_HOST_GB": "0"}, {"KVSERVE_L1_CACHE": "false", "KVSERVE_L1_HOST_GB": ARENA_GB}):
         env = service_env(KVSERVE_L1_ARENA_DIR=str(tmp_path), **settings)
         result = subprocess.run(

@@ -252,3 +252,10 @@ def test_stored_hashes_excludes_blocks_being_written() -> None:
 def test_zero_slots_is_refused() -> None:
     with pytest.raises(ValueError):
         SlotIndex(0, 1.0)
+
+
+def test_making_room_evicts_blocks_the_request_itself_names_last() -> None:
+    index, _ = make_index(num_slots=3)
+    store(index, "r0", h(1), h(2), h(3))  # h1 is the least recently used
+    assert index.allocate("r0", [h(1), h(4)]) == [-1, 1]  # h2 goes, not h1 (named in the request)
+    assert index.slot_of(h(1)) == 0 and index.slot_of(h(2)) is None

@@ -228,3 +228,18 @@ def test_sessions_survive_a_router_kill_and_redis_outage_is_bridged(stack: Stack
                     "the outage's session written back",
                 )
                 assert client.exists("kvserve:rank:rank-a") and client.exists("kvserve:rank:rank-b")
+
+
+def test_router_serves_without_redis(stack: Stack) -> None:
+    """Redis never started: the router still becomes SERVING and routes from memory."""
+    with (
+        stack.start_router(),
+        RankAnnouncer(stack.router, {"rank-a": stack.sources["rank-a"]}),
+        grpc.insecure_channel(stack.router) as channel,
+    ):
+        stub = pb_grpc.RouterStub(channel)
+        answer = route(stub, 1, 100, session="s")
+        assert (answer.rank_id, answer.reason) == ("rank-a", "only-rank")
+        assert route(stub, 2, 100, session="s").reason == "session"
+        listing = stub.ListRanks(pb.ListRanksRequest(), timeout=2)
+        assert not listing.redis_connected and listing.sessions == 1

@@ -152,6 +152,7 @@ class EngineLoop:
         self._subscribers: list[KvEventSubscription] = []
         self._joining: list[KvEventSubscription] = []  # get a snapshot of the cache first, on the engine thread
         self._stopping = False
+        self._kv_events_ended = False
         # Engine thread only: requests the engine currently holds.
         self._in_engine: set[str] = set()
         self._stats = engine.stats()  # replaced (never mutated) by the engine thread after each iteration
@@ -207,7 +208,7 @@ class EngineLoop:
     ) -> KvEventSubscription:
         subscription = KvEventSubscription(self, loop or asyncio.get_running_loop(), max_batches)
         with self._cond:
-            if self._stopping:
+            if self._stopping or self._kv_events_ended:
                 subscription._end()
             else:
                 self._joining.append(subscription)
@@ -223,6 +224,17 @@ class EngineLoop:
             self._thread.join(timeout)
             if self._thread.is_alive():
                 log.error("engine loop did not stop within %.1fs (a step is still running)", timeout)
+
+    def end_kv_event_subscriptions(self) -> None:
+        """End every KV event stream now, and any opened later at once: a stopping server's subscribers (the
+        router) would otherwise hold its shutdown grace period open, as would their reconnects."""
+        with self._cond:
+            self._kv_events_ended = True
+            ended = self._subscribers + self._joining
+            self._subscribers = []
+            self._joining = []
+        for subscription in ended:
+            subscription._end()
 
     def _unsubscribe(self, subscription: KvEventSubscription) -> None:
         with self._cond:

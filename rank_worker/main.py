@@ -2,6 +2,8 @@
 
 The port is bound before the model loads, so a port conflict fails in a second rather than after a
 long load, and the health service answers NOT_SERVING while loading, SERVING once the engine is ready.
+With a kvstore configured (and l1_cache on) the engine gets the L1 host tier; with a router configured,
+the rank registers once ready and heartbeats its load. Neither being away stops the rank from serving.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import asyncio
 import logging
 import signal
 import sys
+import uuid
 from collections.abc import Sequence
 
 import grpc
@@ -20,7 +23,10 @@ from contracts.config import KvServeConfig, load_config
 from protos import rank_worker_pb2, rank_worker_pb2_grpc
 from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
 from rank_worker.engine_loop import EngineLoop
+from rank_worker.l1.kvstore_client import KvStoreClient
+from rank_worker.l1.kvstore_link import KvStoreLink
 from rank_worker.model_files.source import ModelPathError
+from rank_worker.router_link import RankIdentity, RouterLink, advertise_address
 from rank_worker.servicer import RankWorkerServicer
 
 log = logging.getLogger("rank_worker")
@@ -46,6 +52,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--host", help="bind address (overrides rank_worker_host)")
     parser.add_argument("--port", type=int, help="port (overrides rank_worker_port)")
     parser.add_argument("--model", help="model path (overrides model; empty = embedded SmolLM2-135M)")
+    parser.add_argument("--rank-id", help="this rank's name (overrides rank_id; default rank-<port>)")
+    parser.add_argument("--kvstore", help="kvstore host:port for the L1 host cache (overrides kvstore)")
+    parser.add_argument("--router", help="router host:port to register with (overrides router)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return parser.parse_args(argv)
 
@@ -53,7 +62,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def config_from_args(args: argparse.Namespace) -> KvServeConfig:
     overrides = {
         key: value
-        for key, value in (("rank_worker_host", args.host), ("rank_worker_port", args.port), ("model", args.model))
+        for key, value in (
+            ("rank_worker_host", args.host),
+            ("rank_worker_port", args.port),
+            ("model", args.model),
+            ("rank_id", args.rank_id),
+            ("kvstore", args.kvstore),
+            ("router", args.router),
+        )
         if value is not None
     }
     return load_config(args.config, **overrides)
@@ -63,11 +79,11 @@ def listen_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-def build_engine(config: KvServeConfig) -> Engine:
+def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> Engine:
     # Imported here so `--help` and config errors do not pay for importing torch and the model code.
     from rank_worker.engine.factory import build_engine as factory_build_engine
 
-    return factory_build_engine(config)
+    return factory_build_engine(config, l1_client)
 
 
 async def serve(config: KvServeConfig) -> int:
@@ -86,7 +102,12 @@ async def serve(config: KvServeConfig) -> int:
         return 1
     address = listen_address(config.rank_worker_host, port)  # the real port when 0 asked for any free one
     await server.start()
-    log.info("listening on %s; loading model %r", address, config.model or "(embedded SmolLM2-135M)")
+    rank_id = config.rank_id or f"rank-{port}"
+    incarnation = uuid.uuid4().hex
+    log.info("listening on %s as %s; loading model %r", address, rank_id, config.model or "(embedded SmolLM2-135M)")
+    l1_client = None
+    if config.l1_cache and config.kvstore:
+        l1_client = KvStoreLink(config.kvstore, rank_id, incarnation)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -94,7 +115,7 @@ async def serve(config: KvServeConfig) -> int:
         loop.add_signal_handler(signum, stop.set)
 
     # The load runs in a thread so the health service keeps answering (NOT_SERVING) meanwhile.
-    load = asyncio.ensure_future(asyncio.to_thread(build_engine, config))
+    load = asyncio.ensure_future(asyncio.to_thread(build_engine, config, l1_client))
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopped}, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():
@@ -115,18 +136,46 @@ async def serve(config: KvServeConfig) -> int:
     engine: Engine = load.result()
     engine_loop = EngineLoop(engine)
     engine_loop.start()
-    servicer.attach(engine_loop, engine.model_info)
+    servicer.attach(engine_loop, engine.model_info, rank_id)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     _log_ready(engine.model_info, engine_loop.stats(), address)
+    _log_l1(config, engine_loop.stats())
+    router_link = None
+    if config.router:
+        info = engine.model_info
+        identity = RankIdentity(
+            rank_id=rank_id,
+            address=advertise_address(config.rank_advertise_address, config.rank_worker_host, port),
+            incarnation=incarnation,
+            block_size=info.block_size,
+            hash_namespace=info.hash_namespace,
+        )
+        router_link = RouterLink(config.router, identity, engine_loop.stats, config.heartbeat_interval_secs)
+        router_link.start()
 
     await stop.wait()
     log.info("stopping: refusing new calls, %d requests in flight", engine_loop.in_flight())
+    if router_link is not None:
+        await router_link.stop()  # the router notices within rank_down_after_secs
     await health_servicer.enter_graceful_shutdown()
+    engine_loop.end_kv_event_subscriptions()  # event streams never end on their own; token streams get the grace
     await server.stop(SHUTDOWN_GRACE_S)  # in-flight streams get the grace period, then are cancelled
     engine_loop.stop()
+    engine.close()
     log.info("stopped")
     return 0
+
+
+def _log_l1(config: KvServeConfig, stats: EngineStats) -> None:
+    if not (config.l1_cache and config.kvstore):
+        log.info("L1 host cache: off (%s)", "no kvstore configured" if not config.kvstore else "l1_cache is false")
+    elif not config.prefix_cache:
+        log.info("L1 host cache: off (it needs prefix_cache)")
+    elif stats.l1_attached:
+        log.info("L1 host cache: attached to the kvstore at %s", config.kvstore)
+    else:
+        log.warning("L1 host cache: the kvstore at %s is not attached yet; serving from L0 meanwhile", config.kvstore)
 
 
 def _log_ready(info: ModelInfo, stats: EngineStats, address: str) -> None:

@@ -70,8 +70,8 @@ def finished_message(output: RequestOutput) -> pb.GenerateResponse:
     )
 
 
-def stats_message(stats: EngineStats) -> pb.StatsResponse:
-    return pb.StatsResponse(**dataclasses.asdict(stats))  # same field names by design
+def stats_message(stats: EngineStats, rank_id: str = "") -> pb.StatsResponse:
+    return pb.StatsResponse(rank_id=rank_id, **dataclasses.asdict(stats))  # same field names by design
 
 
 def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:
@@ -102,11 +102,13 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
 
     def __init__(self, max_waiting_requests: int = 256) -> None:
         self._max_waiting = max_waiting_requests
+        self._rank_id = ""
         self._engine_loop: EngineLoop | None = None
         self._model_info: pb.ModelInfoResponse | None = None
 
-    def attach(self, engine_loop: EngineLoop, model_info: ModelInfo) -> None:
+    def attach(self, engine_loop: EngineLoop, model_info: ModelInfo, rank_id: str = "") -> None:
         self._model_info = model_info_message(model_info)
+        self._rank_id = rank_id
         self._engine_loop = engine_loop
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
@@ -148,7 +150,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         engine_loop = await self._ready(context)
-        return stats_message(engine_loop.stats())
+        return stats_message(engine_loop.stats(), self._rank_id)
 
     async def KvEvents(
         self, request: events_pb.KvEventsRequest, context: grpc.aio.ServicerContext
@@ -188,6 +190,7 @@ async def _responses(stream: RequestStream) -> AsyncIterator[pb.GenerateResponse
             chunk = pb.TokenChunk(token_ids=token_ids)
             if not sent_first and outputs[0].stats is not None:
                 chunk.cached_tokens = outputs[0].stats.cached_tokens
+                chunk.l1_cached_tokens = outputs[0].stats.l1_cached_tokens
                 chunk.queue_wait_s = outputs[0].stats.queue_wait_s
             sent_first = True
             yield pb.GenerateResponse(tokens=chunk)

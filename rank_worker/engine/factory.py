@@ -11,6 +11,7 @@ import torch
 from contracts.config import KvServeConfig
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
+from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.llama import LlamaForCausalLM
 from rank_worker.model_files.source import ModelSource, open_model_source
@@ -116,8 +117,9 @@ def _profile_peak_bytes(
     return peak
 
 
-def build_engine(config: KvServeConfig) -> PagedEngine:
-    """Everything a rank worker needs at start: model files checked first, then weights, then the pool."""
+def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> PagedEngine:
+    """Everything a rank worker needs at start: model files checked first, then weights, then the pool, then
+    the L1 tier over l1_client (None: L0 only)."""
     source = open_model_source(config.model, config.load_format)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
@@ -153,7 +155,7 @@ def build_engine(config: KvServeConfig) -> PagedEngine:
         model_id=source.model_id,
         seed=config.seed,
     )
-    return PagedEngine(model, settings, source.tokenizer)
+    return PagedEngine(model, settings, source.tokenizer, l1_client)
 
 
 def _default_served_name(model_id: str) -> str:

@@ -55,6 +55,7 @@ class RequestStats:
     prefill_s: float = 0.0
     total_s: float = 0.0
     preemptions: int = 0
+    l1_cached_tokens: int = 0  # restored from the L1 host cache (not counted in cached_tokens)
 
 
 @dataclass
@@ -93,6 +94,10 @@ class EngineStats:
     preemptions: int
     block_size: int
     waiting_prefill_tokens: int
+    l1_attached: bool = False
+    l1_restored_tokens: int = 0
+    l1_offloaded_blocks: int = 0
+    l1_copies_in_flight: int = 0
 
 
 @dataclass(frozen=True)
@@ -160,3 +165,7 @@ class Engine(ABC):
     @abstractmethod
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks exported by export_blocks (same model, same layout) into these physical blocks."""
+
+    def close(self) -> None:
+        """Let go of outside resources (an L1 arena mapping, connections) once the engine loop has stopped."""
+        return None  # an engine that holds none has nothing to do

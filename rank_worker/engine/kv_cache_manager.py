@@ -1,30 +1,46 @@
-"""Which blocks each sequence holds: prefix lookup on admission, growth as tokens are computed, cache
-registration of every block the moment it is full, and release when the sequence ends."""
+"""Which blocks each sequence holds: prefix lookup on admission (L0, then L1 when there is an L1 tier),
+growth as tokens are computed, cache registration of every block the moment it is full, and release when
+the sequence ends (its registered blocks written through to L1 first)."""
 
 from __future__ import annotations
+
+from typing import Protocol
 
 from contracts.block_hash import chain_block_hash, lookup_block_hashes
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.sequence import Sequence
 
 
+class HostCacheTier(Protocol):
+    """What the cache manager asks of a host tier (rank_worker.l1.tier.L1Tier)."""
+
+    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]: ...
+
+    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None: ...
+
+
 class KvCacheManager:
-    def __init__(self, pool: BlockPool, block_size: int, hash_namespace: bytes) -> None:
+    def __init__(
+        self, pool: BlockPool, block_size: int, hash_namespace: bytes, host_tier: HostCacheTier | None = None
+    ) -> None:
         self.pool = pool
         self.block_size = block_size
         self.namespace = hash_namespace
+        self.host_tier = host_tier
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(total - len(seq.block_table), 0)
 
-    def attach_cached_prefix(self, seq: Sequence) -> int:
-        """Give a sequence that holds no blocks its longest cached prefix; returns the tokens covered.
+    def attach_cached_prefix(self, seq: Sequence, token_budget: int | None = None) -> tuple[int, int]:
+        """Give a sequence that holds no blocks its longest cached prefix: from L0, then what follows from
+        the host tier. Returns (tokens from L0, tokens restored from the host tier).
 
-        Stops one token short of the end: the last token must be computed to produce logits."""
+        Stops one token short of the end: the last token must be computed to produce logits. A restore
+        leaves enough free blocks for the next chunk of at most token_budget tokens."""
         assert not seq.block_table and seq.num_computed_tokens == 0
         if not self.pool.caching:
-            return 0
+            return 0, 0
         hits: list[int] = []
         hashes = lookup_block_hashes(self.namespace, seq.token_ids, self.block_size)
         for block_hash in hashes:
@@ -34,10 +50,17 @@ class KvCacheManager:
             hits.append(block_id)
         for block_id in hits:
             self.pool.acquire_cached(block_id)
+        num_l0 = len(hits)
+        if self.host_tier is not None and num_l0 < len(hashes):
+            rest = seq.num_tokens - num_l0 * self.block_size
+            chunk = rest if token_budget is None else min(rest, token_budget)
+            room = self.pool.num_free - (-(-chunk // self.block_size)) - 1
+            if room > 0:
+                hits.extend(self.host_tier.restore(hashes[num_l0:], room))
         seq.block_table = hits
         seq.block_hashes = hashes[: len(hits)]
         seq.num_computed_tokens = len(hits) * self.block_size
-        return seq.num_computed_tokens
+        return num_l0 * self.block_size, (len(hits) - num_l0) * self.block_size
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short."""
@@ -61,7 +84,13 @@ class KvCacheManager:
             seq.block_hashes.append(block_hash)
             self.pool.register(seq.block_table[index], block_hash)
 
+    def offload(self, seq: Sequence) -> None:
+        """Write the sequence's registered (full, immutable) blocks through to the host tier."""
+        if self.host_tier is not None and seq.block_hashes:
+            self.host_tier.offload(seq.block_table[: len(seq.block_hashes)], seq.block_hashes)
+
     def free(self, seq: Sequence) -> None:
+        self.offload(seq)  # before the release: the tier takes its own references for the copy
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.block_hashes = []

@@ -1,4 +1,5 @@
-"""Our engine rank: paged KV pool + L0 prefix cache + continuous batching around the Llama-family model."""
+"""Our engine rank: paged KV pool + L0 prefix cache (+ the L1 host tier when given a kvstore client) +
+continuous batching around the Llama-family model."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import ModelRunner, kv_pool_shape
 from rank_worker.engine.scheduler import Scheduler
 from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.l1.kvstore_client import KvStoreClient
+from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.llama import LlamaForCausalLM
 
 
@@ -45,7 +48,12 @@ class EngineSettings:
 
 class PagedEngine(Engine):
     def __init__(
-        self, model: LlamaForCausalLM, settings: EngineSettings, tokenizer: TokenizerBundle | None = None
+        self,
+        model: LlamaForCausalLM,
+        settings: EngineSettings,
+        tokenizer: TokenizerBundle | None = None,
+        l1_client: KvStoreClient | None = None,
+        l1_retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
     ) -> None:
         self.model = model
         self.settings = settings
@@ -59,7 +67,11 @@ class PagedEngine(Engine):
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(settings.model_id, fingerprint, settings.block_size)
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
-        self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace)
+        # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
+        self.l1: L1Tier | None = None
+        if l1_client is not None and settings.prefix_cache:
+            self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
+        self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
         self.runner = ModelRunner(model, self.kv_cache, settings.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
@@ -137,13 +149,18 @@ class PagedEngine(Engine):
         return RequestOutput(request_id, [], True, FinishReason.ABORT, None, self._request_stats(seq))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        # L1 copies in flight count: someone must step to commit them and let their blocks go.
+        return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
 
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:
+        if self.l1 is not None:
+            self.l1.poll()
         batch = self.scheduler.schedule()
         if not batch.entries:
+            if self.l1 is not None and self.l1.has_pending:
+                self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
         sampled = self.runner.run(batch)
         now = time.monotonic()
@@ -159,6 +176,8 @@ class PagedEngine(Engine):
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
+            if seq.num_output_tokens == 1:
+                self.kv.offload(seq)  # prefill complete: write its blocks through to L1
             reason = self._stop_reason(seq, token)
             new_tokens = [token]
             if reason is FinishReason.STOP:
@@ -198,6 +217,7 @@ class PagedEngine(Engine):
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
             cached_tokens=seq.num_cached_tokens or 0,
+            l1_cached_tokens=seq.num_l1_cached_tokens,
             output_tokens=seq.num_output_tokens,
             queue_wait_s=(scheduled or end) - seq.arrival_time,
             prefill_s=(seq.first_token_time - scheduled) if scheduled and seq.first_token_time else 0.0,
@@ -228,6 +248,10 @@ class PagedEngine(Engine):
             preemptions=sched.num_preemptions,
             block_size=self.settings.block_size,
             waiting_prefill_tokens=sched.waiting_prefill_tokens(),
+            l1_attached=self.l1 is not None and self.l1.attached,
+            l1_restored_tokens=sched.restored_tokens,
+            l1_offloaded_blocks=self.l1.offloaded_blocks if self.l1 is not None else 0,
+            l1_copies_in_flight=self.l1.copies_in_flight if self.l1 is not None else 0,
         )
 
     def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
@@ -237,3 +261,7 @@ class PagedEngine(Engine):
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
         self.kv_cache.index_copy_(0, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
+
+    def close(self) -> None:
+        if self.l1 is not None:
+            self.l1.close()

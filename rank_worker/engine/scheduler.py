@@ -37,6 +37,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
+        self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -77,7 +78,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             fresh = seq.num_cached_tokens is None
-            cached = self.kv.attach_cached_prefix(seq)
+            cached, restored = self.kv.attach_cached_prefix(seq, budget)
+            self.restored_tokens += restored
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.kv.allocate(seq, num_new):
                 self.kv.free(seq)  # give the prefix back; try again next step
@@ -86,6 +88,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             if fresh:
                 seq.num_cached_tokens = cached
+                seq.num_l1_cached_tokens = restored
                 seq.first_scheduled_time = time.monotonic()
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += cached

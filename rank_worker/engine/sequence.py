@@ -27,7 +27,8 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks computed so far
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
-    num_cached_tokens: int | None = None  # prefix hit at first scheduling (None until scheduled)
+    num_cached_tokens: int | None = None  # L0 prefix hit at first scheduling (None until scheduled)
+    num_l1_cached_tokens: int = 0  # restored from the L1 host cache at first scheduling
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_time: float | None = None

@@ -1,0 +1,46 @@
+"""What the L1 tier needs from the kvstore, without naming the transport (kvstore_link.py is the gRPC one).
+
+Every call raises L1StaleArenaError when the arena it names is gone (the kvstore restarted: attach again
+and remap) and L1UnavailableError for anything else that went wrong (the tier then serves from L0 only).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rank_worker.l1.arena import ArenaLayout
+
+
+class L1UnavailableError(RuntimeError):
+    """The kvstore did not answer, or refused: L1 is down for now."""
+
+
+class L1StaleArenaError(RuntimeError):
+    """The arena named in the call no longer exists (the kvstore restarted)."""
+
+
+class KvStoreClient(Protocol):
+    @property
+    def address(self) -> str: ...
+
+    def attach(self, slot_bytes: int, hash_namespace: bytes) -> ArenaLayout:
+        """Announce this rank (a new incarnation drops the old one's pins) and learn the arena layout."""
+        ...
+
+    def allocate(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:
+        """A slot to write for each hash, pinned until commit/release; -1 = already stored or no room."""
+        ...
+
+    def commit(self, arena_id: str, slots: list[int]) -> None:
+        """Written slots become stored blocks."""
+        ...
+
+    def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:
+        """Slots of the longest stored run of block_hashes from the first, pinned for reading until release."""
+        ...
+
+    def release(self, arena_id: str, slots: list[int]) -> None:
+        """Unpin slots after a read, or abandon uncommitted writes."""
+        ...
+
+    def close(self) -> None: ...

@@ -1,0 +1,114 @@
+"""The rank's gRPC client of the kvstore: a blocking stub used from the engine thread, with short deadlines.
+
+gRPC status codes become the two errors the tier understands: FAILED_PRECONDITION on a call that names an
+arena means that arena is stale (attach again); everything else means L1 is unavailable for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import grpc
+
+from protos import kvstore_pb2 as pb
+from protos import kvstore_pb2_grpc as pb_grpc
+from rank_worker.l1.arena import ArenaLayout
+from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError, L1UnavailableError
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly after a kvstore restart (gRPC's default backoff grows to two minutes).
+CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
+]
+
+
+class KvStoreLink(KvStoreClient):
+    """One rank process's connection to the kvstore at `address` (host:port)."""
+
+    def __init__(
+        self,
+        address: str,
+        rank_id: str,
+        incarnation: str,
+        timeout_s: float = 1.0,
+        attach_timeout_s: float = 2.0,
+    ) -> None:
+        self._address = address
+        self.rank_id = rank_id
+        self.incarnation = incarnation
+        self.timeout_s = timeout_s
+        self.attach_timeout_s = attach_timeout_s
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.KvStoreStub | None = None
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    def _connect(self) -> pb_grpc.KvStoreStub:
+        if self._stub is None:
+            self._channel = grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS)
+            self._stub = pb_grpc.KvStoreStub(self._channel)
+        return self._stub
+
+    def attach(self, slot_bytes: int, hash_namespace: bytes) -> ArenaLayout:
+        self.close()  # a fresh channel: a restarted kvstore is reached now, not after a reconnect backoff
+        request = pb.AttachRequest(
+            rank_id=self.rank_id, incarnation=self.incarnation, slot_bytes=slot_bytes, hash_namespace=hash_namespace
+        )
+        try:
+            reply = self._connect().Attach(request, timeout=self.attach_timeout_s)
+        except grpc.RpcError as exc:
+            raise L1UnavailableError(f"attach refused: {_describe(exc)}") from exc
+        return ArenaLayout(
+            arena_id=reply.arena_id,
+            path=reply.arena_path,
+            arena_bytes=reply.arena_bytes,
+            slot_bytes=reply.slot_bytes,
+            num_slots=reply.num_slots,
+        )
+
+    def allocate(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:
+        request = pb.AllocateRequest(rank_id=self.rank_id, arena_id=arena_id, block_hashes=block_hashes)
+        reply = self._call("Allocate", request)
+        slots = list(reply.slots)
+        if len(slots) != len(block_hashes):
+            raise L1UnavailableError(f"Allocate answered {len(slots)} slots for {len(block_hashes)} hashes")
+        return slots
+
+    def commit(self, arena_id: str, slots: list[int]) -> None:
+        self._call("Commit", pb.CommitRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots))
+
+    def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:
+        request = pb.LookupRequest(rank_id=self.rank_id, arena_id=arena_id, block_hashes=block_hashes)
+        slots = list(self._call("Lookup", request).slots)
+        if len(slots) > len(block_hashes):
+            raise L1UnavailableError(f"Lookup answered {len(slots)} slots for {len(block_hashes)} hashes")
+        return slots
+
+    def release(self, arena_id: str, slots: list[int]) -> None:
+        self._call("Release", pb.ReleaseRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots))
+
+    def _call(self, method: str, request: Any) -> Any:
+        rpc = getattr(self._connect(), method)
+        try:
+            return rpc(request, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                raise L1StaleArenaError(f"{method}: {_describe(exc)}") from exc
+            raise L1UnavailableError(f"{method}: {_describe(exc)}") from exc
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+
+def _describe(exc: grpc.RpcError) -> str:
+    code = exc.code()  # type: ignore[attr-defined]
+    return f"{code.name if code else 'unknown'}: {exc.details()}"  # type: ignore[attr-defined]

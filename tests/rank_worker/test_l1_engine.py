@@ -1,0 +1,160 @@
+"""The engine with its L1 tier against the real kvstore process: a session evicted from a tiny L0 pool comes
+back from L1 with the same tokens, a kvstore outage or restart never fails a request (and L1 is used again
+once it is back), and a soak with aborts and preemptions leaves no block referenced and no slot pinned."""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from pathlib import Path
+
+from engine_fixtures import generate_one, greedy, make_engine, random_prompt, run_to_completion
+from l1_fixtures import kvstore_settings, kvstore_stats, l1_engine, tiny_model
+from service_processes import free_port, start_kvstore
+
+from rank_worker.engine.interface import EngineRequest, FinishReason, KvEventKind
+from rank_worker.engine.paged_engine import PagedEngine
+
+BLOCK = 16
+
+
+def assert_no_pins(port: int) -> None:
+    stats = kvstore_stats(port)
+    assert stats.pinned_slots == 0, stats
+    assert stats.writing_slots == 0, stats
+
+
+def assert_pool_idle(engine: PagedEngine) -> None:
+    stats = engine.stats()
+    assert not engine.has_unfinished()
+    assert stats.free_blocks == stats.total_blocks and stats.used_blocks == 0
+    assert all(block.ref_count == 0 for block in engine.pool.blocks)
+    assert stats.l1_copies_in_flight == 0
+
+
+def test_session_evicted_from_l0_is_restored_from_l1_with_the_same_tokens(smollm2, tmp_path: Path) -> None:
+    model, tokenizer = smollm2
+    vocab = model.cfg.vocab_size
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        # 20 blocks of 16 tokens: session B cannot run without evicting most of session A.
+        engine = l1_engine(model, tokenizer, port, num_blocks=20, max_model_len=320)
+        assert engine.stats().l1_attached
+        a1_prompt = random_prompt(8 * BLOCK + 5, vocab, seed=21)
+        a1 = generate_one(engine, a1_prompt, greedy(8), "a1")
+        assert a1.stats.l1_cached_tokens == 0
+        assert engine.stats().l1_offloaded_blocks == 8  # A's 8 full blocks, written through
+
+        generate_one(engine, random_prompt(300, vocab, seed=22), greedy(2), "b")
+        assert_pool_idle(engine)
+        engine.drain_kv_events()
+
+        a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, vocab, seed=23)
+        a2 = generate_one(engine, a2_prompt, greedy(8), "a2")
+        l0, l1 = a2.stats.cached_tokens, a2.stats.l1_cached_tokens
+        # A's first turn left 8 full blocks (128 tokens); B evicted all but at most the first two from L0.
+        assert l0 + l1 == 8 * BLOCK
+        assert l1 >= 6 * BLOCK and l0 <= 2 * BLOCK
+        assert engine.stats().l1_restored_tokens == l1
+        # Restored blocks are ordinary L0 entries now: announced as STORED like computed ones.
+        stored = {h for e in engine.drain_kv_events() if e.kind is KvEventKind.STORED for h in e.block_hashes}
+        assert set(engine.kv.pool.cached_hashes()) >= stored and len(stored) >= l1 // BLOCK
+
+        cold = generate_one(make_engine(model, tokenizer, prefix_cache=False), a2_prompt, greedy(8), "cold")
+        assert a2.new_token_ids == cold.new_token_ids  # float32 on the CPU: bit-identical KV, same tokens
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        assert kvstore_stats(port).hit_blocks >= l1 // BLOCK
+        engine.close()
+
+
+def _restores(engine: PagedEngine, seed: int) -> int:
+    """Run a session turn, push it out of L0 with another prompt, run it again: tokens restored from L1."""
+    prompt = random_prompt(5 * BLOCK + 3, 128, seed=seed)
+    generate_one(engine, prompt, greedy(4), f"s{seed}-1")
+    generate_one(engine, random_prompt(14 * BLOCK, 128, seed=seed + 1), greedy(2), f"s{seed}-evict")
+    again = generate_one(engine, prompt, greedy(4), f"s{seed}-2")
+    return again.stats.l1_cached_tokens
+
+
+def test_kvstore_outage_and_restart_never_fail_a_request(tmp_path: Path) -> None:
+    model = tiny_model()
+    port = free_port()
+    settings = kvstore_settings(tmp_path)
+    # No kvstore yet: the rank serves from L0 and keeps trying to attach.
+    engine = l1_engine(model, None, port, retry_interval_s=0.5, num_blocks=16, max_model_len=256)
+    assert not engine.stats().l1_attached
+    prompt = random_prompt(40, 128, seed=1)
+    expected = generate_one(make_engine(model, None), prompt, greedy(6), "ref").new_token_ids
+    assert generate_one(engine, prompt, greedy(6), "early").new_token_ids == expected
+
+    with start_kvstore(tmp_path / "kvstore-1.log", port, **settings):
+        time.sleep(0.6)  # past the retry interval
+        assert _restores(engine, seed=10) > 0
+        assert engine.stats().l1_attached
+        first_arena = engine.l1.arena.layout.arena_id
+
+    # Restarted while the rank was idle: the next call names a stale arena, and the rank attaches again at
+    # once (no outage): the very next request's blocks are written to the new arena.
+    with start_kvstore(tmp_path / "kvstore-2.log", port, **settings) as kvstore:
+        offloaded = engine.stats().l1_offloaded_blocks
+        generate_one(engine, random_prompt(3 * BLOCK + 1, 128, seed=30), greedy(2), "after-restart")
+        assert engine.stats().l1_offloaded_blocks == offloaded + 3
+        assert engine.l1.arena.layout.arena_id != first_arena
+        assert_no_pins(port)
+
+        kvstore.send_signal(signal.SIGKILL)
+        kvstore.wait(timeout=10)
+        started = time.monotonic()
+        out = generate_one(engine, prompt, greedy(6), "during-outage")
+        assert out.finish_reason is FinishReason.LENGTH and out.new_token_ids == expected
+        assert time.monotonic() - started < 5
+        assert not engine.stats().l1_attached
+
+    with start_kvstore(tmp_path / "kvstore-3.log", port, **settings):
+        time.sleep(0.6)
+        assert _restores(engine, seed=40) > 0  # L1 comes back empty and is used again
+        assert engine.stats().l1_attached
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        engine.close()
+
+
+def test_soak_with_aborts_and_preemptions_leaves_nothing_held(tmp_path: Path) -> None:
+    model = tiny_model()
+    port = free_port()
+    rng = random.Random(5)
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        engine = l1_engine(
+            model, None, port, num_blocks=24, max_model_len=256, max_num_seqs=6, max_num_batched_tokens=96
+        )
+        sessions = [random_prompt(rng.randint(40, 120), 128, seed=100 + i) for i in range(12)]
+        total, added, aborted, finished = 300, 0, 0, 0
+        in_flight: set[str] = set()
+        for _ in range(100_000):
+            while added < total and len(in_flight) < 10:
+                prompt = sessions[rng.randrange(len(sessions))] + random_prompt(rng.randint(1, 30), 128, seed=added)
+                request_id = f"q{added}"
+                engine.add_request(EngineRequest(request_id, prompt, greedy(rng.randint(1, 24))))
+                in_flight.add(request_id)
+                added += 1
+            if in_flight and rng.random() < 0.05:
+                victim = rng.choice(sorted(in_flight))
+                assert engine.abort_request(victim) is not None
+                in_flight.discard(victim)
+                aborted += 1
+            for out in engine.step():
+                if out.finished:
+                    in_flight.discard(out.request_id)
+                    finished += 1
+            if added == total and not engine.has_unfinished():
+                break
+        run_to_completion(engine)
+        assert finished + aborted == total and aborted > 5
+        stats = engine.stats()
+        assert stats.preemptions > 0
+        assert stats.l1_restored_tokens > 0 and stats.l1_offloaded_blocks > 0
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        engine.close()

@@ -23,6 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TextIO
 
+import grpc
+
 from contracts.config import KvServeConfig, load_config
 from launcher.supervisor import ServiceFailedError, Supervisor
 from launcher.topology import ServiceSpec, StackPlan, build_topology, cpu_kv_cache_gb, start_tiers
@@ -49,7 +51,7 @@ class UpOptions:
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt  # SIGTERM to the launcher stops the stack the same way Ctrl-C does
+    raise KeyboardInterrupt  # SIGINT and SIGTERM stop the stack the same way
 
 
 def visible_gpu_ids(config: KvServeConfig) -> list[str]:
@@ -149,6 +151,9 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
     supervisor = Supervisor(options.state_dir / "logs", say)
     services_file = options.state_dir / "services.json"
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
+    # Explicitly, not Python's default: a launcher started in the background of a script inherits SIGINT
+    # ignored, and `kill -INT` must still stop the stack.
+    previous_sigint = signal.signal(signal.SIGINT, _raise_interrupt)
     say(f"starting {len(specs)} services; logs in {supervisor.log_dir}\n")
     try:
         for tier in tiers:
@@ -163,7 +168,7 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
             time.sleep(WATCH_INTERVAL_S)
             if supervisor.watch():
                 write_services_file(supervisor, services_file)
-    except ServiceFailedError as exc:
+    except (ServiceFailedError, OSError, grpc.RpcError) as exc:  # OSError: the gateway's /ready went away
         say(f"error: {exc}\nstopping...\n")
         return 1
     except KeyboardInterrupt:
@@ -171,7 +176,7 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
         return 0
     finally:
         # A second Ctrl-C must not cut the stop short and leave services running in their own sessions.
-        previous_sigint = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         supervisor.stop_all(tiers)
         say("stopped\n")
@@ -185,8 +190,6 @@ def _gateway_ready(gateway: ServiceSpec) -> dict[str, object]:
 
 
 def _max_model_len(rank_target: str) -> int:
-    import grpc
-
     from protos import rank_worker_pb2 as pb
     from protos import rank_worker_pb2_grpc as pb_grpc
 

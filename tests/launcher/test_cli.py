@@ -1,9 +1,15 @@
-"""`kvserve up` starting a real rank worker, `kvserve complete` against it, and a clean Ctrl-C stop."""
+"""`kvserve up --ranks 2` as a real process: redis, kvstore, router, two rank workers and the gateway start and
+are wired together, a request goes through the gateway, a killed service is restarted, Ctrl-C leaves no
+process behind; `kvserve complete` against a rank; `up`'s clear failures (a service that cannot start,
+no redis-server, a port in use)."""
 
 from __future__ import annotations
 
 import io
+import json
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,11 +25,21 @@ from tokenizers import Tokenizer
 
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
-from launcher.health import wait_for_serving
+from launcher.health_check import HealthCheck, probe
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
+from protos import router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
+SERVICES = ["redis", "kvstore", "router", "rank-worker-0", "rank-worker-1", "gateway"]
+# Every port 0: the launcher picks free ones and reports them in services.json.
+ANY_PORTS = {
+    "KVSERVE_REDIS_URL": "redis://127.0.0.1:0/0",
+    "KVSERVE_KVSTORE_PORT": "0",
+    "KVSERVE_ROUTER_PORT": "0",
+    "KVSERVE_RANK_WORKER_PORT": "0",
+    "KVSERVE_GATEWAY_PORT": "0",
+}
 
 
 def kvserve(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:
@@ -37,42 +53,75 @@ def kvserve(*args: str, env: dict[str, str] | None = None, timeout: float = 120)
     )
 
 
+def read_services(state_dir: Path) -> dict[str, dict[str, object]]:
+    data = json.loads((state_dir / "services.json").read_text())
+    return {entry["name"]: entry for entry in data["services"]}
+
+
+def gone(pid: int) -> bool:
+    """Neither the process nor anything left in its process group (each service leads its own)."""
+    for check in (lambda: os.kill(pid, 0), lambda: os.killpg(pid, 0)):
+        try:
+            check()
+            return False
+        except ProcessLookupError:
+            pass
+    return True
+
+
 @dataclass
 class Stack:
-    target: str
     process: subprocess.Popen[bytes]
     output: Path
-    gateway_url: str
+    state_dir: Path
+
+    def services(self) -> dict[str, dict[str, object]]:
+        return read_services(self.state_dir)
+
+    def address(self, name: str) -> str:
+        return str(self.services()[name]["address"])
+
+    @property
+    def gateway_url(self) -> str:
+        return f"http://{self.address('gateway')}"
+
+    @property
+    def rank_target(self) -> str:
+        return self.address("rank-worker-0")
+
+    def text(self) -> str:
+        return self.output.read_text(errors="replace")
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    port, gateway_port = free_port(), free_port()
-    output = tmp_path_factory.mktemp("kvserve-up") / "up.log"
-    env = service_env(
-        KVSERVE_RANK_WORKER_PORT=str(port),
-        KVSERVE_GATEWAY_PORT=str(gateway_port),
-        KVSERVE_NUM_KV_BLOCKS="128",
-        KVSERVE_MAX_MODEL_LEN="1024",
+    tmp = tmp_path_factory.mktemp("kvserve-up")
+    output, state_dir = tmp / "up.log", tmp / "state"
+    config_file = tmp / "config.yaml"  # model settings through the file: proves each service reads it
+    config_file.write_text(
+        f"num_kv_blocks: 128\nmax_model_len: 1024\nl1_host_gb: 0.25\nl1_arena_dir: {tmp}\nmax_num_batched_tokens: 512\n"
     )
+    env = service_env(**ANY_PORTS)
 
     def ready(process: subprocess.Popen[bytes]) -> None:
-        wait_for_serving(f"127.0.0.1:{port}", timeout_s=180, process=process)
-        deadline = time.monotonic() + 30
-        while "Ctrl-C" not in output.read_text(errors="replace"):  # `up` prints once it saw SERVING itself
+        deadline = time.monotonic() + 240
+        while "Ctrl-C" not in output.read_text(errors="replace"):  # printed once the gateway is ready
             assert time.monotonic() < deadline and process.poll() is None, output.read_text(errors="replace")
-            time.sleep(0.1)
+            time.sleep(0.2)
 
-    command = [sys.executable, "-m", "launcher.cli", "up"]
-    with running_process(command, env, output, ready, stop_signal=signal.SIGINT, stop_timeout_s=40) as process:
-        yield Stack(f"127.0.0.1:{port}", process, output, f"http://127.0.0.1:{gateway_port}")
+    # Started with SIGINT ignored, as a background job of a script is: `up` must still stop on SIGINT.
+    command = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', sys.executable, "-m", "launcher.cli", "up"]
+    command += ["--ranks", "2", "--config", str(config_file)]
+    command += ["--state-dir", str(state_dir)]
+    with running_process(command, env, output, ready, stop_signal=signal.SIGINT, stop_timeout_s=60) as process:
+        yield Stack(process, output, state_dir)
     print(output.read_text(errors="replace")[-3000:])
 
 
 @pytest.fixture(scope="module")
 def model_info(stack: Stack) -> pb.ModelInfoResponse:
     options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    with grpc.insecure_channel(stack.target, options=options) as channel:
+    with grpc.insecure_channel(stack.rank_target, options=options) as channel:
         return pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
 
 
@@ -82,14 +131,50 @@ def tokenizer(model_info: pb.ModelInfoResponse) -> Tokenizer:
 
 
 def test_up_prints_the_endpoint_and_an_example(stack: Stack) -> None:
-    text = stack.output.read_text(errors="replace")
-    assert stack.target in text
-    assert "kvserve complete" in text and f"--target {stack.target}" in text
-    assert f"export ANTHROPIC_BASE_URL={stack.gateway_url}" in text
+    text = stack.text()
+    for name in SERVICES[:-1]:
+        assert f"  {name}: {stack.address(name)} (" in text
+    assert "kvserve complete" in text and f"--target {stack.rank_target}" in text
+    assert f"export ANTHROPIC_BASE_URL={stack.gateway_url}\n" in text
     for variable in ("ANTHROPIC_API_KEY", "ANTHROPIC_MODEL", "ANTHROPIC_DEFAULT_HAIKU_MODEL"):
         assert f"export {variable}=" in text
-    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=921\n" in text  # 90% of max_model_len 1024
+    assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=921\n" in text  # 90% of the config file's max_model_len 1024
     assert httpx.get(f"{stack.gateway_url}/ready", timeout=5).json()["status"] == "ready"
+
+
+def test_up_starts_every_service_and_wires_them(stack: Stack) -> None:
+    services = stack.services()
+    assert list(services) == SERVICES
+    assert all(not gone(int(entry["pid"])) for entry in services.values())  # type: ignore[call-overload]
+    assert probe(HealthCheck("redis", stack.address("redis"))) is None
+    for name in ("kvstore", "router", "rank-worker-0", "rank-worker-1"):
+        assert probe(HealthCheck("grpc", stack.address(name))) is None, name
+    # Both ranks registered with the router under their ids and advertised addresses; Redis reached.
+    deadline = time.monotonic() + 30
+    with grpc.insecure_channel(stack.address("router")) as channel:
+        while True:
+            listing = router_pb2_grpc.RouterStub(channel).ListRanks(router_pb2.ListRanksRequest(), timeout=10)
+            ranks = {rank.rank_id: rank for rank in listing.ranks}
+            if (len(ranks) == 2 and all(rank.healthy for rank in ranks.values())) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+    assert {rank_id: rank.address for rank_id, rank in ranks.items()} == {
+        "rank-0": stack.address("rank-worker-0"),
+        "rank-1": stack.address("rank-worker-1"),
+    }
+    assert all(rank.healthy for rank in ranks.values())
+    assert listing.redis_connected
+    logs = {name: Path(str(entry["log"])) for name, entry in services.items()}
+    assert all(path.is_file() and path.parent == stack.state_dir / "logs" for path in logs.values())
+
+
+def test_a_request_through_the_gateway(stack: Stack) -> None:
+    body = {"model": "default", "max_tokens": 4, "messages": [{"role": "user", "content": "Say hi."}]}
+    response = httpx.post(f"{stack.gateway_url}/v1/messages", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    message = response.json()
+    assert message["type"] == "message" and message["content"][0]["text"]
+    assert 0 < message["usage"]["output_tokens"] <= 4
 
 
 def test_prompt_goes_through_the_chat_template(model_info: pb.ModelInfoResponse, tokenizer: Tokenizer) -> None:
@@ -118,7 +203,7 @@ def test_real_tokenizer_streams_multibyte_text_cleanly(tokenizer: Tokenizer) -> 
 
 def test_complete_streams_text_and_stats(stack: Stack) -> None:
     out, err = io.StringIO(), io.StringIO()
-    code = complete(stack.target, CompletionArgs("What is the capital of France?", max_tokens=12), out, err)
+    code = complete(stack.rank_target, CompletionArgs("What is the capital of France?", max_tokens=12), out, err)
     assert code == 0
     assert out.getvalue().strip()
     stats = err.getvalue()
@@ -126,14 +211,14 @@ def test_complete_streams_text_and_stats(stack: Stack) -> None:
 
 
 def test_kvserve_complete_command(stack: Stack) -> None:
-    result = kvserve("complete", "Say hello.", "--max-tokens", "6", "--target", stack.target)
+    result = kvserve("complete", "Say hello.", "--max-tokens", "6", "--target", stack.rank_target)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "[prompt " in result.stderr
 
 
 def test_kvserve_complete_reports_bad_input(stack: Stack) -> None:
-    result = kvserve("complete", "Say hello.", "--max-tokens", "0", "--target", stack.target)
+    result = kvserve("complete", "Say hello.", "--max-tokens", "0", "--target", stack.rank_target)
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr and "max_tokens" in result.stderr
 
@@ -143,17 +228,62 @@ def test_kvserve_complete_unreachable_target() -> None:
     assert result.returncode == 1 and "UNAVAILABLE" in result.stderr
 
 
-def test_up_reports_a_worker_that_fails_to_start(tmp_path: Path) -> None:
-    env = service_env(KVSERVE_RANK_WORKER_PORT=str(free_port()), KVSERVE_MODEL=str(tmp_path / "missing.gguf"))
-    result = kvserve("up", "--ready-timeout", "120", env=env, timeout=150)
-    assert result.returncode == 1
-    assert "exited with code" in result.stdout
+def test_a_killed_service_is_restarted(stack: Stack) -> None:
+    before = stack.services()["rank-worker-1"]
+    os.kill(int(before["pid"]), signal.SIGKILL)  # type: ignore[call-overload]
+    deadline = time.monotonic() + 180
+    while "rank-worker-1: healthy again" not in stack.text():
+        assert time.monotonic() < deadline and stack.process.poll() is None, stack.text()[-3000:]
+        time.sleep(0.3)
+    after = stack.services()["rank-worker-1"]
+    assert after["pid"] != before["pid"] and after["address"] == before["address"]
+    assert "rank-worker-1 exited with code -9; restarting it" in stack.text()
+    assert probe(HealthCheck("grpc", str(after["address"]))) is None
+    assert all(not gone(int(entry["pid"])) for entry in stack.services().values())  # type: ignore[call-overload]
 
 
-def test_up_stops_cleanly_on_ctrl_c(stack: Stack) -> None:
+def test_up_stops_everything_on_ctrl_c(stack: Stack) -> None:
+    services = stack.services()
     stack.process.send_signal(signal.SIGINT)
-    assert stack.process.wait(timeout=40) == 0
-    assert "stopping" in stack.output.read_text(errors="replace")
-    with grpc.insecure_channel(stack.target) as channel, pytest.raises(grpc.RpcError) as info:
-        pb_grpc.RankWorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
-    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # the worker is gone too
+    assert stack.process.wait(timeout=60) == 0
+    text = stack.text()
+    assert "stopping..." in text and text.rstrip().endswith("stopped")
+    left = [name for name, entry in services.items() if not gone(int(entry["pid"]))]  # type: ignore[call-overload]
+    assert left == []
+    assert probe(HealthCheck("grpc", stack.rank_target), timeout_s=2) == "gRPC UNAVAILABLE"
+    assert probe(HealthCheck("redis", stack.address("redis")), timeout_s=2) is not None
+
+
+def test_up_reports_a_service_that_fails_to_start(tmp_path: Path) -> None:
+    env = service_env(**ANY_PORTS, KVSERVE_MODEL=str(tmp_path / "missing.gguf"), KVSERVE_L1_ARENA_DIR=str(tmp_path))
+    result = kvserve("up", "--state-dir", str(tmp_path / "state"), env=env, timeout=180)
+    assert result.returncode == 1
+    assert "rank-worker-0 exited with code" in result.stdout
+    assert "missing.gguf" in result.stdout  # the tail of the rank's own log says why
+    services = read_services(tmp_path / "state")
+    assert list(services) == SERVICES[:4]  # the gateway never started
+    assert all(gone(int(entry["pid"])) for entry in services.values())  # type: ignore[call-overload]
+
+
+def test_up_without_redis_server_says_how_to_install_it(tmp_path: Path) -> None:
+    env = service_env(**ANY_PORTS, PATH=str(tmp_path))  # nothing on PATH; python is sys.executable
+    result = kvserve("up", "--state-dir", str(tmp_path / "state"), env=env)
+    assert result.returncode == 1
+    assert "redis-server not found" in result.stdout and "apt-get install redis-server" in result.stdout
+    assert not (tmp_path / "state").exists()  # nothing was started
+
+
+def test_up_reports_a_port_in_use(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = service_env(**{**ANY_PORTS, "KVSERVE_GATEWAY_PORT": str(port)})
+        result = kvserve("up", "--state-dir", str(tmp_path / "state"), env=env)
+    assert result.returncode == 1
+    assert f"gateway cannot listen on 127.0.0.1:{port}" in result.stdout and "gateway_port" in result.stdout
+
+
+def test_up_refuses_zero_ranks() -> None:
+    result = kvserve("up", "--ranks", "0")
+    assert result.returncode == 2 and "--ranks must be at least 1" in result.stderr

@@ -1,0 +1,149 @@
+"""The stack's topology: the same services, dependencies and health checks in local and compose mode; local
+addresses, ports, GPU pinning and the CPU memory split; the start tiers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from contracts.config import KvServeConfig
+from launcher.topology import ServiceSpec, StackPlan, build_topology, start_tiers
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def config(**values: object) -> KvServeConfig:
+    return KvServeConfig(**values)  # type: ignore[arg-type]
+
+
+def local(ranks: int, gpu_ids: tuple[str, ...] = (), **values: object) -> list[ServiceSpec]:
+    plan = StackPlan(mode="local", config_file="/etc/kv.yaml", python="/venv/bin/python", gpu_ids=gpu_ids)
+    return build_topology(config(**values), ranks, plan)
+
+
+def compose(ranks: int, **values: object) -> list[ServiceSpec]:
+    return build_topology(config(**values), ranks, StackPlan(mode="compose"))
+
+
+def by_name(specs: list[ServiceSpec]) -> dict[str, ServiceSpec]:
+    return {spec.name: spec for spec in specs}
+
+
+def shape(spec: ServiceSpec) -> tuple[object, ...]:
+    """What must not differ between the local stack and the compose stack."""
+    return (
+        spec.name,
+        spec.role,
+        spec.depends_on,
+        spec.health.kind,
+        spec.published,
+        spec.restart,
+        spec.reads_config,
+        spec.uses_arena,
+        spec.gpu,
+    )
+
+
+def test_local_and_compose_describe_the_same_stack() -> None:
+    gpus = ("0", "1", "2", "3")
+    assert [shape(spec) for spec in local(4, gpus)] == [shape(spec) for spec in compose(4)]
+    names = [spec.name for spec in compose(4)]
+    assert names == ["redis", "kvstore", "router", *(f"rank-worker-{i}" for i in range(4)), "gateway"]
+    # the same program and role flags in both modes; only the interpreter, binds and ports differ
+    for local_spec, compose_spec in zip(local(4, gpus), compose(4), strict=True):
+        assert local_spec.argv[1:3] == compose_spec.argv[1:3]
+        assert set(local_spec.environment) == set(compose_spec.environment)
+
+
+def test_dependencies_give_the_start_order() -> None:
+    tiers = [[spec.name for spec in tier] for tier in start_tiers(compose(2))]
+    assert tiers == [["redis", "kvstore"], ["router"], ["rank-worker-0", "rank-worker-1"], ["gateway"]]
+    gateway = by_name(compose(2))["gateway"]
+    assert gateway.depends_on == ("router", "rank-worker-0", "rank-worker-1")
+
+
+def test_start_tiers_refuse_cycles_and_unknown_services() -> None:
+    specs = compose(1)
+    redis = specs[0]
+    cyclic = [replace(redis, depends_on=("gateway",)), *specs[1:]]
+    with pytest.raises(ValueError, match="cycle"):
+        start_tiers(cyclic)
+    with pytest.raises(ValueError, match="unknown services"):
+        start_tiers([replace(redis, depends_on=("postgres",))])
+
+
+def test_local_mode_binds_loopback_on_configured_ports_and_wires_addresses() -> None:
+    specs = by_name(
+        local(
+            2,
+            kvstore_port=7001,
+            router_port=7002,
+            rank_worker_port=7010,
+            gateway_port=7080,
+            redis_url="redis://127.0.0.1:7379/3",
+        )
+    )
+    assert specs["redis"].argv[:5] == ("redis-server", "--port", "7379", "--bind", "127.0.0.1")
+    assert "--appendonly" in specs["redis"].argv
+    assert specs["kvstore"].argv == ("/venv/bin/python", "-m", "kvstore", "--host", "127.0.0.1", "--port", "7001")
+    router = specs["router"]
+    assert router.environment["KVSERVE_REDIS_URL"] == "redis://127.0.0.1:7379/3"
+    assert router.environment["KVSERVE_KVSTORE"] == "127.0.0.1:7001"
+    for rank in range(2):
+        spec = specs[f"rank-worker-{rank}"]
+        assert spec.port == 7010 + rank  # consecutive ports on one machine
+        assert spec.argv[-2:] == ("--rank-id", f"rank-{rank}")
+        assert spec.environment["KVSERVE_RANK_ADVERTISE_ADDRESS"] == f"127.0.0.1:{7010 + rank}"
+        assert spec.environment["KVSERVE_ROUTER"] == "127.0.0.1:7002"
+        assert spec.environment["KVSERVE_KVSTORE"] == "127.0.0.1:7001"
+    gateway = specs["gateway"]
+    assert gateway.environment["KVSERVE_ROUTER"] == "127.0.0.1:7002"
+    assert json.loads(gateway.environment["KVSERVE_RANK_WORKERS"]) == ["127.0.0.1:7010", "127.0.0.1:7011"]
+    assert gateway.health.target == "http://127.0.0.1:7080/ready"
+    assert all(spec.environment.get("KVSERVE_CONFIG") == "/etc/kv.yaml" for spec in specs.values() if spec.reads_config)
+    assert all(spec.host == "127.0.0.1" for spec in specs.values())
+
+
+def test_compose_mode_uses_service_names_and_binds_all_interfaces() -> None:
+    specs = by_name(compose(2))
+    assert all(spec.host == "0.0.0.0" for spec in specs.values())
+    assert specs["router"].environment["KVSERVE_REDIS_URL"] == "redis://redis:6379/0"
+    rank = specs["rank-worker-1"]
+    assert rank.environment["KVSERVE_RANK_ADVERTISE_ADDRESS"] == "rank-worker-1:50151"
+    assert rank.environment["CUDA_VISIBLE_DEVICES"] == "0"  # its one reserved GPU, seen from inside
+    assert rank.gpu == "1"
+    # health checks run inside the service's own container
+    assert specs["kvstore"].health.target == "127.0.0.1:50141"
+
+
+def test_port_zero_picks_distinct_free_ports() -> None:
+    specs = local(3, kvstore_port=0, router_port=0, rank_worker_port=0, gateway_port=0, redis_url="redis://h:0/0")
+    ports = [spec.port for spec in specs]
+    assert 0 not in ports and len(set(ports)) == len(ports)
+
+
+def test_gpus_are_pinned_one_per_rank() -> None:
+    specs = local(2, ("2", "3"))
+    ranks = [spec for spec in specs if spec.role == "rank-worker"]
+    assert [rank.environment["CUDA_VISIBLE_DEVICES"] for rank in ranks] == ["2", "3"]
+    assert all("KVSERVE_KV_CACHE_MEMORY_GB" not in rank.environment for rank in ranks)
+    with pytest.raises(ValueError, match="need 3 GPUs"):
+        local(3, ("0", "1"))
+
+
+def test_cpu_ranks_split_the_kv_cache_budget() -> None:
+    ranks = [spec for spec in local(4, kv_cache_memory_gb=3.0) if spec.role == "rank-worker"]
+    assert {rank.environment["KVSERVE_KV_CACHE_MEMORY_GB"] for rank in ranks} == {"0.75"}
+    assert all("CUDA_VISIBLE_DEVICES" not in rank.environment for rank in ranks)
+    single = [spec for spec in local(1, kv_cache_memory_gb=3.0) if spec.role == "rank-worker"]
+    assert "KVSERVE_KV_CACHE_MEMORY_GB" not in single[0].environment  # one rank keeps the configured size
+    fixed = [spec for spec in local(2, num_kv_blocks=64) if spec.role == "rank-worker"]
+    assert "KVSERVE_KV_CACHE_MEMORY_GB" not in fixed[0].environment  # a fixed pool size is left alone
+
+
+def test_a_stack_needs_a_rank() -> None:
+    with pytest.raises(ValueError, match="at least one"):
+        compose(0)

@@ -1,20 +1,23 @@
 """Shared pieces for L1 tests: a real kvstore process, engines linked to it, and a tiny random model for
-tests that need many steps rather than real text."""
+tests that need many steps rather than real text.
+
+gRPC is imported only where it is used, so CUDA tests can run where only torch is installed."""
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import grpc
+import torch
 
-from protos import kvstore_pb2 as kvstore_pb
-from protos import kvstore_pb2_grpc as kvstore_grpc
 from rank_worker.engine.interface import TokenizerBundle
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
-from rank_worker.l1.kvstore_link import KvStoreLink
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.llama import LlamaForCausalLM
+
+if TYPE_CHECKING:
+    from protos import kvstore_pb2
 
 TINY_MODEL = {
     "vocab_size": 128,
@@ -28,9 +31,10 @@ TINY_MODEL = {
 }
 
 
-def tiny_model() -> LlamaForCausalLM:
+def tiny_model(device: str = "cpu") -> LlamaForCausalLM:
     """Random float32 weights of a 2-layer model: thousands of steps per second on the CPU."""
-    model = LlamaForCausalLM(LlamaFamilyConfig.from_hf(TINY_MODEL), max_positions=512)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaFamilyConfig.from_hf(TINY_MODEL), max_positions=512)
     model.init_random_weights(0)
     return model.eval()
 
@@ -40,7 +44,12 @@ def kvstore_settings(arena_dir: Path) -> dict[str, str]:
     return {"KVSERVE_L1_HOST_GB": "0.05", "KVSERVE_L1_ARENA_DIR": str(arena_dir), "KVSERVE_L1_HEADROOM_GB": "0"}
 
 
-def kvstore_stats(port: int) -> kvstore_pb.StatsResponse:
+def kvstore_stats(port: int) -> kvstore_pb2.StatsResponse:
+    import grpc
+
+    from protos import kvstore_pb2 as kvstore_pb
+    from protos import kvstore_pb2_grpc as kvstore_grpc
+
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
         return kvstore_grpc.KvStoreStub(channel).Stats(kvstore_pb.StatsRequest(), timeout=10)
 
@@ -53,6 +62,8 @@ def l1_engine(
     **settings: object,
 ) -> PagedEngine:
     """An engine whose L1 tier talks to the kvstore on kvstore_port (short deadlines, as in production)."""
+    from rank_worker.l1.kvstore_link import KvStoreLink
+
     values: dict[str, object] = {"num_blocks": 20, "block_size": 16, "max_model_len": 320}
     values.update(settings)
     link = KvStoreLink(f"127.0.0.1:{kvstore_port}", f"rank-test-{kvstore_port}", uuid.uuid4().hex)

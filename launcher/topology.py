@@ -124,6 +124,12 @@ def build_topology(config: KvServeConfig, ranks: int, plan: StackPlan) -> list[S
     )
 
     kvstore_host, kvstore_port = internal_host, port(config.kvstore_port)
+    kvstore_environment = dict(base_env)
+    if not compose and not gpu_ids and config.num_kv_blocks is None:
+        # The kvstore sizes its arena from the RAM available when it starts, before the ranks exist: on the
+        # CPU their KV pools (kv_cache_memory_gb in all) come out of the same RAM, so it must leave that too.
+        headroom = config.l1_headroom_gb + config.kv_cache_memory_gb
+        kvstore_environment["KVSERVE_L1_HEADROOM_GB"] = f"{headroom:g}"
     kvstore = ServiceSpec(
         name="kvstore",
         role="kvstore",
@@ -132,7 +138,7 @@ def build_topology(config: KvServeConfig, ranks: int, plan: StackPlan) -> list[S
         port=kvstore_port,
         address=address("kvstore", kvstore_host, kvstore_port),
         health=HealthCheck("grpc", probe_target(kvstore_host, kvstore_port)),
-        environment=dict(base_env),
+        environment=kvstore_environment,
         uses_arena=True,
     )
 

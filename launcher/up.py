@@ -100,6 +100,8 @@ def plan_stack(options: UpOptions, config: KvServeConfig) -> list[ServiceSpec]:
 def _check_port_free(spec: ServiceSpec) -> None:
     family = socket.AF_INET6 if ":" in spec.host else socket.AF_INET
     with socket.socket(family) as sock:
+        # As the servers do: a port whose last connections linger in TIME_WAIT is free to listen on again.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((spec.host, spec.port))
         except OSError as exc:
@@ -229,11 +231,11 @@ def _print_ready(
         kind = "redis" if spec.role == "redis" else "gRPC"
         device = f", GPU {spec.gpu}" if spec.gpu is not None else ""
         out.write(f"  {spec.name}: {spec.address} ({kind}{device})\n")
-    if ranks[0].gpu is None and len(ranks) > 1 and config.num_kv_blocks is None:
-        out.write(
-            f"  CPU KV pools: kv_cache_memory_gb {config.kv_cache_memory_gb:g} is split between the {len(ranks)} "
-            f"ranks: {cpu_kv_cache_gb(config, len(ranks)):g} GB each\n"
-        )
+    if ranks[0].gpu is None and config.num_kv_blocks is None:
+        total = config.kv_cache_memory_gb
+        each = cpu_kv_cache_gb(config, len(ranks))
+        split = f", split between {len(ranks)} ranks: {each:g} GB each" if len(ranks) > 1 else ""
+        out.write(f"  KV pools on the CPU: kv_cache_memory_gb {total:g}{split}; the L1 arena leaves that RAM free\n")
     out.write(f"  logs: {(options.state_dir / 'logs').resolve()}\n")
     out.write("\nUse it from Claude Code:\n")
     for name, value in claude_code_environment(base_url, model, max_model_len).items():

@@ -144,6 +144,14 @@ def test_cpu_ranks_split_the_kv_cache_budget() -> None:
     assert "KVSERVE_KV_CACHE_MEMORY_GB" not in fixed[0].environment  # a fixed pool size is left alone
 
 
+def test_kvstore_leaves_ram_for_cpu_ranks() -> None:
+    kvstore = by_name(local(2, kv_cache_memory_gb=3.0, l1_headroom_gb=4.0))["kvstore"]
+    assert kvstore.environment["KVSERVE_L1_HEADROOM_GB"] == "7"  # its own headroom + the ranks' KV pools
+    on_gpus = by_name(local(2, ("0", "1"), kv_cache_memory_gb=3.0))["kvstore"]
+    assert "KVSERVE_L1_HEADROOM_GB" not in on_gpus.environment  # GPU ranks keep their KV on the GPU
+    assert "KVSERVE_L1_HEADROOM_GB" not in by_name(compose(2))["kvstore"].environment
+
+
 def test_a_stack_needs_a_rank() -> None:
     with pytest.raises(ValueError, match="at least one"):
         compose(0)

@@ -2,6 +2,10 @@
 
 gRPC status codes become the two errors the tier understands: FAILED_PRECONDITION on a call that names an
 arena means that arena is stale (attach again); everything else means L1 is unavailable for now.
+
+Every attach announces a new incarnation (the process incarnation plus a count): the tier attaches again
+only after it has let go of everything it held, and a new incarnation makes the kvstore drop the pins of
+the old one, including any a call that timed out on our side took after all.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class KvStoreLink(KvStoreClient):
         self.attach_timeout_s = attach_timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KvStoreStub | None = None
+        self._attaches = 0
 
     @property
     def address(self) -> str:
@@ -57,8 +62,12 @@ class KvStoreLink(KvStoreClient):
 
     def attach(self, slot_bytes: int, hash_namespace: bytes) -> ArenaLayout:
         self.close()  # a fresh channel: a restarted kvstore is reached now, not after a reconnect backoff
+        self._attaches += 1
         request = pb.AttachRequest(
-            rank_id=self.rank_id, incarnation=self.incarnation, slot_bytes=slot_bytes, hash_namespace=hash_namespace
+            rank_id=self.rank_id,
+            incarnation=f"{self.incarnation}.{self._attaches}",
+            slot_bytes=slot_bytes,
+            hash_namespace=hash_namespace,
         )
         try:
             reply = self._connect().Attach(request, timeout=self.attach_timeout_s)

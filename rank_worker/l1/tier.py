@@ -10,7 +10,9 @@ Restore: right after the L0 prefix attach, the hashes that follow are looked up;
 is copied into fresh pool blocks, which are registered as ordinary L0 cache entries.
 
 An L1 failure only ever costs cache hits: unreachable kvstore -> serve from L0 and attach again every
-retry_interval_s; stale arena (kvstore restarted) -> attach again and remap at once.
+retry_interval_s; stale arena (kvstore restarted) -> attach again at once. Attaching again runs on a
+background thread (the Attach call may wait out its deadline on a hung kvstore, and pinning a large arena
+takes a while): the engine thread serves from L0 until the new mapping is ready.
 """
 
 from __future__ import annotations
@@ -19,19 +21,18 @@ import logging
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from typing import TypeVar
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.arena import ArenaMapping
 from rank_worker.l1.block_copier import BlockCopier, CopyJob
-from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError, L1UnavailableError
+from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_INTERVAL_S = 3.0
-T = TypeVar("T")
 
 
 class L1Tier:
@@ -56,6 +57,8 @@ class L1Tier:
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
+        self._attacher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l1-attach")
+        self._attaching: Future[ArenaMapping] | None = None
         self._next_attach = 0.0
         self._down_reported = False
         # Hashes L1 holds as far as we know (sent by us, restored, or refused as already there), oldest
@@ -66,7 +69,10 @@ class L1Tier:
         self.restored_blocks = 0
         self.offloaded_blocks = 0
         self.last_error = ""
-        self._ready()  # the first attach now, so the worker can log how it went
+        # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
+        self._attaching = self._attacher.submit(self._open_arena)
+        self._attaching.exception()
+        self._ready()
 
     # --- state ---
 
@@ -96,14 +102,14 @@ class L1Tier:
         if not wanted or not self._ready():
             return []
         try:
-            slots = self._on_arena(lambda arena_id: self.client.lookup(arena_id, wanted))
+            arena_id = self._arena_id()
+            slots = self.client.lookup(arena_id, wanted)
         except Exception as exc:
             self._go_down(exc)
             return []
         if not slots:
             return []
-        assert self._arena is not None and self._copier is not None
-        arena_id = self._arena.layout.arena_id
+        assert self._copier is not None
         blocks = self.pool.allocate(len(slots))
         try:
             job = self._copier.restore(slots, blocks)
@@ -126,8 +132,6 @@ class L1Tier:
             return  # that arena is gone, and its pins with it
         try:
             self.client.release(arena_id, slots)
-        except L1StaleArenaError:
-            self._detach()  # the next call attaches again
         except Exception as exc:
             self._go_down(exc)
 
@@ -140,7 +144,7 @@ class L1Tier:
             return
         hashes = [h for _, h in fresh]
         try:
-            slots = self._on_arena(lambda arena_id: self.client.allocate(arena_id, hashes))
+            slots = self.client.allocate(self._arena_id(), hashes)
         except Exception as exc:
             self._go_down(exc)
             return
@@ -171,9 +175,7 @@ class L1Tier:
             if self._arena is not None:
                 self.client.commit(self._arena.layout.arena_id, job.slots)
                 self.offloaded_blocks += len(job.slots)
-        except L1StaleArenaError:
-            self._detach()  # copied into a dead arena; the blocks go again after the next attach
-        except Exception as exc:
+        except Exception as exc:  # a stale arena too: the blocks go again after the next attach
             self._go_down(exc)
         finally:
             self.pool.release(job.block_ids)
@@ -181,7 +183,10 @@ class L1Tier:
     # --- copies in flight (CUDA) ---
 
     def poll(self) -> None:
-        """Finish the copies whose bytes have landed: commit offloads, unpin restored slots. Never waits."""
+        """Finish the copies whose bytes have landed: commit offloads, unpin restored slots; adopt a finished
+        background attach. Never waits."""
+        if self._attaching is not None and self._attaching.done():
+            self._ready()
         while self._offloads and self._offloads[0].done:
             self._commit(self._offloads.popleft())
         while self._restores and self._restores[0].done:
@@ -199,19 +204,32 @@ class L1Tier:
 
     # --- attach, detach ---
 
+    def try_attach(self) -> bool:
+        """True when attached. Otherwise adopt a background attach that has finished, or start one when due."""
+        return self._ready()
+
     def _ready(self) -> bool:
         if self._arena is not None:
             return True
-        if self._clock() < self._next_attach:
-            return False
-        return self._attach()
+        if self._attaching is not None:
+            if not self._attaching.done():
+                return False
+            return self._adopt(self._attaching)
+        if self._clock() >= self._next_attach:
+            self._attaching = self._attacher.submit(self._open_arena)
+        return False
 
-    def _attach(self) -> bool:
+    def _open_arena(self) -> ArenaMapping:
+        """Attach thread: ask the kvstore for the arena and map it (pinned, on CUDA)."""
+        layout = self.client.attach(self.slot_bytes, self.namespace)
+        return ArenaMapping(
+            layout, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype, pin_for_cuda=self.kv_cache.is_cuda
+        )
+
+    def _adopt(self, attaching: Future[ArenaMapping]) -> bool:
+        self._attaching = None
         try:
-            layout = self.client.attach(self.slot_bytes, self.namespace)
-            arena = ArenaMapping(
-                layout, tuple(self.kv_cache.shape[1:]), self.kv_cache.dtype, pin_for_cuda=self.kv_cache.is_cuda
-            )
+            arena = attaching.result()
             self._copier = BlockCopier(self.kv_cache, arena.slots)
         except Exception as exc:
             self._report_down(exc)
@@ -219,6 +237,7 @@ class L1Tier:
         self._arena = arena
         self._down_reported = False
         self.last_error = ""
+        layout = arena.layout
         log.info(
             "L1 attached to the kvstore at %s: arena %s, %.2f GB, %d slots of %d bytes%s",
             self.client.address,
@@ -230,18 +249,9 @@ class L1Tier:
         )
         return True
 
-    def _on_arena(self, call: Callable[[str], T]) -> T:
-        """Run a kvstore call naming the current arena; if that arena is stale, attach again and retry once."""
+    def _arena_id(self) -> str:
         assert self._arena is not None
-        try:
-            return call(self._arena.layout.arena_id)
-        except L1StaleArenaError:
-            log.info("L1 arena %s is gone (the kvstore restarted): attaching again", self._arena.layout.arena_id)
-            self._detach()
-            if not self._attach():
-                raise L1UnavailableError(f"attach after a stale arena failed: {self.last_error}") from None
-            assert self._arena is not None
-            return call(self._arena.layout.arena_id)
+        return self._arena.layout.arena_id
 
     def _detach(self) -> None:
         """Forget the arena: wait for copies touching it, let go of their pool blocks, unmap it."""
@@ -258,8 +268,15 @@ class L1Tier:
         self._arena = None
 
     def _go_down(self, exc: BaseException) -> None:
+        stale = self._arena.layout.arena_id if self._arena is not None else ""
         self._detach()
-        self._report_down(exc)
+        if isinstance(exc, L1StaleArenaError):
+            # The kvstore restarted (its new arena starts empty): attach to it again now, not after a delay.
+            log.info("L1 arena %s is gone (the kvstore restarted): attaching again", stale)
+            self._next_attach = 0.0
+            self._ready()
+        else:
+            self._report_down(exc)
 
     def _report_down(self, exc: BaseException) -> None:
         self._next_attach = self._clock() + self.retry_interval_s
@@ -282,6 +299,10 @@ class L1Tier:
             self._known.popitem(last=False)
 
     def close(self) -> None:
-        """Wait for copies in flight, unmap the arena, close the connection."""
+        """Wait for copies in flight (and an attach under way), unmap the arena, close the connection."""
         self._detach()
+        self._attacher.shutdown(wait=True)
+        if self._attaching is not None and self._attaching.exception() is None:
+            self._attaching.result().close()
+        self._attaching = None
         self.client.close()

@@ -78,32 +78,46 @@ def _restores(engine: PagedEngine, seed: int) -> int:
     return again.stats.l1_cached_tokens
 
 
+def wait_attached(engine: PagedEngine, timeout_s: float = 15) -> None:
+    """Attaching runs in the background; poll until the engine has adopted the new mapping."""
+    assert engine.l1 is not None
+    deadline = time.monotonic() + timeout_s
+    while not engine.l1.try_attach():
+        assert time.monotonic() < deadline, f"L1 not attached after {timeout_s}s: {engine.l1.last_error}"
+        time.sleep(0.05)
+
+
 def test_kvstore_outage_and_restart_never_fail_a_request(tmp_path: Path) -> None:
     model = tiny_model()
     port = free_port()
     settings = kvstore_settings(tmp_path)
     # No kvstore yet: the rank serves from L0 and keeps trying to attach.
     engine = l1_engine(model, None, port, retry_interval_s=0.5, num_blocks=16, max_model_len=256)
-    assert not engine.stats().l1_attached
+    assert engine.l1 is not None and not engine.stats().l1_attached
     prompt = random_prompt(40, 128, seed=1)
     expected = generate_one(make_engine(model, None), prompt, greedy(6), "ref").new_token_ids
     assert generate_one(engine, prompt, greedy(6), "early").new_token_ids == expected
 
     with start_kvstore(tmp_path / "kvstore-1.log", port, **settings):
-        time.sleep(0.6)  # past the retry interval
+        wait_attached(engine)
         assert _restores(engine, seed=10) > 0
         assert engine.stats().l1_attached
         first_arena = engine.l1.arena.layout.arena_id
 
     # Restarted while the rank was idle: the next call names a stale arena, and the rank attaches again at
-    # once (no outage): the very next request's blocks are written to the new arena.
+    # once, not after the retry interval (made long here to tell the two apart).
+    engine.l1.retry_interval_s = 60
     with start_kvstore(tmp_path / "kvstore-2.log", port, **settings) as kvstore:
+        out = generate_one(engine, prompt, greedy(6), "finds-stale-arena")
+        assert out.new_token_ids == expected
+        wait_attached(engine, timeout_s=10)
+        assert engine.l1.arena.layout.arena_id != first_arena
         offloaded = engine.stats().l1_offloaded_blocks
         generate_one(engine, random_prompt(3 * BLOCK + 1, 128, seed=30), greedy(2), "after-restart")
         assert engine.stats().l1_offloaded_blocks == offloaded + 3
-        assert engine.l1.arena.layout.arena_id != first_arena
         assert_no_pins(port)
 
+        engine.l1.retry_interval_s = 0.5
         kvstore.send_signal(signal.SIGKILL)
         kvstore.wait(timeout=10)
         started = time.monotonic()
@@ -112,10 +126,28 @@ def test_kvstore_outage_and_restart_never_fail_a_request(tmp_path: Path) -> None
         assert time.monotonic() - started < 5
         assert not engine.stats().l1_attached
 
-    with start_kvstore(tmp_path / "kvstore-3.log", port, **settings):
-        time.sleep(0.6)
+    with start_kvstore(tmp_path / "kvstore-3.log", port, **settings) as kvstore:
+        wait_attached(engine)
         assert _restores(engine, seed=40) > 0  # L1 comes back empty and is used again
         assert engine.stats().l1_attached
+
+        # Hung (SIGSTOP): one call waits out its 1 s deadline, then the rank serves from L0 without waiting.
+        prompts = [random_prompt(40, 128, seed=50 + i) for i in range(3)]
+        reference = make_engine(model, None)
+        expected_hung = [generate_one(reference, p, greedy(4), f"ref{i}").new_token_ids for i, p in enumerate(prompts)]
+        kvstore.send_signal(signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            outs = [generate_one(engine, p, greedy(4), f"hung{i}").new_token_ids for i, p in enumerate(prompts)]
+            assert time.monotonic() - started < 4
+            assert outs == expected_hung and not engine.stats().l1_attached
+        finally:
+            kvstore.send_signal(signal.SIGCONT)
+        # Attached again as a new incarnation: pins a late-served call took for the old one are dropped.
+        wait_attached(engine)
+        deadline = time.monotonic() + 5
+        while kvstore_stats(port).pinned_slots and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert_pool_idle(engine)
         assert_no_pins(port)
         engine.close()

@@ -76,159 +76,165 @@ def rank_name(rank: int) -> str:
     return f"rank-worker-{rank}"
 
 
+@dataclass(frozen=True)
+class _Stack:
+    """What every service builder needs: the config, the plan, and how this mode binds and addresses."""
+
+    config: KvServeConfig
+    plan: StackPlan
+    ranks: int
+    gpu_ids: tuple[str, ...]
+
+    @property
+    def compose(self) -> bool:
+        return self.plan.mode == "compose"
+
+    @property
+    def internal_host(self) -> str:
+        return COMPOSE_BIND if self.compose else LOCAL_BIND  # internal services: loopback only when local
+
+    def port(self, configured: int) -> int:
+        return configured if self.compose or configured != 0 else free_port()
+
+    def address(self, name: str, host: str, port: int) -> str:
+        return f"{name}:{port}" if self.compose else client_target(host, port)
+
+    def probe_target(self, host: str, port: int) -> str:
+        return client_target(LOCAL_BIND if self.compose else host, port)  # compose: inside its own container
+
+    def environment(self, **values: str) -> dict[str, str]:
+        """KVSERVE_CONFIG (the one config file) plus the given variables."""
+        config_file = COMPOSE_CONFIG_PATH if self.compose else self.plan.config_file
+        return ({"KVSERVE_CONFIG": config_file} if config_file else {}) | values
+
+    def python_service(self, name: str, host: str, port: int) -> tuple[str, ...]:
+        module = name.replace("-", "_")
+        return (self.plan.python, "-m", module, "--host", host, "--port", str(port))
+
+
 def build_topology(config: KvServeConfig, ranks: int, plan: StackPlan) -> list[ServiceSpec]:
     """The services of a stack with `ranks` rank workers, in start order: redis, kvstore, router, ranks, gateway."""
     if ranks < 1:
         raise ValueError("a stack needs at least one rank worker")
-    compose = plan.mode == "compose"
-    gpu_ids = [str(rank) for rank in range(ranks)] if compose else list(plan.gpu_ids)
+    gpu_ids = tuple(str(rank) for rank in range(ranks)) if plan.mode == "compose" else tuple(plan.gpu_ids)
     if gpu_ids and len(gpu_ids) < ranks:
-        raise ValueError(f"{ranks} rank workers need {ranks} GPUs, one each; {len(gpu_ids)} visible: {gpu_ids}")
+        raise ValueError(f"{ranks} rank workers need {ranks} GPUs, one each; {len(gpu_ids)} visible: {list(gpu_ids)}")
+    stack = _Stack(config, plan, ranks, gpu_ids)
+    redis = _redis(stack)
+    kvstore = _kvstore(stack)
+    router = _router(stack, redis, kvstore)
+    rank_workers = [_rank_worker(stack, rank, kvstore, router) for rank in range(ranks)]
+    return [redis, kvstore, router, *rank_workers, _gateway(stack, router, rank_workers)]
 
-    internal_host = COMPOSE_BIND if compose else LOCAL_BIND  # internal services: loopback only when local
 
-    def port(configured: int) -> int:
-        return configured if compose or configured != 0 else free_port()
-
-    def address(name: str, host: str, port: int) -> str:
-        return f"{name}:{port}" if compose else client_target(host, port)
-
-    def probe_target(host: str, port: int) -> str:
-        # Compose runs the check inside the service's own container.
-        return client_target(LOCAL_BIND if compose else host, port)
-
-    base_env = {"KVSERVE_CONFIG": COMPOSE_CONFIG_PATH} if compose else {}
-    if plan.config_file and not compose:
-        base_env["KVSERVE_CONFIG"] = plan.config_file
-    python_module = (plan.python, "-m")
-
-    redis_url = urlsplit(config.redis_url)
-    redis_port = port(redis_url.port if redis_url.port is not None else DEFAULT_REDIS_PORT)
-    redis_host = internal_host
-    redis_dir = COMPOSE_REDIS_DIR if compose else str(plan.state_dir / "redis")
-    redis_address = address("redis", redis_host, redis_port)
-    redis_argv = ["redis-server", "--port", str(redis_port), "--bind", redis_host, "--dir", redis_dir]
-    redis_argv += ["--appendonly", "yes"]
-    if compose:
-        redis_argv += ["--protected-mode", "no"]  # no password; only the internal network reaches it
-    redis = ServiceSpec(
+def _redis(stack: _Stack) -> ServiceSpec:
+    url = urlsplit(stack.config.redis_url)
+    host, port = stack.internal_host, stack.port(url.port if url.port is not None else DEFAULT_REDIS_PORT)
+    data_dir = COMPOSE_REDIS_DIR if stack.compose else str(stack.plan.state_dir / "redis")
+    argv = ["redis-server", "--port", str(port), "--bind", host, "--dir", data_dir, "--appendonly", "yes"]
+    if stack.compose:
+        argv += ["--protected-mode", "no"]  # no password; only the internal network reaches it
+    return ServiceSpec(
         name="redis",
         role="redis",
-        argv=tuple(redis_argv),
-        host=redis_host,
-        port=redis_port,
-        address=redis_address,
-        health=HealthCheck("redis", probe_target(redis_host, redis_port)),
+        argv=tuple(argv),
+        host=host,
+        port=port,
+        address=stack.address("redis", host, port),
+        health=HealthCheck("redis", stack.probe_target(host, port)),
         startup_s=30.0,
         reads_config=False,
     )
 
-    kvstore_host, kvstore_port = internal_host, port(config.kvstore_port)
-    kvstore_environment = dict(base_env)
-    if not compose and not gpu_ids and config.num_kv_blocks is None:
+
+def _kvstore(stack: _Stack) -> ServiceSpec:
+    config = stack.config
+    host, port = stack.internal_host, stack.port(config.kvstore_port)
+    environment = stack.environment()
+    if not stack.compose and not stack.gpu_ids and config.num_kv_blocks is None:
         # The kvstore sizes its arena from the RAM available when it starts, before the ranks exist: on the
         # CPU their KV pools (kv_cache_memory_gb in all) come out of the same RAM, so it must leave that too.
-        headroom = config.l1_headroom_gb + config.kv_cache_memory_gb
-        kvstore_environment["KVSERVE_L1_HEADROOM_GB"] = f"{headroom:g}"
-    kvstore = ServiceSpec(
+        environment["KVSERVE_L1_HEADROOM_GB"] = f"{config.l1_headroom_gb + config.kv_cache_memory_gb:g}"
+    return ServiceSpec(
         name="kvstore",
         role="kvstore",
-        argv=(*python_module, "kvstore", "--host", kvstore_host, "--port", str(kvstore_port)),
-        host=kvstore_host,
-        port=kvstore_port,
-        address=address("kvstore", kvstore_host, kvstore_port),
-        health=HealthCheck("grpc", probe_target(kvstore_host, kvstore_port)),
-        environment=kvstore_environment,
+        argv=stack.python_service("kvstore", host, port),
+        host=host,
+        port=port,
+        address=stack.address("kvstore", host, port),
+        health=HealthCheck("grpc", stack.probe_target(host, port)),
+        environment=environment,
         uses_arena=True,
     )
 
-    router_host, router_port = internal_host, port(config.router_port)
-    redis_for_router = urlunsplit((redis_url.scheme or "redis", redis_address, redis_url.path or "/0", "", ""))
-    router = ServiceSpec(
+
+def _router(stack: _Stack, redis: ServiceSpec, kvstore: ServiceSpec) -> ServiceSpec:
+    host, port = stack.internal_host, stack.port(stack.config.router_port)
+    url = urlsplit(stack.config.redis_url)
+    redis_url = urlunsplit((url.scheme or "redis", redis.address, url.path or "/0", "", ""))  # same db
+    return ServiceSpec(
         name="router",
         role="router",
-        argv=(*python_module, "router", "--host", router_host, "--port", str(router_port)),
-        host=router_host,
-        port=router_port,
-        address=address("router", router_host, router_port),
-        health=HealthCheck("grpc", probe_target(router_host, router_port)),
-        environment={**base_env, "KVSERVE_REDIS_URL": redis_for_router, "KVSERVE_KVSTORE": kvstore.address},
+        argv=stack.python_service("router", host, port),
+        host=host,
+        port=port,
+        address=stack.address("router", host, port),
+        health=HealthCheck("grpc", stack.probe_target(host, port)),
+        environment=stack.environment(KVSERVE_REDIS_URL=redis_url, KVSERVE_KVSTORE=kvstore.address),
         depends_on=("redis", "kvstore"),
     )
 
-    rank_specs = [
-        _rank_spec(rank, config, ranks, plan, gpu_ids, base_env, kvstore.address, router.address)
-        for rank in range(ranks)
-    ]
 
-    gateway_host = COMPOSE_BIND if compose else config.gateway_host
-    gateway_port = port(config.gateway_port)
-    gateway_environment = {
-        **base_env,
-        "KVSERVE_ROUTER": router.address,
-        # The gateway's own route list for when the router is away (a restart), in rank order.
-        "KVSERVE_RANK_WORKERS": json.dumps([rank.address for rank in rank_specs]),
-    }
-    gateway = ServiceSpec(
-        name="gateway",
-        role="gateway",
-        argv=(*python_module, "gateway", "--host", gateway_host, "--port", str(gateway_port)),
-        host=gateway_host,
-        port=gateway_port,
-        address=address("gateway", gateway_host, gateway_port),
-        health=HealthCheck("http", f"http://{probe_target(gateway_host, gateway_port)}/ready"),
-        environment=gateway_environment,
-        depends_on=("router", *(rank.name for rank in rank_specs)),
-        published=True,
-    )
-    return [redis, kvstore, router, *rank_specs, gateway]
-
-
-def _rank_spec(
-    rank: int,
-    config: KvServeConfig,
-    ranks: int,
-    plan: StackPlan,
-    gpu_ids: list[str],
-    base_env: dict[str, str],
-    kvstore_address: str,
-    router_address: str,
-) -> ServiceSpec:
-    compose = plan.mode == "compose"
-    name = rank_name(rank)
-    host = COMPOSE_BIND if compose else LOCAL_BIND
-    if compose:
+def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: ServiceSpec) -> ServiceSpec:
+    config, name, host = stack.config, rank_name(rank), stack.internal_host
+    if stack.compose:
         port = config.rank_worker_port  # a container each: every rank listens on the same port
     elif config.rank_worker_port == 0:
         port = free_port()
     else:
         port = config.rank_worker_port + rank  # consecutive ports on one machine
-    address = f"{name}:{port}" if compose else client_target(host, port)
-    environment = {
-        **base_env,
-        "KVSERVE_KVSTORE": kvstore_address,
-        "KVSERVE_ROUTER": router_address,
-        "KVSERVE_RANK_ADVERTISE_ADDRESS": address,
-    }
-    gpu = gpu_ids[rank] if gpu_ids else None
+    address = stack.address(name, host, port)
+    environment = stack.environment(
+        KVSERVE_KVSTORE=kvstore.address, KVSERVE_ROUTER=router.address, KVSERVE_RANK_ADVERTISE_ADDRESS=address
+    )
+    gpu = stack.gpu_ids[rank] if stack.gpu_ids else None
     if gpu is not None:
         # A container given one GPU (device_ids) sees it as device 0; a local process sees them all.
-        environment["CUDA_VISIBLE_DEVICES"] = "0" if compose else gpu
-    elif ranks > 1 and config.num_kv_blocks is None:
-        environment["KVSERVE_KV_CACHE_MEMORY_GB"] = f"{cpu_kv_cache_gb(config, ranks):g}"
+        environment["CUDA_VISIBLE_DEVICES"] = "0" if stack.compose else gpu
+    elif stack.ranks > 1 and config.num_kv_blocks is None:
+        environment["KVSERVE_KV_CACHE_MEMORY_GB"] = f"{cpu_kv_cache_gb(config, stack.ranks):g}"
     return ServiceSpec(
         name=name,
         role="rank-worker",
-        argv=(plan.python, "-m", "rank_worker", "--host", host, "--port", str(port), "--rank-id", f"rank-{rank}"),
+        argv=(*stack.python_service("rank-worker", host, port), "--rank-id", f"rank-{rank}"),
         host=host,
         port=port,
         address=address,
-        health=HealthCheck("grpc", client_target(LOCAL_BIND if compose else host, port)),
+        health=HealthCheck("grpc", stack.probe_target(host, port)),
         environment=environment,
         depends_on=("kvstore", "router"),
         gpu=gpu,
-        startup_s=plan.rank_startup_s,
+        startup_s=stack.plan.rank_startup_s,
         uses_arena=True,
+    )
+
+
+def _gateway(stack: _Stack, router: ServiceSpec, rank_workers: list[ServiceSpec]) -> ServiceSpec:
+    host = COMPOSE_BIND if stack.compose else stack.config.gateway_host
+    port = stack.port(stack.config.gateway_port)
+    # Its own rank list serves when the router is away (a restart), in rank order.
+    rank_list = json.dumps([rank.address for rank in rank_workers])
+    return ServiceSpec(
+        name="gateway",
+        role="gateway",
+        argv=stack.python_service("gateway", host, port),
+        host=host,
+        port=port,
+        address=stack.address("gateway", host, port),
+        health=HealthCheck("http", f"http://{stack.probe_target(host, port)}/ready"),
+        environment=stack.environment(KVSERVE_ROUTER=router.address, KVSERVE_RANK_WORKERS=rank_list),
+        depends_on=("router", *(rank.name for rank in rank_workers)),
+        published=True,
     )
 
 

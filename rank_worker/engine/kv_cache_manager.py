@@ -52,15 +52,29 @@ class KvCacheManager:
             self.pool.acquire_cached(block_id)
         num_l0 = len(hits)
         if self.host_tier is not None and num_l0 < len(hashes):
-            rest = seq.num_tokens - num_l0 * self.block_size
-            chunk = rest if token_budget is None else min(rest, token_budget)
-            room = self.pool.num_free - (-(-chunk // self.block_size)) - 1
+            room = self._restore_room(seq.num_tokens - num_l0 * self.block_size, len(hashes) - num_l0, token_budget)
             if room > 0:
                 hits.extend(self.host_tier.restore(hashes[num_l0:], room))
         seq.block_table = hits
         seq.block_hashes = hashes[: len(hits)]
         seq.num_computed_tokens = len(hits) * self.block_size
         return num_l0 * self.block_size, (len(hits) - num_l0) * self.block_size
+
+    def _restore_room(self, rest_tokens: int, restorable: int, token_budget: int | None) -> int:
+        """The most blocks to restore so that they plus the blocks of the next chunk to compute still fit
+        the free pool (one block spare). Every restored block shortens what is left to compute, so a
+        remainder that fits whole is restored whole."""
+        free = self.pool.num_free
+
+        def blocks_with(restored: int) -> int:
+            left = rest_tokens - restored * self.block_size
+            chunk = left if token_budget is None else min(left, token_budget)
+            return restored + -(-chunk // self.block_size)
+
+        room = min(restorable, free - 1)
+        while room > 0 and blocks_with(room) > free - 1:
+            room -= 1
+        return room
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short."""

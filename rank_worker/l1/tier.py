@@ -115,7 +115,7 @@ class L1Tier:
             job = self._copier.restore(slots, blocks)
         except Exception as exc:
             self.pool.release(blocks)
-            self._go_down(exc)  # the kvstore drops our read pins after its pin TTL
+            self._go_down(exc)  # our read pins go when we attach again (a new incarnation)
             return []
         for block_id, block_hash in zip(blocks, wanted, strict=False):
             self.pool.register(block_id, block_hash)

@@ -108,8 +108,10 @@ def test_kvstore_outage_and_restart_never_fail_a_request(tmp_path: Path) -> None
     # once, not after the retry interval (made long here to tell the two apart).
     engine.l1.retry_interval_s = 60
     with start_kvstore(tmp_path / "kvstore-2.log", port, **settings) as kvstore:
-        out = generate_one(engine, prompt, greedy(6), "finds-stale-arena")
-        assert out.new_token_ids == expected
+        stale_prompt = random_prompt(40, 128, seed=29)  # not in L0: admission asks L1 about it
+        stale_expected = generate_one(make_engine(model, None), stale_prompt, greedy(6), "ref").new_token_ids
+        out = generate_one(engine, stale_prompt, greedy(6), "finds-stale-arena")
+        assert out.new_token_ids == stale_expected
         wait_attached(engine, timeout_s=10)
         assert engine.l1.arena.layout.arena_id != first_arena
         offloaded = engine.stats().l1_offloaded_blocks
@@ -120,9 +122,11 @@ def test_kvstore_outage_and_restart_never_fail_a_request(tmp_path: Path) -> None
         engine.l1.retry_interval_s = 0.5
         kvstore.send_signal(signal.SIGKILL)
         kvstore.wait(timeout=10)
+        fresh = random_prompt(40, 128, seed=31)  # not in L0: admission asks L1, which is gone
+        fresh_expected = generate_one(make_engine(model, None), fresh, greedy(6), "ref").new_token_ids
         started = time.monotonic()
-        out = generate_one(engine, prompt, greedy(6), "during-outage")
-        assert out.finish_reason is FinishReason.LENGTH and out.new_token_ids == expected
+        out = generate_one(engine, fresh, greedy(6), "during-outage")
+        assert out.finish_reason is FinishReason.LENGTH and out.new_token_ids == fresh_expected
         assert time.monotonic() - started < 5
         assert not engine.stats().l1_attached
 

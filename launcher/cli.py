@@ -1,4 +1,4 @@
-"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`."""
+"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`, `bench`, `needle`."""
 
 from __future__ import annotations
 
@@ -44,6 +44,16 @@ def build_parser() -> argparse.ArgumentParser:
     compose.add_argument("--config", default="config/compose.yaml", help="the config file mounted in containers")
     compose.add_argument("--output", "-o", default="docker-compose.yml", help="file to write, or - for stdout")
 
+    # Their own flags (and --help) are parsed by the tools themselves.
+    commands.add_parser(
+        "bench",
+        add_help=False,
+        help="load tools: `kvserve bench agents ...` (agent load generator), `kvserve bench simulate ...` (capacity)",
+    )
+    commands.add_parser(
+        "needle", add_help=False, help="the needle quality gate: a fact in a long document, cold vs cached"
+    )
+
     keys = commands.add_parser("keys", help="manage the gateway's API keys").add_subparsers(
         dest="keys_command", required=True, metavar="ACTION"
     )
@@ -63,6 +73,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rank_worker.main import main as rank_worker_main
 
         return rank_worker_main(rest)
+    if args.command == "bench":
+        return _bench(rest)
+    if args.command == "needle":
+        from loadgen.needle_cli import main as needle_main
+
+        return needle_main(rest)
     if rest:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "complete":
@@ -81,6 +97,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         path = keys_file(args.file, args.config)
         return create_command(path, args.name, args.models) if args.keys_command == "create" else list_command(path)
     raise AssertionError(args.command)
+
+
+def _bench(rest: list[str]) -> int:
+    tools = {"agents": "loadgen.agents_cli", "simulate": "simulator.cli"}
+    if not rest or rest[0] not in tools:
+        print(f"usage: kvserve bench {{{','.join(tools)}}} [options]  (--help after the tool name for its options)")
+        return 0 if rest and rest[0] in ("-h", "--help") else 2
+    import importlib
+
+    return importlib.import_module(tools[rest[0]]).main(rest[1:])
 
 
 def _compose(args: argparse.Namespace) -> int:

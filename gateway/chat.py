@@ -50,6 +50,7 @@ class ChatRequest:
     top_p: float | None = None
     top_k: int = 0
     seed: int | None = None
+    ignore_eos: bool = False  # benchmark extension: no stop at EOS, exactly max_tokens
     stop: list[str] = field(default_factory=list)
     reasoning: bool | None = None  # thinking on/off; None = the model's default
     session_id: str = ""

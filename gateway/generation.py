@@ -164,6 +164,7 @@ class Generation:
             top_p=self.default_top_p if chat.top_p is None else chat.top_p,
             top_k=chat.top_k,
             max_tokens=prepared.max_tokens - len(extra),
+            ignore_eos=chat.ignore_eos,
         )
         if chat.seed is not None:
             sampling.seed = chat.seed

@@ -29,6 +29,7 @@ def to_chat(body: CountTokensRequest, session_header: str = "") -> ChatRequest:
         chat.temperature = body.temperature
         chat.top_p = body.top_p
         chat.top_k = body.top_k or 0
+        chat.ignore_eos = body.ignore_eos
         chat.stop = [s for s in body.stop_sequences or [] if s]
         chat.session_id = session_header or session_from_metadata(body.metadata)
     else:

@@ -66,5 +66,6 @@ class MessagesRequest(CountTokensRequest):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
+    ignore_eos: bool = False  # our extension (load generators): generate exactly max_tokens
     stop_sequences: list[str] | None = None
     metadata: dict[str, Any] | None = None

@@ -36,6 +36,7 @@ def to_chat(body: ChatCompletionRequest, session_header: str = "") -> ChatReques
         top_p=body.top_p,
         top_k=body.top_k or 0,
         seed=body.seed,
+        ignore_eos=body.ignore_eos,
         stop=[s for s in stop if s],
         reasoning=None if body.reasoning_effort is None else body.reasoning_effort != "none",
         session_id=session_header or (body.user or ""),

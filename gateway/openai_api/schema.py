@@ -62,6 +62,7 @@ class ChatCompletionRequest(_Lenient):
     top_p: float | None = Field(None, ge=0.0, le=1.0)
     top_k: int | None = Field(None, ge=0)
     seed: int | None = None
+    ignore_eos: bool = False  # an extension vLLM also accepts: generate exactly max_tokens
     stop: str | list[str] | None = None
     n: int | None = Field(None, ge=1, le=1)
     tools: list[ToolIn] | None = None

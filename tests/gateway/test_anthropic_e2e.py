@@ -267,3 +267,18 @@ def test_stop_sequence_cuts_the_answer_and_still_reports_usage(client: anthropic
     text = "".join(b.text for b in stopped.content if b.type == "text")
     assert cut_word not in text and full.startswith(text)
     assert stopped.usage.cache_read_input_tokens > 0  # known from the first chunk, though we stopped reading
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client: anthropic.Anthropic) -> None:
+    # "Say OK." ends within a few tokens; with the ignore_eos extension (load generators) it runs to the cap
+    short = client.messages.create(
+        model="default", max_tokens=40, messages=[{"role": "user", "content": "Say OK."}], extra_body={"temperature": 0}
+    )
+    forced = client.messages.create(
+        model="default",
+        max_tokens=40,
+        messages=[{"role": "user", "content": "Say OK."}],
+        extra_body={"temperature": 0, "ignore_eos": True},
+    )
+    assert short.usage.output_tokens < 40 and short.stop_reason == "end_turn"
+    assert forced.usage.output_tokens == 40 and forced.stop_reason == "max_tokens"

@@ -111,3 +111,14 @@ def test_errors_in_the_openai_shape(client: openai.OpenAI, base_url: str) -> Non
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
     with pytest.raises(openai.BadRequestError, match="prompt is too long"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "word " * 3000}])
+
+
+def test_ignore_eos_generates_exactly_max_tokens(client: openai.OpenAI) -> None:
+    forced = client.chat.completions.create(
+        model="default",
+        max_tokens=30,
+        messages=[{"role": "user", "content": "Say OK."}],
+        extra_body={"temperature": 0, "ignore_eos": True},
+    )
+    assert forced.usage is not None and forced.usage.completion_tokens == 30
+    assert forced.choices[0].finish_reason == "length"

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import logging
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -20,6 +21,13 @@ log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
 RANK_LIST_REFRESH_S = 2.0
+REMEMBERED_SESSIONS = 100_000  # the router's last answer per session, for routing while it is away
+# Reconnect to a restarted router within a second or two, not after gRPC's default backoff (up to minutes).
+ROUTER_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
 
 
 @dataclass(frozen=True)
@@ -94,10 +102,11 @@ class RouterRanks:
 
     def __init__(self, router_address: str, fallback_addresses: list[str]) -> None:
         self.router_address = router_address
-        self._channel = grpc.aio.insecure_channel(router_address)
+        self._channel = grpc.aio.insecure_channel(router_address, options=ROUTER_CHANNEL_OPTIONS)
         self._stub = router_grpc.RouterStub(self._channel)
         self._fallback = [RankChoice(a, a, "fallback") for a in fallback_addresses]
         self._known: list[RankChoice] = []  # healthy ranks from the router's last ListRanks
+        self._sessions: OrderedDict[str, RankChoice] = OrderedDict()  # session -> the router's last choice
         self._router_down_since: float | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._failure_reports: set[asyncio.Task[None]] = set()
@@ -136,13 +145,27 @@ class RouterRanks:
             # Also when the router answers that no rank is left: the known list is then tried, and each
             # dead rank refuses at once, so the request still ends quickly.
             self._router_unreachable(exc)
-            candidates = self._known or self._fallback
-            preferred = session_preference(candidates, query.session_id)
-            return next((r for r in preferred if r.rank_id not in avoid and r.address not in avoid), None)
+            return self._choose_without_router(query, avoid)
         self._router_back()
-        return RankChoice(
+        choice = RankChoice(
             reply.rank_id, reply.address, reply.reason, reply.expected_l0_tokens, reply.expected_l1_tokens
         )
+        if query.session_id:
+            self._sessions[query.session_id] = choice
+            self._sessions.move_to_end(query.session_id)
+            if len(self._sessions) > REMEMBERED_SESSIONS:
+                self._sessions.popitem(last=False)
+        return choice
+
+    def _choose_without_router(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+        """The session's last rank while it is still known healthy (its cache is there), else the
+        session-hashed preference over the known ranks."""
+        candidates = self._known or self._fallback
+        last = self._sessions.get(query.session_id)
+        if last is not None and last.rank_id not in avoid and any(r.rank_id == last.rank_id for r in candidates):
+            return RankChoice(last.rank_id, last.address, "remembered-session")
+        preferred = session_preference(candidates, query.session_id)
+        return next((r for r in preferred if r.rank_id not in avoid and r.address not in avoid), None)
 
     def report_failure(self, choice: RankChoice, detail: str) -> None:
         async def report() -> None:

@@ -3,12 +3,22 @@ stickiness and L0 hits, load balance for new sessions, and L1 restores of sessio
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
-import httpx
+import grpc
 import pytest
-from whole_stack import Stack, cached_tokens_metric, chat_turn, finished_per_rank, served_by, whole_stack
+from whole_stack import (
+    Stack,
+    cached_tokens_metric,
+    chat_turn,
+    evict_l0,
+    finished_per_rank,
+    served_by,
+    whole_stack,
+)
+
+from protos import rank_worker_pb2 as pb
+from protos import rank_worker_pb2_grpc as pb_grpc
 
 # A small L0 pool (96 blocks x 16 = 1,536 tokens per rank): a few sessions evict each other.
 RANK_SETTINGS = {"KVSERVE_NUM_KV_BLOCKS": "96", "KVSERVE_MAX_MODEL_LEN": "2048"}
@@ -40,36 +50,30 @@ def test_a_session_stays_on_one_rank_and_hits_l0(stack: Stack) -> None:
 
 
 def test_a_new_session_goes_to_the_less_loaded_rank(stack: Stack) -> None:
-    # keep one rank busy with a long generation, then start a new session
-    busy_done = threading.Event()
-
-    def long_generation() -> None:
-        body = {
-            "model": "default",
-            "max_tokens": 400,
-            "temperature": 0,
-            "stop_sequences": ["\u2603"],  # never produced: the reply runs long
-            "messages": [{"role": "user", "content": "Count from one to one thousand, in words."}],
-        }
-        httpx.post(f"{stack.url}/v1/messages", json=body, headers={"x-claude-code-session-id": "busy"}, timeout=300)
-        busy_done.set()
-
-    worker = threading.Thread(target=long_generation)
-    worker.start()
-    stack.wait_until(
-        "a rank running the long request", lambda: any(stack.rank_stats(r).running for r in stack.rank_names())
+    # load one rank with long generations (straight to it: ignore_eos keeps them running), then start a
+    # new session through the gateway
+    busy = stack.rank_names()[0]
+    request = pb.GenerateRequest(
+        prompt_token_ids=list(range(100, 160)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
     )
-    busy = next(r for r in stack.rank_names() if stack.rank_stats(r).running)
-    # the router learns the load from heartbeats (every 0.5 s here)
-    stack.wait_until(
-        "the router seeing the busy rank's load",
-        lambda: any(r.rank_id == busy and r.load.running > 0 for r in stack.router_ranks().ranks),
-    )
-    before = finished_per_rank(stack)
-    chat_turn(stack.url, "fresh-session", [{"role": "user", "content": "Say hello."}], max_tokens=2)
-    used = served_by(before, finished_per_rank(stack))
-    worker.join(timeout=300)
-    assert busy_done.is_set()
+    channel = grpc.insecure_channel(stack[busy].address)
+    calls = [pb_grpc.RankWorkerStub(channel).Generate(request, timeout=300) for _ in range(3)]
+    try:
+        stack.wait_until("the rank running all three", lambda: stack.rank_stats(busy).running == len(calls))
+        # the router learns the load from heartbeats (every 0.5 s here)
+        stack.wait_until(
+            "the router seeing the busy rank's load",
+            lambda: any(r.rank_id == busy and r.load.running == len(calls) for r in stack.router_ranks().ranks),
+        )
+        before = finished_per_rank(stack)
+        chat_turn(stack.url, "fresh-session", [{"role": "user", "content": "Say hello."}], max_tokens=2)
+        used = served_by(before, finished_per_rank(stack))
+        assert stack.rank_stats(busy).running > 0  # still busy when the new session was routed
+    finally:
+        for call in calls:
+            call.cancel()
+        channel.close()
     assert used and busy not in used, (busy, used)
 
 
@@ -77,9 +81,8 @@ def test_an_evicted_session_is_restored_from_l1_with_the_same_output(stack: Stac
     messages = [{"role": "user", "content": session_context("bravo")}]
     reply, _ = chat_turn(stack.url, "bravo", messages)
     messages += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "Go on."}]
-    # other sessions push bravo's blocks out of both ranks' small L0 pools (they stay in L1)
-    for name in ("c1", "c2", "c3", "c4", "c5", "c6"):
-        chat_turn(stack.url, name, [{"role": "user", "content": session_context(name)}], max_tokens=2)
+    # other work pushes bravo's blocks out of both ranks' small L0 pools (they stay in L1)
+    evict_l0(stack, seed=1)
     l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
     restored_reply, usage = chat_turn(stack.url, "bravo", messages, max_tokens=16)
     l1_restored = cached_tokens_metric(stack.url)["l1"] - l1_before
@@ -90,8 +93,7 @@ def test_an_evicted_session_is_restored_from_l1_with_the_same_output(stack: Stac
     # the same turn cold: neither L0 (evicted again) nor L1 (restarted empty) holds it
     stack["kvstore"].kill()
     stack["kvstore"].start()
-    for name in ("d1", "d2", "d3", "d4", "d5", "d6"):
-        chat_turn(stack.url, name, [{"role": "user", "content": session_context(name)}], max_tokens=2)
+    evict_l0(stack, seed=2)
     cold_reply, cold_usage = chat_turn(stack.url, "bravo", messages, max_tokens=16)
     assert cold_usage["cache_read_input_tokens"] < 0.2 * prompt, cold_usage
     assert restored_reply == cold_reply

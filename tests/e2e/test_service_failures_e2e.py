@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +14,16 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from whole_stack import Stack, cached_tokens_metric, chat_turn, finished_per_rank, served_by, whole_stack
+from whole_stack import (
+    Stack,
+    cached_tokens_metric,
+    chat_turn,
+    evict_l0,
+    finished_per_rank,
+    served_by,
+    touch_ranks,
+    whole_stack,
+)
 
 # A small L0 pool so sessions get evicted to L1; prefill in small chunks so a kill lands mid-request.
 RANK_SETTINGS = {
@@ -142,26 +150,23 @@ def test_kvstore_restart_serves_l0_only_then_l1_again(stack: Stack) -> None:
     for i in range(3):
         chat_turn(stack.url, f"k{i}", [{"role": "user", "content": context(f"k{i}", 60)}], 2)
     stack["kvstore"].start()
-    stack.wait_until(
-        "ranks re-attached to the new arena",
-        lambda: all(stack.rank_stats(r).l1_attached for r in stack.rank_names()),
-        timeout_s=60,
-    )
-    stack.wait_until("L1 written again", lambda: _warm_l1(stack) > 0, timeout_s=60)
-    # and used again: a session evicted from L0 comes back from the new arena
+
+    # a rank notices the new arena on its next use of L1: traffic until both have attached and written to it
+    def l1_back() -> bool:
+        touch_ranks(stack)
+        return stack.kvstore_stats().stored_slots > 0 and all(
+            stack.rank_stats(r).l1_attached for r in stack.rank_names()
+        )
+
+    stack.wait_until("ranks re-attached to the new arena and writing to it", l1_back, timeout_s=90)
+    # and L1 is used again: a session evicted from L0 comes back from the new arena
     history = [{"role": "user", "content": context("again")}]
     reply, _ = chat_turn(stack.url, "again", history)
     history += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "More."}]
-    for i in range(6):
-        chat_turn(stack.url, f"flood{i}", [{"role": "user", "content": context(f"f{i}")}], 2)
+    evict_l0(stack, seed=3)
     l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
-    chat_turn(stack.url, "again", history)
-    assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0
-
-
-def _warm_l1(stack: Stack) -> int:
-    chat_turn(stack.url, f"warm-{time.monotonic()}", [{"role": "user", "content": context("warm", 60)}], 2)
-    return stack.kvstore_stats().stored_slots
+    _, usage = chat_turn(stack.url, "again", history)
+    assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0, usage
 
 
 def test_redis_restart_router_survives_and_resyncs(stack: Stack) -> None:

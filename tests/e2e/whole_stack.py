@@ -254,3 +254,39 @@ def finished_per_rank(stack: Stack) -> dict[str, int]:
 def served_by(before: dict[str, int], after: dict[str, int]) -> list[str]:
     """The ranks whose finished count grew between two readings."""
     return [name for name in after if after[name] > before.get(name, 0)]
+
+
+def touch_ranks(stack: Stack, tokens: int = 40) -> None:
+    """A short fresh prompt straight to every live rank: each looks it up in L1 and writes it there."""
+    import random
+
+    for name in stack.rank_names():
+        if not stack[name].alive():
+            continue
+        request = rank_worker_pb2.GenerateRequest(
+            prompt_token_ids=[random.randrange(1000, 40000) for _ in range(tokens)],
+            sampling=rank_worker_pb2.SamplingParams(temperature=0, max_tokens=1),
+        )
+        with grpc.insecure_channel(stack[name].address) as channel:
+            for _ in rank_worker_pb2_grpc.RankWorkerStub(channel).Generate(request, timeout=120):
+                pass
+
+
+def evict_l0(stack: Stack, seed: int, max_tokens: int = 1900) -> None:
+    """Fill every live rank's L0 pool with a fresh prompt sent straight to it, so whatever it cached before
+    is evicted (its blocks stay in L1 when they were written there)."""
+    import random
+
+    rng = random.Random(seed)
+    for name in stack.rank_names():
+        if not stack[name].alive():
+            continue
+        stats = stack.rank_stats(name)
+        tokens = min((stats.total_blocks - 4) * stats.block_size, max_tokens)
+        request = rank_worker_pb2.GenerateRequest(
+            prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(tokens)],
+            sampling=rank_worker_pb2.SamplingParams(temperature=0, max_tokens=1),
+        )
+        with grpc.insecure_channel(stack[name].address) as channel:
+            for _ in rank_worker_pb2_grpc.RankWorkerStub(channel).Generate(request, timeout=300):
+                pass

@@ -303,6 +303,7 @@ class Answer:
     output_tokens: int
     stop_reason: str | None
     seconds: float
+    thinking: str = ""  # a reasoning model's thinking blocks: compared too, a short answer may be all thinking
 
     @property
     def prompt_tokens(self) -> int:
@@ -325,7 +326,7 @@ class LengthResult:
 
     @property
     def match(self) -> bool:
-        return self.cold.text == self.warm.text
+        return (self.cold.text, self.cold.thinking) == (self.warm.text, self.warm.thinking)
 
     def failures(self, min_warm_hit: float = DEFAULT_MIN_WARM_HIT) -> list[str]:
         """Why this length fails the gate (empty = it passes)."""
@@ -358,6 +359,7 @@ def gate_failures(
 def _answer_json(answer: Answer, needle: Needle) -> dict[str, Any]:
     return {
         "text": answer.text,
+        "thinking": answer.thinking,
         "found_needle": needle.found_in(answer.text),
         "input_tokens": answer.input_tokens,
         "cache_read_input_tokens": answer.cache_read_tokens,

@@ -75,7 +75,9 @@ class NeedleGateway:
         response = self._post("/v1/messages", body)
         seconds = time.monotonic() - started
         usage = response.get("usage") or {}
-        text = "".join(block.get("text", "") for block in response.get("content", []) if block.get("type") == "text")
+        blocks = response.get("content", [])
+        text = "".join(block.get("text", "") for block in blocks if block.get("type") == "text")
+        thinking = "".join(block.get("thinking", "") for block in blocks if block.get("type") == "thinking")
         return Answer(
             text=text,
             input_tokens=int(usage.get("input_tokens", 0)),
@@ -83,6 +85,7 @@ class NeedleGateway:
             output_tokens=int(usage.get("output_tokens", 0)),
             stop_reason=response.get("stop_reason"),
             seconds=seconds,
+            thinking=thinking,
         )
 
     def _messages(self, document: NeedleDocument) -> list[dict[str, str]]:

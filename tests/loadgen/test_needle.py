@@ -190,6 +190,15 @@ def test_different_answers_fail_the_gate() -> None:
     assert gate_failures([_result("1234", "1234 ")])
 
 
+def test_different_thinking_fails_the_gate() -> None:
+    same = _result("1234", "1234")
+    cold = Answer("1234", 4080, 0, 5, "end_turn", 1.0, thinking="the vault is blue")
+    warm = Answer("1234", 80, 4000, 5, "end_turn", 1.0, thinking="the vault is green")
+    assert LengthResult(4096, same.document, 4080, cold, warm).failures()
+    warm_same = Answer("1234", 80, 4000, 5, "end_turn", 1.0, thinking="the vault is blue")
+    assert not LengthResult(4096, same.document, 4080, cold, warm_same).failures()
+
+
 def test_a_warm_request_that_missed_the_cache_fails_the_gate() -> None:
     result = _result("same", "same", warm_cached=1000)  # 25% read from cache
     assert result.match

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadgen.content import ContentBuilder
+from loadgen.content import ContentBuilder, Prompt
 from loadgen.reuse import SentPrefixes
 from loadgen.traces import AgentTrace, TraceTurn
 from loadgen.wire import Api, request_body, stream_call
@@ -111,11 +111,16 @@ async def run_agent(index: int, sessions: Iterator[tuple[AgentTrace, str]], ctx:
             turns_done += 1
 
 
+def _build(content: ContentBuilder, turn: TraceTurn) -> tuple[Prompt, int]:
+    counts = content.words_for_turn(turn)
+    return content.prompt(turn, counts), content.expected_tokens(turn, counts)
+
+
 async def _call(
     index: int, session: AgentTrace, session_id: str, session_turn: int, turn: TraceTurn, n: int, ctx: StepContext
 ) -> None:
-    prompt = ctx.content.prompt(turn)
-    expected_input = ctx.content.expected_tokens(turn)
+    # Off the event loop: a long session's first prompt takes a while to build, and the loop times streams.
+    prompt, expected_input = await asyncio.to_thread(_build, ctx.content, turn)
     reuse = ctx.sent.expected_reuse(turn)
     ctx.sent.add(turn.hash_ids)
     max_tokens = ctx.max_tokens_for(turn, expected_input)

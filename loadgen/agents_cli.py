@@ -106,6 +106,7 @@ def main(argv: list[str]) -> int:
         err.print(f"[red]error:[/red] {exc}")
         return 2
     duration = args.duration if args.duration is not None or args.turns is not None else 300.0
+    args.url = args.url.rstrip("/")
     headers = {"x-api-key": args.api_key, "authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     try:
         with httpx.Client(base_url=args.url, headers=headers, timeout=60) as client:
@@ -196,7 +197,10 @@ def main(argv: list[str]) -> int:
         from loadgen.charts import draw_charts
 
         prefix = args.charts or str(out.with_suffix(""))
-        charts = draw_charts(steps, prefix, thresholds, title=f"{model}, {args.synthetic or args.trace}:")
+        try:
+            charts = draw_charts(steps, prefix, thresholds, title=f"{model}, {args.synthetic or args.trace}:")
+        except ImportError:  # the GPU image has no matplotlib: the JSON is there, draw elsewhere
+            err.print("no charts: matplotlib is not installed (python -m loadgen.charts RESULTS.json draws them)")
     err.print(f"wrote {out}" + "".join(f", {path}" for path in charts))
     return 0
 

@@ -80,3 +80,26 @@ def draw_charts(
     ax.set_ylim(0, 1.05)
     save(fig, ax, "cache", "input tokens from cache")
     return paths
+
+
+def main(argv: list[str]) -> int:
+    """python -m loadgen.charts RESULTS.json [PREFIX]: draw a results file's charts (on a machine with
+    matplotlib); the prefix defaults to the file's path without .json."""
+    import json
+    import sys
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(main.__doc__, file=sys.stderr)
+        return 0 if argv else 2
+    results = json.loads(Path(argv[0]).read_text())
+    thresholds = Thresholds(**results["thresholds"]) if "thresholds" in results else Thresholds()
+    prefix = argv[1] if len(argv) > 1 else str(Path(argv[0]).with_suffix(""))
+    for path in draw_charts(results["steps"], prefix, thresholds, title=str(results.get("model", ""))):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

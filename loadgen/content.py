@@ -80,6 +80,7 @@ def block_words(hash_id: int, count: int) -> tuple[str, ...]:
     return tuple(rng.choice(WORDS) for _ in range(count))
 
 
+@functools.lru_cache(maxsize=262_144)
 def block_word_count(hash_id: int, words_per_block: float) -> int:
     """Words in a full block: floor or ceil of words_per_block, dithered by the id so the mean is exact."""
     whole = int(words_per_block)
@@ -87,6 +88,7 @@ def block_word_count(hash_id: int, words_per_block: float) -> int:
     return whole + (1 if dither < words_per_block - whole else 0)
 
 
+@functools.lru_cache(maxsize=262_144)
 def block_text(hash_id: int, words: int) -> str:
     """The text of a block (or of its first `words` words): space-prefixed words."""
     return "".join(" " + word for word in block_words(hash_id, words))
@@ -119,17 +121,19 @@ class ContentBuilder:
             counts[-1] = max(0, min(counts[-1], round(wanted_words - before_last)))
         return counts
 
-    def prompt(self, turn: TraceTurn) -> Prompt:
-        """System = the first block, user = the rest (one growing message); a one-block turn is all user."""
-        counts = self.words_for_turn(turn)
+    def prompt(self, turn: TraceTurn, counts: list[int] | None = None) -> Prompt:
+        """System = the first block, user = the rest (one growing message); a one-block turn is all user.
+        counts: words_for_turn(turn) when the caller has it already."""
+        counts = self.words_for_turn(turn) if counts is None else counts
         texts = [block_text(h, n) for h, n in zip(turn.hash_ids, counts, strict=True)]
         if len(texts) < 2:
             return Prompt(system="", user="".join(texts).strip() or "start")
         return Prompt(system=texts[0].strip() or "system", user="".join(texts[1:]).strip() or "continue")
 
-    def expected_tokens(self, turn: TraceTurn) -> int:
+    def expected_tokens(self, turn: TraceTurn, counts: list[int] | None = None) -> int:
         """The scaled input size this builder aims at (prompt template tokens not included)."""
-        return round(sum(self.words_for_turn(turn)) * self.tokens_per_word)
+        counts = self.words_for_turn(turn) if counts is None else counts
+        return round(sum(counts) * self.tokens_per_word)
 
 
 def calibration_text(words: int, seed: int = 7) -> str:

@@ -69,3 +69,5 @@ async def live_step(
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             live.update(step_snapshot(ctx, agents, duration_s, turns))
+    if not console.is_terminal:
+        console.line()  # a log file gets the final table only, and it ends without a newline

@@ -83,7 +83,13 @@ def _agent_counts(text: str) -> list[int]:
 def _think(args: argparse.Namespace) -> ThinkTime:
     if args.think_time == "trace":
         return ThinkTime(fixed=None, cap_s=args.max_think)
-    return ThinkTime(fixed=float(args.think_time), cap_s=args.max_think)
+    try:
+        seconds = float(args.think_time)
+    except ValueError:
+        raise ValueError("--think-time takes seconds or 'trace'") from None
+    if seconds < 0:
+        raise ValueError("--think-time must not be negative")
+    return ThinkTime(fixed=seconds, cap_s=args.max_think)
 
 
 def _commit() -> str:
@@ -99,6 +105,7 @@ def main(argv: list[str]) -> int:
     err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
     try:
         agent_counts = _agent_counts(args.agents)
+        think = _think(args)
         sessions = load_workload(
             args.trace, args.trace_path, args.synthetic, max(agent_counts), args.synthetic_turns, args.seed
         )
@@ -122,7 +129,7 @@ def main(argv: list[str]) -> int:
             content = ContentBuilder(tokens_per_word=tokens_per_word, factor=factor)
             first = next(session.turns[0] for session in sessions if session.turns)
             check = {
-                "expected": content.expected_tokens(first),
+                "expected": content.expected_tokens(first) + template_tokens,
                 "counted": count_tokens(client, model, content.prompt(first)),
             }
     except httpx.HTTPError as exc:
@@ -138,7 +145,7 @@ def main(argv: list[str]) -> int:
         api=args.api,
         model=model,
         content=content,
-        think=_think(args),
+        think=think,
         max_context=max_context,
         max_output_tokens=args.max_output_tokens,
         ignore_eos=not args.no_ignore_eos,
@@ -150,9 +157,15 @@ def main(argv: list[str]) -> int:
     )
     steps: list[dict[str, Any]] = []
     requests: list[dict[str, Any]] = []
+    interrupted = False
     for index, agents in enumerate(agent_counts):
         step = StepSettings(index=index, agents=agents, duration_s=duration, turns=args.turns, stagger_s=args.stagger)
-        result = run_step(sessions, step, run)
+        try:
+            result = run_step(sessions, step, run)
+        except KeyboardInterrupt:  # keep what the finished steps measured
+            err.print(f"[yellow]interrupted during the {agents}-agent step: it is left out[/yellow]")
+            interrupted = True
+            break
         stats = step_stats(result.records, agents, result.cached_by_tier, result.wall_s, thresholds)
         steps.append(stats)
         requests += [{"step": index, "agents": agents, **dataclasses.asdict(r)} for r in result.records]
@@ -186,6 +199,7 @@ def main(argv: list[str]) -> int:
         "thresholds": dataclasses.asdict(thresholds),
         "steps": steps,
         "largest_passing": best,
+        "interrupted": interrupted,
         "requests": requests,
     }
     out = Path(args.out)
@@ -202,7 +216,7 @@ def main(argv: list[str]) -> int:
         except ImportError:  # the GPU image has no matplotlib: the JSON is there, draw elsewhere
             err.print("no charts: matplotlib is not installed (python -m loadgen.charts RESULTS.json draws them)")
     err.print(f"wrote {out}" + "".join(f", {path}" for path in charts))
-    return 0
+    return 130 if interrupted else 0
 
 
 def _print_table(steps: list[dict[str, Any]], best: int | None) -> None:

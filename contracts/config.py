@@ -40,6 +40,16 @@ class KvServeConfig(BaseSettings):
     request_timeout_secs: float = Field(600.0, gt=0.0)
 
     max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
+    scheduling_policy: Literal["fifo", "warm_first"] = Field(
+        "warm_first", description="admission order: arrival order, or warm (mostly cached) requests first"
+    )
+    warm_prefix_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="warm_first: a request is warm when its cached prefix covers this much"
+    )
+    max_cold_prefills: int = Field(0, ge=0, description="warm_first: cold requests in prefill at once; 0 = no cap")
+    cold_max_wait_secs: float = Field(
+        30.0, ge=0.0, description="warm_first: a cold request waiting this long is scheduled as if warm"
+    )
 
     # --- L1 (kvstore) ---
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")

@@ -154,6 +154,10 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         served_model_name=config.served_model_name or _default_served_name(source.model_id),
         model_id=source.model_id,
         seed=config.seed,
+        scheduling_policy=config.scheduling_policy,
+        warm_prefix_fraction=config.warm_prefix_fraction,
+        max_cold_prefills=config.max_cold_prefills,
+        cold_max_wait_secs=config.cold_max_wait_secs,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from contracts.block_hash import chain_block_hash, lookup_block_hashes
+from contracts.block_hash import chain_block_hash, prefix_block_hashes
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.sequence import Sequence
 
@@ -17,6 +17,10 @@ class HostCacheTier(Protocol):
     def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]: ...
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None: ...
+
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        """How many leading block_hashes the tier is believed to hold, asking no one (a scheduling hint)."""
+        ...
 
 
 class KvCacheManager:
@@ -42,7 +46,7 @@ class KvCacheManager:
         if not self.pool.caching:
             return 0, 0
         hits: list[int] = []
-        hashes = lookup_block_hashes(self.namespace, seq.token_ids, self.block_size)
+        hashes = self.lookup_hashes(seq)
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
@@ -59,6 +63,33 @@ class KvCacheManager:
         seq.block_hashes = hashes[: len(hits)]
         seq.num_computed_tokens = len(hits) * self.block_size
         return num_l0 * self.block_size, (len(hits) - num_l0) * self.block_size
+
+    def lookup_hashes(self, seq: Sequence) -> list[bytes]:
+        """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be
+        computed for logits). Kept on the sequence and only extended (a preempted sequence has grown), since
+        a long prompt's hashes cost milliseconds and the scheduler asks for them every step it waits."""
+        hashes = seq.lookup_hashes
+        wanted = max(seq.num_tokens - 1, 0) // self.block_size
+        if len(hashes) < wanted:
+            begin = len(hashes) * self.block_size
+            tokens = seq.token_ids[begin : wanted * self.block_size]
+            hashes.extend(prefix_block_hashes(self.namespace, tokens, self.block_size, hashes[-1] if hashes else None))
+        return hashes
+
+    def peek_cached_tokens(self, seq: Sequence, enough: int | None = None) -> int:
+        """Prompt tokens the caches hold for this sequence now (the L0 run, then the run the host tier is known
+        to hold), taking no block and making no call: what warm-first scheduling ranks by. Counting stops once
+        `enough` tokens are found."""
+        if not self.pool.caching:
+            return 0
+        hashes = self.lookup_hashes(seq)
+        limit = len(hashes) if enough is None else min(len(hashes), -(-enough // self.block_size))
+        found = 0
+        while found < limit and self.pool.lookup(hashes[found]) is not None:
+            found += 1
+        if found < limit and self.host_tier is not None:
+            found += self.host_tier.known_run(hashes[found:limit])
+        return found * self.block_size
 
     def _restore_room(self, rest_tokens: int, restorable: int, token_budget: int | None) -> int:
         """The most blocks to restore so that they plus the blocks of the next chunk to compute still fit
@@ -91,10 +122,14 @@ class KvCacheManager:
         Called right after each forward pass, so a finished sequence's blocks are cache entries before
         they are released."""
         num_full = seq.num_computed_tokens // self.block_size
+        known = seq.lookup_hashes  # same chain over the same tokens: reuse what lookups already hashed
         for index in range(len(seq.block_hashes), num_full):
-            parent = seq.block_hashes[-1] if seq.block_hashes else self.namespace
-            begin = index * self.block_size
-            block_hash = chain_block_hash(parent, seq.token_ids[begin : begin + self.block_size])
+            if index < len(known):
+                block_hash = known[index]
+            else:
+                parent = seq.block_hashes[-1] if seq.block_hashes else self.namespace
+                begin = index * self.block_size
+                block_hash = chain_block_hash(parent, seq.token_ids[begin : begin + self.block_size])
             seq.block_hashes.append(block_hash)
             self.pool.register(seq.block_table[index], block_hash)
 

@@ -25,7 +25,7 @@ from rank_worker.engine.interface import (
 )
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import ModelRunner, kv_pool_shape
-from rank_worker.engine.scheduler import Scheduler
+from rank_worker.engine.scheduler import PolicyName, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
@@ -44,6 +44,16 @@ class EngineSettings:
     served_model_name: str = "model"
     model_id: str = "model"
     seed: int = 0
+    scheduling_policy: PolicyName = "warm_first"
+    warm_prefix_fraction: float = 0.5
+    max_cold_prefills: int = 0
+    cold_max_wait_secs: float = 30.0
+
+    @property
+    def scheduling(self) -> SchedulingPolicy:
+        return SchedulingPolicy(
+            self.scheduling_policy, self.warm_prefix_fraction, self.max_cold_prefills, self.cold_max_wait_secs
+        )
 
 
 class PagedEngine(Engine):
@@ -72,7 +82,7 @@ class PagedEngine(Engine):
         if l1_client is not None and settings.prefix_cache:
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         self.runner = ModelRunner(model, self.kv_cache, settings.block_size)
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Sequence] = {}

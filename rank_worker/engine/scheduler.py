@@ -1,20 +1,48 @@
 """Who runs in the next step: continuous batching under a token budget, with chunked prefill.
 
 Every running sequence asks for its uncomputed tokens (1 when decoding, a chunk of the rest of its
-prompt when prefilling); running sequences go first, oldest first, then waiting ones are admitted in
-arrival order while the budget, max_num_seqs and free blocks allow. When blocks run out, the newest
-running sequence is preempted (its blocks released, cached ones kept as cache entries) and requeued
-at the front, so it resumes from its cached prefix later.
+prompt when prefilling); running sequences go first, then waiting ones are admitted while the budget,
+max_num_seqs and free blocks allow. When blocks run out, the last running sequence in this step's order is
+preempted (its blocks released, cached ones kept as cache entries) and requeued at the front, so it
+resumes from its cached prefix later.
+
+Two policies:
+- fifo: running sequences oldest first, then waiting ones in arrival order.
+- warm_first: a waiting request whose cached prefix (L0, plus what the host tier is known to hold) covers
+  warm_prefix_fraction of its prompt is warm. Each step gives its token budget to running decodes and warm
+  prefills, then to waiting warm requests, then to running cold prefills, then to waiting cold requests
+  (each group in arrival order), so a warm turn (a few new tokens over a long cached context) never waits
+  behind someone else's 100K-token prefill. At most max_cold_prefills cold requests are admitted into
+  prefill at once (0 = no cap; a sequence counts from admission until its prefill completes). A cold
+  request that has waited cold_max_wait_secs is treated as warm from then on (ahead of newer work, not held
+  back by the cap), so a steady stream of warm work cannot starve it. Preempted sequences keep their place
+  at the front of the queue; when blocks run out, cold prefills are preempted first.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Literal
 
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
+
+PolicyName = Literal["fifo", "warm_first"]
+
+
+@dataclass(frozen=True)
+class SchedulingPolicy:
+    name: PolicyName = "warm_first"
+    warm_prefix_fraction: float = 0.5  # a request is warm when its cached prefix covers this much of its prompt
+    max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
+    cold_max_wait_secs: float = 30.0  # a cold request waiting this long is scheduled as if warm
+
+    @property
+    def warm_first(self) -> bool:
+        return self.name == "warm_first"
 
 
 @dataclass
@@ -27,17 +55,38 @@ class ScheduledBatch:
         return sum(n for _, n in self.entries)
 
 
+@dataclass
+class _Step:
+    """What one call of schedule() carries between its phases."""
+
+    budget: int
+    now: float
+    batch: ScheduledBatch = field(default_factory=ScheduledBatch)
+    cold_in_prefill: int = 0
+    closed: bool = False  # no more admissions this step
+
+
 class Scheduler:
-    def __init__(self, kv: KvCacheManager, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self,
+        kv: KvCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: SchedulingPolicy | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy or SchedulingPolicy()
+        self.clock = clock  # the clock of arrival times (tests and the simulator set their own)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
+        self.cold_admissions = 0  # requests admitted as cold prefills (warm_first only)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -56,46 +105,112 @@ class Scheduler:
     def waiting_prefill_tokens(self) -> int:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
+    def cold_prefills(self) -> int:
+        """Running sequences admitted cold whose prefill has not completed yet."""
+        return sum(1 for seq in self.running if seq.num_computed_tokens < seq.cold_until)
+
     def schedule(self) -> ScheduledBatch:
-        batch = ScheduledBatch()
-        budget = self.max_num_batched_tokens
-        index = 0
-        while index < len(self.running) and budget > 0:
-            seq = self.running[index]
-            num_new = min(seq.num_uncomputed_tokens, budget)
+        step = _Step(budget=self.max_num_batched_tokens, now=self.clock())
+        if not self.policy.warm_first:
+            order = list(self.running)
+            self._run(order, 0, len(order), step)
+            self._admit(((seq, False, False) for seq in list(self.waiting)), step)
+            return step.batch
+        # warm_first: running decodes and warm prefills, then waiting warm requests, then running cold
+        # prefills, then waiting cold requests (under the cap). Victims of a block shortage come from the
+        # back of the running order: cold prefills first.
+        first: list[Sequence] = []
+        cold: list[Sequence] = []
+        for seq in self.running:
+            in_cold_prefill = seq.num_computed_tokens < seq.cold_until
+            (cold if in_cold_prefill and not self._waited_too_long(seq, step.now) else first).append(seq)
+            step.cold_in_prefill += in_cold_prefill
+        order = first + cold
+        index = self._run(order, 0, len(first), step)
+        later: list[Sequence] = []
+        self._admit(self._first_class(step.now, later), step)
+        self._run(order, index, len(order), step)
+        self._admit(((seq, True, True) for seq in later), step)
+        return step.batch
+
+    def _run(self, order: list[Sequence], index: int, stop: int, step: _Step) -> int:
+        """Give running sequences order[index:stop] their tokens; returns where it stopped. When blocks run
+        out, sequences are preempted from the back of `order` (which shrinks) until the current one fits."""
+        batch = step.batch
+        while index < min(stop, len(order)) and step.budget > 0:
+            seq = order[index]
+            num_new = min(seq.num_uncomputed_tokens, step.budget)
             while not self.kv.allocate(seq, num_new):
-                victim = self.running[-1]
+                victim = order.pop()
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: nothing further back can run either
             batch.entries.append((seq, num_new))
-            budget -= num_new
+            step.budget -= num_new
             index += 1
+        return index
 
-        # Admit waiting sequences only when nobody was preempted this step (or they would thrash).
-        while self.waiting and budget > 0 and not batch.preempted and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+    def _admit(self, candidates: Iterable[tuple[Sequence, bool, bool]], step: _Step) -> None:
+        """Admit candidates (sequence, counts as a cold prefill, held back by the cold cap) in order while
+        there is room. The first one that does not fit closes admission for the rest of the step."""
+        batch = step.batch
+        cap = self.policy.max_cold_prefills
+        for seq, cold, capped in candidates:
+            # Admit only when nobody was preempted this step (or they would thrash).
+            if step.closed or step.budget <= 0 or batch.preempted or len(self.running) >= self.max_num_seqs:
+                step.closed = True
+                return
+            if capped and cap and step.cold_in_prefill >= cap:
+                continue  # the cap holds it back; warm requests behind it may still go
             fresh = seq.num_cached_tokens is None
-            cached, restored = self.kv.attach_cached_prefix(seq, budget)
+            cached, restored = self.kv.attach_cached_prefix(seq, step.budget)
             self.restored_tokens += restored
-            num_new = min(seq.num_uncomputed_tokens, budget)
+            num_new = min(seq.num_uncomputed_tokens, step.budget)
             if not self.kv.allocate(seq, num_new):
                 self.kv.free(seq)  # give the prefix back; try again next step
-                break
-            self.waiting.popleft()
+                step.closed = True
+                return
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
+            seq.cold_until = seq.num_tokens if cold else 0
+            if cold:
+                step.cold_in_prefill += 1
+                self.cold_admissions += 1
             if fresh:
                 seq.num_cached_tokens = cached
                 seq.num_l1_cached_tokens = restored
-                seq.first_scheduled_time = time.monotonic()
+                seq.first_scheduled_time = step.now
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += cached
             self.running.append(seq)
             batch.entries.append((seq, num_new))
-            budget -= num_new
-        return batch
+            step.budget -= num_new
+
+    # --- the policy ---
+
+    def _first_class(self, now: float, later: list[Sequence]) -> Iterator[tuple[Sequence, bool, bool]]:
+        """warm_first's first pass over the waiting queue, in order: warm requests, preempted ones (they
+        keep their place at the front) and cold ones past cold_max_wait_secs (admitted as if warm: never
+        held back, though they count as cold prefills); every other request is put in `later`.
+
+        A generator, so a step with no room classifies nobody (a peek walks up to thousands of hashes)."""
+        for seq in list(self.waiting):
+            starved = self._waited_too_long(seq, now)
+            if self._is_warm(seq):
+                yield seq, False, False
+            elif seq.num_cached_tokens is not None or starved:
+                yield seq, True, not starved
+            else:
+                later.append(seq)
+
+    def _is_warm(self, seq: Sequence) -> bool:
+        needed = self.policy.warm_prefix_fraction * seq.num_prompt_tokens
+        return self.kv.peek_cached_tokens(seq, enough=int(needed) + 1) >= needed
+
+    def _waited_too_long(self, seq: Sequence, now: float) -> bool:
+        return now - seq.arrival_time >= self.policy.cold_max_wait_secs
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

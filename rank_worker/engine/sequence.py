@@ -36,6 +36,8 @@ class Sequence:
     stop_token_id: int | None = None
     preemptions: int = 0
     generator: torch.Generator | None = None
+    lookup_hashes: list[bytes] = field(default_factory=list)  # cache lookup keys, computed once (KvCacheManager)
+    cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
 
     @property
     def num_tokens(self) -> int:

@@ -127,6 +127,18 @@ class L1Tier:
             self._restores.append(job)
         return blocks
 
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        """How many leading block_hashes L1 holds as far as this rank knows (sent, restored or found there),
+        without a call: a hint for scheduling, never a promise (the kvstore may have evicted them since)."""
+        if self._arena is None:
+            return 0
+        count = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._known:
+                break
+            count += 1
+        return count
+
     def _release(self, arena_id: str, slots: list[int]) -> None:
         if self._arena is None or self._arena.layout.arena_id != arena_id:
             return  # that arena is gone, and its pins with it

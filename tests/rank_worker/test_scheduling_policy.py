@@ -1,0 +1,226 @@
+"""Warm-first scheduling on the tiny random model: warm turns go ahead of queued cold ones, the cold-prefill cap
+holds, a cold request is not starved by a stream of warm ones (a settable clock, no sleeping), FIFO keeps
+arrival order, and the policy changes the order of work, never the tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+from l1_fixtures import tiny_model
+
+from rank_worker.engine.interface import EngineRequest
+from rank_worker.engine.paged_engine import PagedEngine
+from rank_worker.engine.scheduler import ScheduledBatch
+from rank_worker.engine.sequence import Sequence
+
+VOCAB = 128
+HISTORY = random_prompt(160, VOCAB, seed=100)  # a session's context, cached by a first turn
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _engine(policy: str, clock: Clock | None = None, **settings: object) -> PagedEngine:
+    values: dict[str, object] = {"num_blocks": 128, "max_model_len": 512, "max_num_batched_tokens": 64}
+    values.update(settings)
+    engine = make_engine(tiny_model(), scheduling_policy=policy, **values)
+    if clock is not None:
+        engine.scheduler.clock = clock
+    return engine
+
+
+def _cache_history(engine: PagedEngine) -> None:
+    engine.add_request(EngineRequest("history", list(HISTORY), greedy(2)))
+    run_to_completion(engine)
+
+
+def _submit(engine: PagedEngine, request_id: str, prompt: list[int], max_tokens: int, at: float | None = None) -> None:
+    engine.add_request(EngineRequest(request_id, prompt, greedy(max_tokens), arrival_time=at))
+
+
+def _run_steps(engine: PagedEngine, max_steps: int = 1000) -> tuple[dict[str, int], dict[str, int]]:
+    """Step until idle; the step at which each request was admitted, and the one of its first output."""
+    admitted: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for step in range(max_steps):
+        if not engine.has_unfinished():
+            return admitted, first
+        outputs = engine.step()
+        for seq in engine.scheduler.running:
+            admitted.setdefault(seq.request_id, step)
+        for out in outputs:
+            admitted.setdefault(out.request_id, step)  # admitted and finished within this step
+            first.setdefault(out.request_id, step)
+    raise AssertionError(f"engine still busy after {max_steps} steps")
+
+
+def _cold(n: int) -> list[list[int]]:
+    return [random_prompt(150, VOCAB, seed=200 + i) for i in range(n)]
+
+
+def _is_cold_prefill(seq: Sequence) -> bool:
+    """Judged from what the sequence got at admission, not from the scheduler's own bookkeeping."""
+    return seq.first_token_time is None and (seq.num_cached_tokens or 0) < 0.5 * seq.num_prompt_tokens
+
+
+def test_a_warm_turn_goes_ahead_of_queued_cold_ones_under_warm_first_and_waits_under_fifo() -> None:
+    runs = {}
+    for policy in ("fifo", "warm_first"):
+        engine = _engine(policy)
+        _cache_history(engine)
+        for i, prompt in enumerate(_cold(3)):
+            _submit(engine, f"cold{i}", prompt, 4)
+        _submit(engine, "warm", [*HISTORY, 5, 6, 7, 8], 4)
+        runs[policy] = _run_steps(engine)
+    (fifo, fifo_first), (warm_first, warm_first_first) = runs["fifo"], runs["warm_first"]
+    assert fifo["cold0"] < fifo["cold1"] < fifo["cold2"] < fifo["warm"]  # 64-token budget: one prefill at a time
+    assert fifo_first["warm"] >= fifo_first["cold2"]
+    assert warm_first_first["warm"] == 0  # admitted and prefilled (4 new tokens) in the very first step
+    assert warm_first_first["warm"] < min(warm_first_first[f"cold{i}"] for i in range(3))
+    assert warm_first["cold0"] < warm_first["cold1"] < warm_first["cold2"]  # cold ones keep arrival order
+
+
+def test_a_warm_turn_is_not_held_behind_a_running_cold_prefill() -> None:
+    engine = _engine("warm_first", max_num_batched_tokens=32)
+    _cache_history(engine)
+    _submit(engine, "cold", random_prompt(300, VOCAB, seed=300), 2)
+    engine.step()  # the cold prefill is running now, with 268 tokens to go
+    _submit(engine, "warm", [*HISTORY, 9, 9, 9], 2)
+    _, first = _run_steps(engine)
+    assert first["warm"] == 0  # its 3 new tokens take the budget before the cold chunk
+    assert first["cold"] > first["warm"]
+
+
+def _counting(schedule: Callable[[], ScheduledBatch], cold_per_step: list[int]) -> Callable[[], ScheduledBatch]:
+    """schedule(), recording how many cold prefills each step's batch holds."""
+
+    def counting_schedule() -> ScheduledBatch:
+        batch = schedule()
+        cold_per_step.append(sum(_is_cold_prefill(seq) for seq, _ in batch.entries))
+        return batch
+
+    return counting_schedule
+
+
+def test_the_cold_prefill_cap_holds_and_warm_work_still_flows() -> None:
+    for cap in (1, 2):
+        engine = _engine("warm_first", max_cold_prefills=cap, max_num_batched_tokens=512, max_num_seqs=16)
+        _cache_history(engine)
+        for i, prompt in enumerate(_cold(5)):
+            _submit(engine, f"cold{i}", prompt, 3)
+        _submit(engine, "warm", [*HISTORY, 1, 2, 3], 3)
+        cold_per_step: list[int] = []
+        engine.scheduler.schedule = _counting(engine.scheduler.schedule, cold_per_step)  # type: ignore[method-assign]
+        produced = {out.request_id: len(out.new_token_ids) for out in engine.step()}
+        running = {seq.request_id for seq in engine.scheduler.running}
+        # The budget had room for all six; the cap let in `cap` cold ones, and the warm one went first anyway.
+        assert running == {"warm"} | {f"cold{i}" for i in range(cap)}
+        for rid, out in run_to_completion(engine).items():
+            produced[rid] = produced.get(rid, 0) + len(out.new_token_ids)
+        assert max(cold_per_step) == cap
+        assert produced == {f"cold{i}": 3 for i in range(5)} | {"warm": 3}
+        assert engine.scheduler.cold_admissions == 6  # the five and the history turn
+
+
+def _starvation_run(cold_max_wait_secs: float, steps: int) -> tuple[float | None, list[str]]:
+    """One slot of work (max_num_seqs 1), a steady stream of warm turns, one cold request queued at t=0 and one
+    second per step. Returns the cold request's wait before admission (None: never) and the admission order."""
+    clock = Clock()
+    engine = _engine("warm_first", clock, max_num_seqs=1, cold_max_wait_secs=cold_max_wait_secs)
+    _cache_history(engine)
+    _submit(engine, "warm0", [*HISTORY, 0], 3, at=clock.now)
+    _submit(engine, "cold", random_prompt(100, VOCAB, seed=400), 2, at=clock.now)
+    admitted: list[str] = []
+    waited = None
+    warm = 1
+    for _ in range(steps):
+        engine.step()
+        for seq in engine.scheduler.running:
+            if not admitted or admitted[-1] != seq.request_id:
+                admitted.append(seq.request_id)
+                if seq.request_id == "cold":
+                    waited = clock.now - seq.arrival_time
+        if sum(seq.request_id.startswith("warm") for seq in engine.scheduler.waiting) < 2:
+            _submit(engine, f"warm{warm}", [*HISTORY, warm % VOCAB], 3, at=clock.now)
+            warm += 1
+        clock.now += 1.0
+    return waited, admitted
+
+
+def test_a_cold_request_is_not_starved_by_a_stream_of_warm_ones() -> None:
+    waited, admitted = _starvation_run(cold_max_wait_secs=10.0, steps=40)
+    assert waited is not None and 10.0 <= waited <= 14.0  # admitted once it had waited 10 s, not long after
+    assert admitted.index("cold") > 1  # warm turns that arrived after it went first until it had waited
+    never, admitted_never = _starvation_run(cold_max_wait_secs=1e9, steps=40)
+    assert never is None and "cold" not in admitted_never  # without the guard the stream starves it
+
+
+def test_outputs_are_identical_under_both_policies() -> None:
+    prompts = {f"cold{i}": p for i, p in enumerate(_cold(4))}
+    prompts |= {f"warm{i}": HISTORY + random_prompt(5 + i, VOCAB, seed=500 + i) for i in range(4)}
+    results = {}
+    for policy, cap in (("fifo", 0), ("warm_first", 0), ("warm_first", 1)):
+        # 40 blocks (640 tokens) for about 1,500 tokens of work: admissions wait for blocks, decodes preempt.
+        engine = _engine(policy, max_cold_prefills=cap, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=128)
+        _cache_history(engine)
+        for i, (rid, prompt) in enumerate(sorted(prompts.items(), key=lambda item: item[0][-1])):
+            _submit(engine, rid, prompt, 30 + i)
+        outs = run_to_completion(engine)
+        results[(policy, cap)] = {rid: out.new_token_ids for rid, out in outs.items()}
+        stats = engine.stats()
+        assert stats.preemptions > 0 and stats.used_blocks == 0
+    baseline = results[("fifo", 0)]
+    assert set(baseline) == set(prompts) and all(baseline.values())
+    assert results[("warm_first", 0)] == baseline
+    assert results[("warm_first", 1)] == baseline
+
+
+def test_warmth_is_peeked_without_taking_blocks() -> None:
+    engine = _engine("warm_first")
+    _cache_history(engine)
+    free, cached = engine.pool.num_free, engine.pool.num_cached
+    seq = Sequence("peek", [*HISTORY, 1, 2, 3], len(HISTORY) + 3, greedy(1), arrival_time=0.0)
+    assert engine.kv.peek_cached_tokens(seq) == len(HISTORY)  # 160 = 10 full blocks
+    assert engine.kv.peek_cached_tokens(seq, enough=40) == 48  # stops at the first block run covering 40
+    assert (engine.pool.num_free, engine.pool.num_cached) == (free, cached)
+    assert all(block.ref_count == 0 for block in engine.pool.blocks)
+    hashes = seq.lookup_hashes
+    assert len(hashes) == 10 and engine.kv.lookup_hashes(seq) is hashes  # computed once, kept
+
+
+class _KnownHostTier:
+    """A host tier that is known to hold some hashes (and restores none): what a peek may count."""
+
+    def __init__(self, known: set[bytes]) -> None:
+        self.known = known
+
+    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
+        return []
+
+    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        return None
+
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        run = 0
+        while run < len(block_hashes) and block_hashes[run] in self.known:
+            run += 1
+        return run
+
+
+def test_warmth_counts_the_run_the_host_tier_is_known_to_hold() -> None:
+    engine = _engine("warm_first")
+    _cache_history(engine)
+    session = [*HISTORY, *random_prompt(96, VOCAB, seed=600)]
+    seq = Sequence("l1", [*session, 1], len(session) + 1, greedy(1), arrival_time=0.0)
+    hashes = engine.kv.lookup_hashes(seq)
+    assert len(hashes) == 16  # 10 in L0, 6 more after them
+    engine.kv.host_tier = _KnownHostTier(set(hashes[10:14]))
+    assert engine.kv.peek_cached_tokens(seq) == 14 * 16  # L0's 10 blocks, then the 4 L1 holds
+    engine.kv.host_tier = _KnownHostTier(set(hashes[11:16]))
+    assert engine.kv.peek_cached_tokens(seq) == 10 * 16  # L1's run must continue L0's, not skip a block

@@ -3,14 +3,13 @@
 Each service runs in a session (process group) of its own, so a Ctrl-C in the terminal reaches only the
 launcher, which then stops the services in reverse dependency order; signals go to the whole group, so a
 service's own children go too. On Linux every service also gets SIGKILL if the launcher itself dies
-(PR_SET_PDEATHSIG): a launcher killed with SIGKILL leaves no orphans holding ports or the arena.
+(PR_SET_PDEATHSIG, set by launcher/parent_death.py before it execs the service): a launcher killed with
+SIGKILL leaves no orphans holding ports or the arena.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import os
 import signal
 import subprocess
@@ -28,9 +27,6 @@ POLL_S = 0.25
 LOG_TAIL_LINES = 30
 RESTART_WINDOW_S = 60.0
 MAX_RESTARTS_IN_WINDOW = 3  # a service crashing more often than this is broken, not unlucky
-
-_PR_SET_PDEATHSIG = 1
-_libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if sys.platform == "linux" else None
 
 
 class ServiceFailedError(RuntimeError):
@@ -60,11 +56,6 @@ class RunningService:
         return "\n".join(text.rstrip().splitlines()[-lines:]) or "(empty log)"
 
 
-def _die_with_launcher() -> None:  # runs in the child between fork and exec: no Python locks, one libc call
-    if _libc is not None:
-        _libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 class Supervisor:
     """The running services of one `kvserve up`, in start order."""
 
@@ -86,14 +77,14 @@ class Supervisor:
         with log_path.open("ab") as log:
             log.write(f"--- kvserve up: starting {' '.join(spec.argv)}\n".encode())
             log.flush()
+            argv = [sys.executable, "-m", "launcher.parent_death", *spec.argv] if sys.platform == "linux" else spec.argv
             return subprocess.Popen(
-                list(spec.argv),
+                list(argv),
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,
-                preexec_fn=_die_with_launcher if _libc is not None else None,
+                start_new_session=True,  # no preexec_fn: see launcher/parent_death.py
             )
 
     def wait_healthy(self, services: Sequence[RunningService]) -> None:

@@ -102,6 +102,7 @@ async def list_models(request: Request) -> dict[str, Any]:
             "object": "model",
             "created": model.created_at,
             "owned_by": "kvserve",
+            "max_model_len": model.max_model_len,  # the context (prompt + output), as vLLM reports it
         }
         for name in model.names
     ]

@@ -196,9 +196,11 @@ def test_claude_code_shaped_request(base_url: str) -> None:
     assert counts[0] == counts[1] == without
 
 
-def test_models_lists_served_names(client: anthropic.Anthropic) -> None:
+def test_models_lists_served_names(client: anthropic.Anthropic, base_url: str) -> None:
     ids = [m.id for m in client.models.list().data]
     assert "default" in ids and "smol-local" in ids and len(ids) == 3
+    # the context size, as vLLM reports it (load generators size their prompts by it)
+    assert {m["max_model_len"] for m in httpx.get(f"{base_url}/v1/models").json()["data"]} == {4096}
 
 
 @pytest.mark.parametrize("model", ["claude-sonnet-4-5", "gpt-4o", ""])

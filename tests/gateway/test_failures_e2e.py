@@ -143,7 +143,7 @@ def test_rank_killed_mid_stream_continues_on_the_other_rank(two_ranks) -> None:
     _, reference, reference_end = _stream_story(url, ranks, None)
     names, text, end = _stream_story(url, ranks, kill_after_deltas=3)
     # the cut stream went on on the surviving rank from prompt + tokens sent: nothing lost or repeated
-    assert names[-1] == "message_stop" and "error" not in names
+    assert names[-1] == "message_stop" and "error" not in names, end  # on failure: the error event's body
     assert text == reference
     assert end["usage"]["output_tokens"] == reference_end["usage"]["output_tokens"]
 

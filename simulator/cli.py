@@ -1,0 +1,324 @@
+"""`kvserve bench simulate`: predict the load generator's steps for a node of R ranks, without a GPU.
+
+The workload replays through the real scheduler, KV cache manager, block pool (rank_worker/engine) and
+routing (router/) with step times fitted to the engine benchmark's GPU measurements; see
+simulator/README.md for what is modelled and what is not.
+
+    kvserve bench simulate --shape llama-8b --ranks 1 --agents 4,8,16,32 --monthly-price 20000 --json sim.json
+    kvserve bench simulate --synthetic 128k --ranks 8 --agents 16,32,64,128 --scheduling fifo
+    kvserve bench simulate --calibrate bench/results/agents-h200.json --json bench/results/simulate-h200.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from contracts.config import KvServeConfig
+from loadgen.agent import ThinkTime
+from loadgen.report import TABLE_COLUMNS, Thresholds, step_row
+from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
+from rank_worker.engine.scheduler import SchedulingPolicy
+from router.route_score import RoutePolicy
+from simulator.calibration import COMPARED, compare_steps, load_measured
+from simulator.capacity import capacity_summary, simulate_steps
+from simulator.kv_capacity import kv_pool_blocks, shape_facts
+from simulator.replay import NodeSettings, WorkloadSettings
+from simulator.sim_rank import RankSettings
+from simulator.step_time import fit_report, fit_step_time, load_engine_results
+
+RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+DEFAULTS = KvServeConfig()  # the engine's and router's defaults, as a served node would have them
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve bench simulate", description=__doc__.split("\n\n")[0])
+    node = parser.add_argument_group("node")
+    node.add_argument("--shape", default="llama-8b", help="bench/shapes/<name> (or a config.json path)")
+    node.add_argument("--engine-results", default=str(RESULTS_DIR / "engine-h200.json"), help="bench/engine.py JSON")
+    node.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) of the node")
+    node.add_argument("--kv-blocks", type=int, default=None, help="KV pool per rank (default: measured, or HBM)")
+    node.add_argument("--hbm-gb", type=float, default=None, help="GPU memory (10^9 B) to size the pool from")
+    node.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    node.add_argument("--activation-gb", type=float, default=9.0, help="activation peak the pool leaves room for")
+    node.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
+    node.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
+    node.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="default: what the engine benchmark ran with"
+    )
+    node.add_argument("--l1-gb", type=float, default=0.0, help="node host cache (L1) in GB; 0 = none")
+    node.add_argument("--l1-gbps", type=float, default=None, help="restore bandwidth (default: bench/results/l1-*)")
+    node.add_argument("--l1-restore-cost", type=float, default=DEFAULTS.l1_restore_cost, help="router score")
+    node.add_argument("--overload-prefill-tokens", type=int, default=DEFAULTS.overload_prefill_tokens)
+
+    policy = parser.add_argument_group("scheduling")
+    policy.add_argument("--scheduling", choices=("warm_first", "fifo"), default=DEFAULTS.scheduling_policy)
+    policy.add_argument("--ab", action="store_true", help="run both policies (fifo and warm_first) side by side")
+    policy.add_argument("--warm-prefix-fraction", type=float, default=DEFAULTS.warm_prefix_fraction)
+    policy.add_argument("--max-cold-prefills", type=int, default=DEFAULTS.max_cold_prefills)
+    policy.add_argument("--cold-max-wait", type=float, default=DEFAULTS.cold_max_wait_secs, help="seconds")
+
+    work = parser.add_argument_group("workload (as kvserve bench agents; --calibrate fills what is not given)")
+    work.add_argument("--trace", choices=("claude_code", "mooncake"), default=None, help="default claude_code")
+    work.add_argument("--trace-path", default=None, help="a trace dir or file (default under /work/shared/traces)")
+    work.add_argument("--synthetic", choices=tuple(SYNTHETIC_TARGETS), default=None, help="synthetic target context")
+    work.add_argument("--synthetic-turns", type=int, default=10, help="turns per synthetic agent")
+    work.add_argument("--agents", default=None, help="comma-separated agent counts (default 4,8,16,32)")
+    work.add_argument("--duration", type=float, default=None, help="seconds per step (default 300 without --turns)")
+    work.add_argument("--turns", type=int, default=None, help="calls per agent per step")
+    work.add_argument("--stagger", type=float, default=0.0, help="spread agent starts over this many seconds")
+    work.add_argument("--think-time", default=None, help="seconds between an agent's calls, or 'trace' (default 3)")
+    work.add_argument("--max-think", type=float, default=120.0, help="cap on trace think times (s)")
+    work.add_argument("--context-scale", type=float, default=None, help="input size factor (default: fit context)")
+    work.add_argument("--max-context", type=int, default=None, help="served context (default: the shape's)")
+    work.add_argument("--max-output-tokens", type=int, default=None, help="cap on the trace's output lengths")
+    work.add_argument("--seed", type=int, default=None, help="id namespace and synthetic draws (default 0)")
+
+    bar = parser.add_argument_group("pass bar")
+    bar.add_argument("--ttft-p95", type=float, default=15.0, help="max TTFT p95 (s)")
+    bar.add_argument("--tok-s-p50", type=float, default=20.0, help="min per-agent output tok/s p50")
+    bar.add_argument("--tok-s-p10", type=float, default=10.0, help="min per-agent output tok/s p10")
+    bar.add_argument("--cache-hit", type=float, default=0.9, help="min fraction of input tokens from cache")
+    bar.add_argument("--max-errors", type=float, default=0.01, help="error fraction must stay below this")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--monthly-price", type=float, default=None, help="the node's price per month (any currency)")
+    out.add_argument("--calibrate", default=None, help="a measured agents JSON to compare with (e.g. agents-h200)")
+    out.add_argument("--json", default=None, help="write the results here")
+    return parser
+
+
+def _fill_from_measured(args: argparse.Namespace, measured: dict[str, Any]) -> None:
+    """Replay what the measured run replayed: its agent counts, workload and pass bar, unless given here."""
+    workload = measured.get("workload") or {}
+    if args.agents is None:
+        args.agents = ",".join(str(step["agents"]) for step in measured["steps"])
+    if args.trace is None and args.synthetic is None:
+        args.synthetic = workload.get("synthetic")
+        args.trace = workload.get("trace") or "claude_code"
+    if args.trace_path is None:
+        args.trace_path = workload.get("trace_path")
+    for name, key in (
+        ("context_scale", "context_scale"),
+        ("think_time", "think_time"),
+        ("seed", "seed"),
+        ("max_context", "max_context"),
+        ("max_output_tokens", "max_output_tokens"),
+    ):
+        if getattr(args, name) is None and measured.get(key) is not None:
+            setattr(args, name, measured[key])
+    if args.duration is None and args.turns is None:
+        args.duration = measured.get("duration_s")
+        args.turns = measured.get("turns")
+
+
+def _think(text: str, cap_s: float) -> ThinkTime:
+    if str(text) == "trace":
+        return ThinkTime(fixed=None, cap_s=cap_s)
+    seconds = float(text)
+    if seconds < 0:
+        raise ValueError("--think-time must not be negative")
+    return ThinkTime(fixed=seconds, cap_s=cap_s)
+
+
+def _agent_counts(text: str) -> list[int]:
+    counts = [int(part) for part in text.split(",") if part.strip()]
+    if not counts or min(counts) < 1:
+        raise ValueError("--agents needs positive counts, e.g. 4,8,16")
+    return counts
+
+
+def _l1_gbps(args: argparse.Namespace, gpu_tag: str) -> float:
+    if args.l1_gbps is not None:
+        return args.l1_gbps
+    path = RESULTS_DIR / f"l1-{gpu_tag}.json"
+    if path.is_file():
+        rows = json.loads(path.read_text()).get("restore", [])
+        if rows:
+            return float(max(rows, key=lambda r: r["bytes"])["GBps"])
+    return 50.0  # the H200's measured scattered restore bandwidth (bench/results/l1-h200.json)
+
+
+def _commit() -> str:
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+    except OSError:
+        return ""
+    return result.stdout.strip()
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
+    try:
+        measured = load_measured(args.calibrate) if args.calibrate else None
+        if measured is not None:
+            _fill_from_measured(args, measured)
+        agent_counts = _agent_counts(args.agents or "4,8,16,32")
+        think = _think(args.think_time if args.think_time is not None else "3", args.max_think)
+        if args.ranks < 1:
+            raise ValueError("--ranks must be at least 1")
+        facts = shape_facts(args.shape)
+        engine_results = load_engine_results(args.engine_results)
+        sessions = load_workload(
+            args.trace or "claude_code",
+            args.trace_path,
+            args.synthetic,
+            max(agent_counts),
+            args.synthetic_turns,
+            args.seed or 0,
+        )
+    except (OSError, ValueError) as exc:
+        err.print(f"[red]error:[/red] {exc}")
+        return 2
+
+    step_time = fit_step_time(engine_results)
+    settings = engine_results.get("settings", {})
+    measured_pool = settings.get("kv_blocks") if engine_results.get("shape") == facts.name else None
+    if args.kv_blocks is not None:
+        kv_blocks = args.kv_blocks
+    elif args.hbm_gb is None and measured_pool and settings.get("block_size", 16) == args.block_size:
+        kv_blocks = int(measured_pool)
+    else:
+        kv_blocks = kv_pool_blocks(
+            facts, args.hbm_gb or 150.0, args.gpu_memory_utilization, args.activation_gb, args.block_size
+        )
+    duration = args.duration if args.duration is not None or args.turns is not None else 300.0
+    max_context = args.max_context or facts.max_context
+    turns = turns_replayed(sessions, max(agent_counts), args.turns)
+    factor = args.context_scale or fitting_factor(turns, max_context, 0, args.max_output_tokens)
+    gpu_tag = Path(args.engine_results).stem.removeprefix("engine-")
+    rank = RankSettings(
+        num_blocks=kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens or step_time.max_num_batched_tokens,
+        max_model_len=max_context,
+        kv_bytes_per_token=facts.kv_bytes_per_token,
+        l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
+    )
+    l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * args.block_size))
+    route = RoutePolicy(l1_restore_cost=args.l1_restore_cost, overload_prefill_tokens=args.overload_prefill_tokens)
+    workload = WorkloadSettings(
+        agents=agent_counts[0],
+        turns=args.turns,
+        duration_s=duration,
+        stagger_s=args.stagger,
+        think=think,
+        context_scale=factor,
+        max_context=max_context,
+        max_output_tokens=args.max_output_tokens,
+        seed=args.seed or 0,
+    )
+    thresholds = Thresholds(args.ttft_p95, args.tok_s_p50, args.tok_s_p10, args.cache_hit, args.max_errors)
+    err.print(
+        f"{len(sessions)} sessions, {args.shape} x {args.ranks} ranks of {kv_blocks} blocks "
+        f"({kv_blocks * args.block_size:,} tokens each), L1 {l1_blocks} blocks, context scale {factor:.4g}, "
+        f"max context {max_context}"
+    )
+    policies = ("fifo", "warm_first") if args.ab else (args.scheduling,)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    started = time.monotonic()
+    for name in policies:
+        policy = SchedulingPolicy(name, args.warm_prefix_fraction, args.max_cold_prefills, args.cold_max_wait)
+        node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
+        runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
+        _print_table(f"predicted steps ({name})", runs[name])
+    steps = runs[args.scheduling if args.scheduling in runs else policies[-1]]
+    summary = capacity_summary(steps, args.monthly_price)
+    _print_summary(summary, args.ranks)
+
+    results: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "commit": _commit(),
+        "simulated": True,
+        "shape": facts.name,
+        "engine_results": args.engine_results,
+        "ranks": args.ranks,
+        "kv_blocks_per_rank": kv_blocks,
+        "l1_blocks": l1_blocks,
+        "policy": args.scheduling,
+        "scheduling": {
+            "warm_prefix_fraction": args.warm_prefix_fraction,
+            "max_cold_prefills": args.max_cold_prefills,
+            "cold_max_wait_secs": args.cold_max_wait,
+        },
+        "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
+        "workload": {
+            "trace": None if args.synthetic else (args.trace or "claude_code"),
+            "trace_path": args.trace_path,
+            "synthetic": args.synthetic,
+            "sessions": len(sessions),
+        },
+        "context_scale": factor,
+        "think_time": args.think_time or "3",
+        "duration_s": duration,
+        "turns": args.turns,
+        "seed": args.seed or 0,
+        "thresholds": dataclasses.asdict(thresholds),
+        "step_time_model": step_time.to_json(),
+        "step_time_fit": fit_report(step_time, engine_results),
+        "steps": steps,
+        **summary,
+        "sim_seconds": round(time.monotonic() - started, 1),
+    }
+    if args.ab:
+        results["ab"] = runs
+    if measured is not None:
+        results["calibration"] = {"measured": args.calibrate, "steps": compare_steps(steps, measured["steps"])}
+        _print_calibration(results["calibration"]["steps"])
+    if args.json:
+        out = Path(args.json)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(results, indent=1) + "\n")
+        err.print(f"wrote {out}")
+    return 0
+
+
+def _console() -> Console:
+    return Console(width=None if sys.stdout.isatty() else 160)  # a log file gets the whole table
+
+
+def _print_table(title: str, steps: list[dict[str, Any]]) -> None:
+    table = Table(title=title)
+    for column in TABLE_COLUMNS:
+        table.add_column(column, justify="right" if column != "verdict" else "left")
+    for stats in steps:
+        table.add_row(*step_row(stats))
+    _console().print(table)
+
+
+def _print_summary(summary: dict[str, Any], ranks: int) -> None:
+    best = summary["largest_passing"]
+    line = f"largest passing N on {ranks} rank(s): {best if best is not None else 'none'}"
+    if summary.get("input_tokens_per_s"):
+        line += f", {summary['input_tokens_per_s']:,.0f} input tokens/s"
+    if summary.get("cost_per_million_input_tokens") is not None:
+        line += f", {summary['cost_per_million_input_tokens']:.4f} per million input tokens"
+    _console().print(line)
+
+
+def _print_calibration(rows: list[dict[str, Any]]) -> None:
+    table = Table(title="predicted / measured")
+    table.add_column("agents", justify="right")
+    names = [name for name in COMPARED if name != "passed"]
+    for name in names:
+        table.add_column(name, justify="right")
+    for row in rows:
+        cells = [str(row["agents"])]
+        for name in names:
+            ratio = row.get(name, {}).get("ratio")
+            cells.append("-" if ratio is None else f"{ratio:.2f}")
+        table.add_row(*cells)
+    _console().print(table)
+    if not rows:
+        _console().print("no measured step has a predicted step with the same agent count")

@@ -1,0 +1,99 @@
+"""The node's L1 host cache in the simulator: which block hashes the kvstore's arena holds (LRU, a fixed number
+of slots), and each rank's view of it as the engine's host tier (the HostCacheTier protocol that
+rank_worker/l1/tier.py implements for real).
+
+Only bookkeeping: the time a restore takes is charged by the simulated rank (bytes / measured host
+bandwidth); a write-through offload runs off the step's critical path on the GPU, so it costs nothing here.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from rank_worker.engine.block_pool import BlockPool
+
+
+class NodeHostCache:
+    """The arena's slot index: hash -> present, least recently used first, evicted beyond capacity."""
+
+    def __init__(self, capacity_blocks: int) -> None:
+        self.capacity_blocks = capacity_blocks
+        self._lru: OrderedDict[bytes, None] = OrderedDict()
+        self.stored: list[bytes] = []  # since the last drain (the router's L1 feed)
+        self.removed: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self._lru)
+
+    def leading_run(self, block_hashes: list[bytes]) -> int:
+        run = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._lru:
+                break
+            run += 1
+        return run
+
+    def store(self, block_hashes: list[bytes]) -> None:
+        for block_hash in block_hashes:
+            if block_hash in self._lru:
+                self._lru.move_to_end(block_hash)
+                continue
+            self._lru[block_hash] = None
+            self.stored.append(block_hash)
+        while len(self._lru) > self.capacity_blocks:
+            evicted, _ = self._lru.popitem(last=False)
+            self.removed.append(evicted)
+
+    def touch(self, block_hashes: list[bytes]) -> None:
+        for block_hash in block_hashes:
+            self._lru.move_to_end(block_hash)
+
+    def drain(self) -> tuple[list[bytes], list[bytes]]:
+        """(stored, removed) since the last drain."""
+        stored, removed = self.stored, self.removed
+        self.stored, self.removed = [], []
+        return stored, removed
+
+
+class RankHostTier:
+    """One rank's host tier over the node cache, as the engine's KvCacheManager uses it."""
+
+    def __init__(self, node: NodeHostCache, pool: BlockPool) -> None:
+        self.node = node
+        self.pool = pool
+        # What this rank sent or restored, oldest first: the real tier's peek for warm-first scheduling.
+        self._known: OrderedDict[bytes, None] = OrderedDict()
+        self.restored_blocks = 0
+
+    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
+        wanted = block_hashes[: min(max_blocks, self.pool.num_free)]
+        run = self.node.leading_run(wanted)
+        if run == 0:
+            return []
+        blocks = self.pool.allocate(run)
+        for block_id, block_hash in zip(blocks, wanted, strict=False):
+            self.pool.register(block_id, block_hash)
+            self._remember(block_hash)
+        self.node.touch(wanted[:run])
+        self.restored_blocks += run
+        return blocks
+
+    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        fresh = [h for h in block_hashes if h not in self._known]
+        self.node.store(fresh)
+        for block_hash in fresh:
+            self._remember(block_hash)
+
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        run = 0
+        for block_hash in block_hashes:
+            if block_hash not in self._known:
+                break
+            run += 1
+        return run
+
+    def _remember(self, block_hash: bytes) -> None:
+        self._known[block_hash] = None
+        self._known.move_to_end(block_hash)
+        while len(self._known) > self.node.capacity_blocks:
+            self._known.popitem(last=False)

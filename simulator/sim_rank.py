@@ -1,0 +1,135 @@
+"""One engine rank in the simulator: the REAL Scheduler, KvCacheManager and BlockPool of rank_worker/engine, with
+a model runner that computes nothing and instead says how long the step took on the GPU (step_time.py).
+
+step() follows PagedEngine.step: schedule, advance every scheduled sequence by its tokens, register full
+blocks, append a token to each sequence that reached its end (a made-up id: outputs are never reused, as
+in the load generator, whose next turn is the trace's content), write through to L1 at the first output,
+finish at max_tokens or max_model_len. Output lengths come from the trace (ignore_eos).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.interface import KvEvent, KvEventKind
+from rank_worker.engine.kv_cache_manager import KvCacheManager
+from rank_worker.engine.scheduler import Scheduler, SchedulingPolicy
+from rank_worker.engine.sequence import Sequence, SequenceStatus
+from simulator.host_cache import NodeHostCache, RankHostTier
+from simulator.step_time import StepTimeModel
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 32768
+    max_model_len: int = 131072
+    policy: SchedulingPolicy = field(default_factory=SchedulingPolicy)
+    kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
+    l1_bytes_per_s: float = 50e9
+
+
+class SimulatedBlockPool(BlockPool):
+    """The real block pool with a linear drain_events: the engine drains after every step, a handful of
+    events; a simulated step of a long cold prefill registers thousands of blocks one event each, and
+    merging them by tuple concatenation would be quadratic."""
+
+    def drain_events(self) -> list[KvEvent]:
+        runs: list[tuple[KvEventKind, list[bytes]]] = []
+        for event in self._events:
+            if runs and runs[-1][0] is event.kind:
+                runs[-1][1].extend(event.block_hashes)
+            else:
+                runs.append((event.kind, list(event.block_hashes)))
+        self._events = []
+        return [KvEvent(kind, tuple(hashes)) for kind, hashes in runs]
+
+
+@dataclass
+class StepOutcome:
+    start: float
+    end: float
+    first_tokens: list[Sequence]  # sequences whose first output came in this step
+    finished: list[Sequence]
+    events: list[KvEvent]  # the pool's KV events of this step (for the router's prefix index)
+
+
+class SimulatedRank:
+    def __init__(
+        self,
+        rank_id: str,
+        settings: RankSettings,
+        namespace: bytes,
+        step_time: StepTimeModel,
+        clock: Callable[[], float],
+        node_cache: NodeHostCache | None = None,
+    ) -> None:
+        self.rank_id = rank_id
+        self.settings = settings
+        self.step_time = step_time
+        self.pool = SimulatedBlockPool(settings.num_blocks, caching=True)
+        self.tier = RankHostTier(node_cache, self.pool) if node_cache is not None else None
+        self.kv = KvCacheManager(self.pool, settings.block_size, namespace, self.tier)
+        self.scheduler = Scheduler(
+            self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.policy, clock=clock
+        )
+        self.busy_until = 0.0  # the simulated time its current step ends
+        self.steps = 0
+        self.busy_s = 0.0
+        self._output_ids = itertools.count(-1, -1)  # negative: never a prompt token
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def add(self, seq: Sequence, now: float) -> None:
+        if not self.has_work:
+            self.busy_until = max(self.busy_until, now)  # an idle rank starts when work arrives
+        self.scheduler.add(seq)
+
+    def step(self, now: float) -> StepOutcome:
+        restored_before = self.scheduler.restored_tokens
+        batch = self.scheduler.schedule()
+        prefills: list[tuple[int, int]] = []
+        decodes: list[int] = []
+        for seq, num_new in batch.entries:
+            if num_new > 1:
+                prefills.append((num_new, seq.num_computed_tokens))
+            else:  # a 1-token chunk runs as a decode in the model runner too
+                decodes.append(seq.num_computed_tokens + 1)
+        restored = self.scheduler.restored_tokens - restored_before
+        duration = self.step_time.step_s(prefills, decodes) if batch.entries else 0.0
+        duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
+        end = now + duration
+        outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])
+        for seq, num_new in batch.entries:
+            seq.num_computed_tokens += num_new
+            self.kv.register_full_blocks(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # a prefill chunk that is not the prompt's last
+            seq.token_ids.append(next(self._output_ids))
+            if seq.first_token_time is None:
+                seq.first_token_time = end
+                outcome.first_tokens.append(seq)
+            if seq.num_output_tokens == 1:
+                self.kv.offload(seq)
+            if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.settings.max_model_len:
+                self.scheduler.remove(seq)
+                seq.status = SequenceStatus.FINISHED
+                seq.finish_time = end
+                outcome.finished.append(seq)
+        if not batch.entries and not batch.preempted:
+            raise RuntimeError(
+                f"rank {self.rank_id} is stuck: {len(self.scheduler.waiting)} waiting requests and none fits "
+                f"the {self.settings.num_blocks}-block pool"
+            )
+        outcome.events = self.pool.drain_events()
+        self.busy_until = end
+        self.steps += 1
+        self.busy_s += duration
+        return outcome

@@ -1,0 +1,98 @@
+"""Replays through the real scheduler, cache and routing code on a simulated clock: deterministic, the load
+generator's records, more agents -> worse TTFT, warm-first helps warm turns through cold bursts, the L1 host
+cache serves what L0 evicted, sessions stick to their rank, and the largest passing N grows with ranks."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from sim_workloads import cold_session, growing_session, h200_step_time, node, sessions
+
+from loadgen.agent import ThinkTime
+from loadgen.report import step_stats
+from simulator.capacity import capacity_summary, simulate_steps
+from simulator.replay import WorkloadSettings, replay
+
+STEP_TIME = h200_step_time()
+THINK = ThinkTime(fixed=3.0)
+
+
+def test_a_small_replay_is_deterministic_and_records_every_call() -> None:
+    work = sessions(3, base_blocks=40, turns=5, output=16)
+    workload = WorkloadSettings(agents=3, turns=5, think=THINK, stagger_s=1.0)
+    first = replay(work, workload, node(1), STEP_TIME)
+    second = replay(work, workload, node(1), STEP_TIME)
+    assert first.records == second.records and first.wall_s == second.wall_s
+    records = first.records
+    assert len(records) == 15 and all(r.error is None and r.ttft_s is not None for r in records)
+    assert sorted(r.agent for r in records) == [0] * 5 + [1] * 5 + [2] * 5
+    assert all(r.output_tokens == 16 and r.decode_s > 0 for r in records)
+    for r in records:
+        assert r.warm == (r.turn > 0)  # every later turn resends the earlier one
+        if r.warm:  # the whole previous prompt came from L0, 16-token blocks and the last token aside
+            assert r.cached_tokens >= r.input_tokens - 2 * 64 - 16
+        else:
+            assert r.cached_tokens == 0
+    assert first.cached_by_tier["l1"] == 0 and first.cached_by_tier["l0"] == sum(r.cached_tokens for r in records)
+    starts = sorted(r.sent_s for r in records if r.turn == 0)
+    assert starts == pytest.approx([0.0, 1 / 3, 2 / 3], abs=1e-4)  # --stagger 1: starts spread over a second
+
+
+def test_more_agents_wait_longer_for_their_first_token() -> None:
+    work = sessions(12, base_blocks=470, turns=6)  # 30K-token sessions
+    workload = WorkloadSettings(agents=2, turns=6, think=THINK)
+    few = step_stats(replay(work, workload, node(1), STEP_TIME).records, 2)
+    many = step_stats(replay(work, replace(workload, agents=12), node(1), STEP_TIME).records, 12)
+    assert many["ttft_p95"] > 2 * few["ttft_p95"]
+    assert many["ttft_p50"] > few["ttft_p50"]
+    assert many["tok_s_p50"] < few["tok_s_p50"]
+
+
+def test_warm_first_gets_warm_turns_through_cold_bursts_sooner_than_fifo() -> None:
+    warm = [growing_session(f"w{i}", (i + 1) * 1_000_000, 120, 2, 15, 20) for i in range(6)]
+    cold = [cold_session(f"c{i}", (i + 101) * 1_000_000, 600, 4, 4) for i in range(6)]  # 38K-token cold calls
+    work = [session for pair in zip(warm, cold, strict=True) for session in pair]
+    workload = WorkloadSettings(agents=12, turns=6, think=ThinkTime(fixed=1.0))
+    stats = {
+        policy: step_stats(replay(work, workload, node(1, policy), STEP_TIME).records, 12)
+        for policy in ("fifo", "warm_first")
+    }
+    fifo, warm_first = stats["fifo"], stats["warm_first"]
+    assert fifo["warm_requests"] == warm_first["warm_requests"] == 30
+    assert warm_first["ttft_p95_warm"] < 0.75 * fifo["ttft_p95_warm"]
+    assert warm_first["ttft_p95_cold"] <= 1.1 * fifo["ttft_p95_cold"]  # and the cold ones barely notice
+
+
+def test_the_l1_host_cache_serves_what_l0_evicted() -> None:
+    # Four 10K-token sessions on a 32K-token pool: L0 cannot keep them all between turns.
+    work = sessions(4, base_blocks=160, turns=6, output=8)
+    workload = WorkloadSettings(agents=4, turns=6, think=THINK)
+    without = replay(work, workload, node(1, num_blocks=2048), STEP_TIME)
+    with_l1 = replay(work, workload, replace(node(1, num_blocks=2048), l1_blocks=20_000), STEP_TIME)
+    hit = {
+        name: step_stats(r.records, 4, r.cached_by_tier)["cache_hit"] for name, r in (("l0", without), ("l1", with_l1))
+    }
+    assert with_l1.cached_by_tier["l1"] > 0 and without.cached_by_tier["l1"] == 0
+    assert hit["l1"] > hit["l0"] + 0.2
+
+
+def test_two_ranks_share_the_agents_and_keep_each_session_on_its_rank() -> None:
+    work = sessions(8, base_blocks=100, turns=4, output=8)
+    result = replay(work, WorkloadSettings(agents=8, turns=4, think=THINK), node(2), STEP_TIME)
+    assert all(steps > 0 for steps in result.rank_steps)
+    assert result.route_reasons.get("session") == 8 * 3  # every later turn followed its session
+    stats = step_stats(result.records, 8, result.cached_by_tier)
+    assert stats["cache_hit"] > stats["expected_cache_hit"] - 0.02  # routing kept every prefix where it was
+
+
+def test_the_largest_passing_n_grows_with_ranks() -> None:
+    work = sessions(16, base_blocks=470, turns=12)  # 30K-token sessions: decode reads a lot of KV per step
+    workload = WorkloadSettings(agents=1, turns=12, think=THINK)
+    best = {}
+    for ranks in (1, 2):
+        steps = simulate_steps(work, [4, 8, 16], workload, node(ranks), STEP_TIME)
+        best[ranks] = capacity_summary(steps, monthly_price=None)
+    assert best[1]["largest_passing"] is not None
+    assert best[2]["largest_passing"] > best[1]["largest_passing"]
+    assert best[2]["input_tokens_per_s"] > best[1]["input_tokens_per_s"]

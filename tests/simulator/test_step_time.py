@@ -1,0 +1,70 @@
+"""The step-time model: it reproduces the H200 measurements it was fitted to, its formulas add up (chunks,
+floor, mixed steps), and a fit recovers the coefficients of data made from a known model."""
+
+from __future__ import annotations
+
+import pytest
+from sim_workloads import ENGINE_RESULTS, h200_step_time
+
+from simulator.step_time import StepTimeModel, fit_report, fit_step_time, load_engine_results
+
+
+def test_the_fit_reproduces_every_measured_point_within_five_percent() -> None:
+    results = load_engine_results(ENGINE_RESULTS)
+    model = fit_step_time(results)
+    rows = fit_report(model, results)
+    assert len(rows) == 3 + 4 + 4  # prefill 2K/8K/32K, TTFT cold and warm at 32K/100K, decode at 4 batches
+    for row in rows:
+        assert row["model_s"] == pytest.approx(row["measured_s"], rel=0.05), row
+    assert all(value >= 0 for value in (model.overhead_s, model.alpha_s, model.beta_s, model.gamma_s))
+
+
+def test_prefill_is_chunked_one_step_per_chunk() -> None:
+    model = h200_step_time()
+    chunk = model.max_num_batched_tokens
+    whole = model.prefill_s(2 * chunk + 100)
+    parts = model.overhead_s * 3 + model.chunk_s(chunk, 0) + model.chunk_s(chunk, chunk) + model.chunk_s(100, 2 * chunk)
+    assert whole == pytest.approx(parts)
+    # A warm turn (1K new over 100K cached) costs a fraction of the cold prefill of the same prompt.
+    assert model.prefill_s(1024, cached=100_000) < model.prefill_s(101_024) / 20
+
+
+def test_decode_is_launch_bound_then_grows_with_the_kv_it_reads() -> None:
+    model = h200_step_time()
+    assert model.decode_step_s(1, 4096) == model.decode_step_s(8, 4096) == model.decode_floor_s
+    assert model.decode_step_s(64, 4096) < model.decode_step_s(128, 4096) < model.decode_step_s(128, 8192)
+    assert model.decode_step_s(0, 4096) == 0.0
+    # Padded to the longest: 16 sequences of 100K read as much as 1,600K tokens.
+    assert model.decode_step_s(16, 100_000) == pytest.approx(model.decode_base_s + model.decode_kv_token_s * 1.6e6)
+
+
+def test_a_mixed_step_pays_the_prefill_and_the_kv_its_decodes_read() -> None:
+    model = h200_step_time()
+    alone = model.step_s([(2048, 0)], [])
+    mixed = model.step_s([(2048, 0)], [4096] * 32)
+    assert mixed == pytest.approx(alone + model.decode_kv_token_s * 32 * 4096)
+    assert model.step_s([], [4096] * 16) == model.decode_step_s(16, 4096)
+
+
+def test_the_fit_recovers_a_known_model() -> None:
+    truth = StepTimeModel(0.01, 3e-5, 1e-9, 2e-9, 0.03, -0.002, 2e-7, 32768)
+    results = {
+        "settings": {"max_num_batched_tokens": 32768},
+        "prefill": [{"tokens": n, "seconds": truth.prefill_s(n)} for n in (2048, 8192, 32768)],
+        "ttft": [
+            {
+                "context": c,
+                "new_tokens": 1024,
+                "cold_s": truth.prefill_s(c + 1024),
+                "warm_s": truth.prefill_s(1024, c),
+                "warm_cached_tokens": c,
+            }
+            for c in (32768, 100_000)
+        ],
+        "decode": [
+            {"batch": b, "context": 4096, "step_ms": truth.decode_step_s(b, 4096) * 1e3} for b in (1, 16, 64, 128)
+        ],
+    }
+    fitted = fit_step_time(results)
+    for name in ("overhead_s", "alpha_s", "beta_s", "gamma_s", "decode_floor_s", "decode_base_s", "decode_kv_token_s"):
+        assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The agent benchmark on the GPU machine, one phase per call (each fits the 10-minute limit):
+#   bash bench/agents_h200.sh main      # warm_first steps of N agents (STEPS=8,16,32)
+#   bash bench/agents_h200.sh ab        # the cache off at NOCACHE_N agents; FIFO vs warm_first at N_AB agents
+# The whole stack comes up with `kvserve up` (redis-server, kvstore, router, one rank worker, gateway) from
+# bench/configs/agents-h200.yaml; results go to $OUT (default bench/results/raw).
+set -euo pipefail
+PHASE=${1:?phase: main or ab}
+OUT=${OUT:-bench/results/raw}
+mkdir -p "$OUT"
+# The GPU machine cannot install packages: wheels, a redis-server build and the traces travel in .whl/.
+if [ -d .whl ] && [ "${USE_WHEELS:-1}" = 1 ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
+  export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.whl/redis-bin:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis-bin
+fi
+TRACES=${TRACES:-.whl/traces/claude_code}
+CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
+STEPS=${STEPS:-8,16,32}
+TURNS=${TURNS:-6}
+MAX_OUT=${MAX_OUT:-256}
+NOCACHE_N=${NOCACHE_N:-16}
+N_AB=${N_AB:-32}
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt" || true
+
+start_stack() {  # env overrides (KVSERVE_*) apply to every service
+  rm -rf /tmp/kvserve-run
+  python3 -m launcher.cli up --config "$CONFIG" --state-dir /tmp/kvserve-run > "$OUT/up-$1.log" 2>&1 &
+  UP_PID=$!
+  for _ in $(seq 1 300); do
+    grep -qs "Ctrl-C" "$OUT/up-$1.log" && return 0
+    kill -0 $UP_PID 2>/dev/null || { tail -n 50 "$OUT/up-$1.log"; tail -n 30 /tmp/kvserve-run/logs/*.log; return 1; }
+    sleep 1
+  done
+  echo "stack not ready"; return 1
+}
+
+stop_stack() {
+  kill -INT $UP_PID 2>/dev/null || true
+  wait $UP_PID 2>/dev/null || true
+  cp -r /tmp/kvserve-run/logs "$OUT/logs-$1" 2>/dev/null || true
+}
+
+agents() {  # name, then kvserve bench agents flags
+  local name=$1; shift
+  python3 -m launcher.cli bench agents --url http://127.0.0.1:8080 --trace-path "$TRACES" --no-charts --quiet \
+    --out "$OUT/$name.json" "$@" 2>&1 | tail -n 30
+}
+
+# Every agent replays TURNS turns (the first of a session is cold, the rest mostly cached), outputs capped at
+# MAX_OUT tokens so a step ends within a few minutes.
+run_agents() { agents "$@" --turns "$TURNS" --max-output-tokens "$MAX_OUT"; }
+
+case $PHASE in
+  main)
+    start_stack warm_first
+    run_agents warm_first --agents "$STEPS" --seed 1
+    stop_stack warm_first
+    ;;
+  ab)  # the read rate without the cache, then FIFO vs warm_first at one load with every agent starting at once
+    KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1
+    run_agents nocache --agents "$NOCACHE_N" --seed 2
+    stop_stack nocache
+    KVSERVE_SCHEDULING_POLICY=fifo start_stack fifo
+    run_agents ab-fifo --agents "$N_AB" --stagger 0 --seed 3
+    stop_stack fifo
+    KVSERVE_SCHEDULING_POLICY=warm_first start_stack ab-warm_first
+    run_agents ab-warm_first --agents "$N_AB" --stagger 0 --seed 3
+    stop_stack ab-warm_first
+    ;;
+  *) echo "unknown phase $PHASE"; exit 2 ;;
+esac
+echo "commit $COMMIT" > "$OUT/commit.txt"

@@ -37,6 +37,7 @@ from simulator.sim_rank import RankSettings
 from simulator.step_time import fit_report, fit_step_time, load_engine_results
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
+PROBE_DIR = Path(__file__).resolve().parent / "results"
 DEFAULTS = KvServeConfig()  # the engine's and router's defaults, as a served node would have them
 
 
@@ -45,6 +46,11 @@ def build_parser() -> argparse.ArgumentParser:
     node = parser.add_argument_group("node")
     node.add_argument("--shape", default="llama-8b", help="bench/shapes/<name> (or a config.json path)")
     node.add_argument("--engine-results", default=str(RESULTS_DIR / "engine-h200.json"), help="bench/engine.py JSON")
+    node.add_argument(
+        "--decode-results",
+        default=None,
+        help="simulator/decode_probe.py JSON (default: simulator/results/decode-<gpu>.json if there; 'none': off)",
+    )
     node.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) of the node")
     node.add_argument("--kv-blocks", type=int, default=None, help="KV pool per rank (default: measured, or HBM)")
     node.add_argument("--hbm-gb", type=float, default=None, help="GPU memory (10^9 B) to size the pool from")
@@ -169,6 +175,11 @@ def main(argv: list[str]) -> int:
             raise ValueError("--ranks must be at least 1")
         facts = shape_facts(args.shape)
         engine_results = load_engine_results(args.engine_results)
+        gpu_tag = Path(args.engine_results).stem.removeprefix("engine-")
+        probe_path = args.decode_results or str(PROBE_DIR / f"decode-{gpu_tag}.json")
+        # The default file is used when there is one; a named one must be there.
+        named = args.decode_results not in (None, "none")
+        probe = load_engine_results(probe_path) if named or Path(probe_path).is_file() else None
         sessions = load_workload(
             args.trace or "claude_code",
             args.trace_path,
@@ -181,7 +192,7 @@ def main(argv: list[str]) -> int:
         err.print(f"[red]error:[/red] {exc}")
         return 2
 
-    step_time = fit_step_time(engine_results)
+    step_time = fit_step_time(engine_results, probe)
     settings = engine_results.get("settings", {})
     measured_pool = settings.get("kv_blocks") if engine_results.get("shape") == facts.name else None
     if args.kv_blocks is not None:
@@ -196,7 +207,6 @@ def main(argv: list[str]) -> int:
     max_context = args.max_context or facts.max_context
     turns = turns_replayed(sessions, max(agent_counts), args.turns)
     factor = args.context_scale or fitting_factor(turns, max_context, 0, args.max_output_tokens)
-    gpu_tag = Path(args.engine_results).stem.removeprefix("engine-")
     rank = RankSettings(
         num_blocks=kv_blocks,
         block_size=args.block_size,
@@ -243,6 +253,7 @@ def main(argv: list[str]) -> int:
         "simulated": True,
         "shape": facts.name,
         "engine_results": args.engine_results,
+        "decode_results": probe_path if probe is not None else None,
         "ranks": args.ranks,
         "kv_blocks_per_rank": kv_blocks,
         "l1_blocks": l1_blocks,
@@ -266,7 +277,7 @@ def main(argv: list[str]) -> int:
         "seed": args.seed or 0,
         "thresholds": dataclasses.asdict(thresholds),
         "step_time_model": step_time.to_json(),
-        "step_time_fit": fit_report(step_time, engine_results),
+        "step_time_fit": fit_report(step_time, engine_results, probe),
         "steps": steps,
         **summary,
         "sim_seconds": round(time.monotonic() - started, 1),

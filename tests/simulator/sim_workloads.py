@@ -10,12 +10,15 @@ from simulator.replay import NodeSettings
 from simulator.sim_rank import RankSettings
 from simulator.step_time import StepTimeModel, fit_step_time, load_engine_results
 
-ENGINE_RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "engine-h200.json"
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_RESULTS = ROOT / "bench" / "results" / "engine-h200.json"
+DECODE_PROBE = ROOT / "simulator" / "results" / "decode-h200.json"
 BLOCK = 64  # tokens per hash id, as in the Claude Code traces
 
 
 def h200_step_time() -> StepTimeModel:
-    return fit_step_time(load_engine_results(ENGINE_RESULTS))
+    """The model `kvserve bench simulate` uses by default: the engine benchmark plus the decode probe."""
+    return fit_step_time(load_engine_results(ENGINE_RESULTS), load_engine_results(DECODE_PROBE))
 
 
 def growing_session(

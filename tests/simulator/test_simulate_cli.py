@@ -50,8 +50,9 @@ def test_simulate_predicts_steps_the_largest_passing_n_and_its_cost(tmp_path: Pa
     assert results["cost_per_million_input_tokens"] == pytest.approx(
         20000 / (step["input_tokens_per_s"] * SECONDS_PER_MONTH / 1e6), rel=1e-3
     )
+    assert results["decode_results"].endswith("simulator/results/decode-h200.json")  # used by default
     fit = results["step_time_fit"]
-    assert len(fit) == 11 and all(row["model_s"] == pytest.approx(row["measured_s"], rel=0.05) for row in fit)
+    assert len(fit) == 29 and all(row["model_s"] == pytest.approx(row["measured_s"], rel=0.15) for row in fit)
 
 
 def test_calibrate_replays_the_measured_run_and_reports_ratios(tmp_path: Path) -> None:
@@ -101,6 +102,7 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert main(["--trace-path", str(tmp_path / "absent"), "--agents", "2"]) == 2
     assert main(["--trace-path", str(traces), "--shape", "no-such-shape"]) == 2
     assert main(["--calibrate", str(tmp_path / "absent.json")]) == 2
+    assert main(["--trace-path", str(traces), "--decode-results", str(tmp_path / "absent.json")]) == 2
     err = capsys.readouterr().err
     assert "positive counts" in err and "no model shape" in err
 

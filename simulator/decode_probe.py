@@ -1,0 +1,171 @@
+"""Decode step time on the GPU against batch AND context: a check of the step-time model's decode assumption
+(one step costs in proportion to batch x the longest context, because the decode attention gathers every
+sequence's blocks padded to the longest). The engine benchmark (bench/engine.py) measures one context;
+this measures several, and batches of mixed contexts, and prints the model's prediction beside each.
+
+Sequences are set up as if their prompt had been prefilled (blocks allocated, nothing computed: decode time
+does not depend on the values in the KV), so only decode steps run. Random weights in a real shape.
+
+    python -m simulator.decode_probe --out simulator/results/decode-h200.json     # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from rank_worker.engine.interface import SamplingParams  # noqa: E402
+from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
+from rank_worker.engine.sequence import Sequence, SequenceStatus  # noqa: E402
+from rank_worker.model.config import LlamaFamilyConfig  # noqa: E402
+from rank_worker.model.llama import LlamaForCausalLM  # noqa: E402
+from simulator.step_time import fit_step_time, load_engine_results  # noqa: E402
+
+# (decode contexts, prefill chunk as (new tokens, cached tokens) or None)
+CASES: list[tuple[list[int], tuple[int, int] | None]] = [
+    *[([4096] * b, None) for b in (1, 16, 64, 128)],  # the engine benchmark's points, again
+    *[([16384] * b, None) for b in (1, 8, 16, 32)],
+    *[([65536] * b, None) for b in (1, 2, 4, 8)],
+    ([131072], None),
+    ([131072] * 4, None),
+    # One long sequence among short ones: does everyone pay for the longest?
+    ([65536] + [4096] * 15, None),
+    ([131072] + [4096] * 7, None),
+    ([16384] + [4096] * 31, None),
+    ([65536] + [4096] * 31, None),
+    # A prefill chunk alone and with decodes riding along: do their costs add up?
+    ([], (8192, 0)),
+    ([], (8192, 65536)),
+    ([16384] * 16, (8192, 0)),
+    ([16384] * 16, (8192, 65536)),
+]
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _engine(shape: str, num_blocks: int, max_len: int) -> PagedEngine:
+    cfg = LlamaFamilyConfig.from_hf(json.loads((ROOT / "bench" / "shapes" / shape / "config.json").read_text()))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
+    try:
+        with device:
+            model = LlamaForCausalLM(cfg, max_positions=max_len)
+    finally:
+        torch.set_default_dtype(previous)
+    model.init_random_weights(0)
+    # The engine benchmark's chunk size, so a prefill chunk runs whole in one step.
+    settings = EngineSettings(
+        num_blocks=num_blocks, max_model_len=max_len, max_num_seqs=256, max_num_batched_tokens=32768
+    )
+    return PagedEngine(model.eval(), settings)
+
+
+def _running(engine: PagedEngine, request_id: str, computed: int, total: int) -> Sequence:
+    """A running sequence of `total` tokens whose first `computed` are in the pool (blocks for all of them
+    allocated): the next step computes the rest."""
+    seq = Sequence(
+        request_id=request_id,
+        token_ids=[(len(request_id) * 7 + t) % 1000 for t in range(total)],
+        num_prompt_tokens=total,
+        sampling=SamplingParams(max_tokens=10_000, ignore_eos=True),
+        arrival_time=time.monotonic(),
+    )
+    assert engine.kv.allocate(seq, total), "the pool is too small for this case"
+    seq.num_computed_tokens = computed
+    seq.num_cached_tokens = computed
+    seq.status = SequenceStatus.RUNNING
+    engine.scheduler.running.append(seq)
+    return seq
+
+
+def _timed_step(engine: PagedEngine) -> float:
+    _sync()
+    start = time.perf_counter()
+    engine.step()
+    _sync()
+    return time.perf_counter() - start
+
+
+def measure(engine: PagedEngine, contexts: list[int], prefill: tuple[int, int] | None, case: int, steps: int) -> float:
+    """Median seconds per step of these decodes, plus one prefill chunk (set up again before each step)."""
+    seqs = [_running(engine, f"c{case}-{i}", context, context + 1) for i, context in enumerate(contexts)]
+    times = []
+    for rep in range(steps + 3):  # the first 3 warm up at this shape
+        chunk = None
+        if prefill is not None:
+            new, cached = prefill
+            chunk = _running(engine, f"p{case}-{rep}", cached, cached + new)
+            engine.scheduler.running.remove(chunk)
+            engine.scheduler.running.insert(0, chunk)  # scheduled first: it gets its whole chunk
+        seconds = _timed_step(engine)
+        if rep >= 3:
+            times.append(seconds)
+        if chunk is not None:
+            engine.scheduler.remove(chunk)
+    for seq in seqs:
+        engine.scheduler.remove(seq)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", default="llama-8b")
+    parser.add_argument("--engine-results", default=str(ROOT / "bench" / "results" / "engine-h200.json"))
+    parser.add_argument("--num-blocks", type=int, default=40_000)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--quick", action="store_true", help="tiny cases (a CPU smoke run of the script)")
+    parser.add_argument("--out", default="")
+    args = parser.parse_args()
+    quick: list[tuple[list[int], tuple[int, int] | None]] = [([64] * 2, None), ([256] + [64] * 3, None)]
+    cases = [*quick, ([64], (128, 256))] if args.quick else CASES
+    model = fit_step_time(load_engine_results(args.engine_results))
+    engine = _engine(
+        args.shape, args.num_blocks, max(max(c, default=0) + (p[0] + p[1] if p else 0) for c, p in cases) + 64
+    )
+    rows = []
+    for case, (contexts, prefill) in enumerate(cases):
+        seconds = measure(engine, contexts, prefill, case, args.steps)
+        # Decode contexts as the simulator counts them: the token being decoded included.
+        predicted = model.step_s([prefill] if prefill else [], [c + 1 for c in contexts])
+        row = {
+            "batch": len(contexts),
+            "max_context": max(contexts, default=0),
+            "kv_tokens": sum(contexts),
+            "padded_kv_tokens": len(contexts) * max(contexts, default=0),
+            "prefill_new": prefill[0] if prefill else 0,
+            "prefill_cached": prefill[1] if prefill else 0,
+            "step_ms": round(seconds * 1e3, 3),
+            "model_ms": round(predicted * 1e3, 3),
+            "ratio": round(predicted / seconds, 3),
+        }
+        rows.append(row)
+        print(row, flush=True)
+    result = {
+        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "engine_results": args.engine_results,
+        "rows": rows,
+    }
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

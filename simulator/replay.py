@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from contracts.block_hash import hash_namespace
@@ -26,7 +26,7 @@ from router.route_score import RoutePolicy
 from simulator.host_cache import NodeHostCache
 from simulator.prompt_tokens import PromptTokens
 from simulator.routing import SimulatedRouter
-from simulator.sim_rank import RankSettings, SimulatedRank
+from simulator.sim_rank import RankSettings, ReplayRank, SimulatedRank
 from simulator.step_time import StepTimeModel
 
 
@@ -94,8 +94,15 @@ class _Call:
 
 class Replay:
     def __init__(
-        self, sessions: list[AgentTrace], workload: WorkloadSettings, node: NodeSettings, step_time: StepTimeModel
+        self,
+        sessions: list[AgentTrace],
+        workload: WorkloadSettings,
+        node: NodeSettings,
+        step_time: StepTimeModel,
+        make_rank: Callable[[int, Callable[[], float]], ReplayRank] | None = None,
     ) -> None:
+        """make_rank(index, clock): rank `index` of the node (default: a SimulatedRank; engine_check.py
+        passes ranks that run the real engine on a GPU and time it)."""
         if workload.duration_s is None and workload.turns is None:
             raise ValueError("a step needs a duration or a turn budget")
         self.workload = workload
@@ -107,10 +114,12 @@ class Replay:
         self.node_cache = NodeHostCache(node.l1_blocks) if node.l1_blocks > 0 else None
         # One sequence must fit a rank's pool, as the factory lowers max_model_len to the pool's capacity.
         self.max_model_len = min(node.rank.max_model_len, node.rank.num_blocks * block_size)
-        self.ranks = [
-            SimulatedRank(f"rank-{i}", node.rank, self.namespace, step_time, lambda: self.now, self.node_cache)
-            for i in range(node.ranks)
-        ]
+        if make_rank is None:
+
+            def make_rank(index: int, clock: Callable[[], float]) -> ReplayRank:
+                return SimulatedRank(f"rank-{index}", node.rank, self.namespace, step_time, clock, self.node_cache)
+
+        self.ranks = [make_rank(i, self.clock) for i in range(node.ranks)]  # the schedulers' clock is the replay's
         self.router = SimulatedRouter(self.ranks, node.route, self.node_cache)
         self.prompts = PromptTokens(workload.context_scale)
         self.sent = SentPrefixes()
@@ -124,6 +133,9 @@ class Replay:
         for index in range(agents):
             agent = _Agent(index, assigned_sessions(sessions, agents, index, workload.step_index, workload.seed))
             self._wake(agent, workload.stagger_s * index / max(1, agents), 0.0)
+
+    def clock(self) -> float:
+        return self.now
 
     def run(self) -> ReplayResult:
         last_answer = 0.0

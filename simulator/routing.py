@@ -13,13 +13,13 @@ from rank_worker.engine.interface import KvEvent as EngineKvEvent
 from router.prefix_index import KvEvent, KvEventKind, PrefixIndex
 from router.route_score import Candidate, RoutePolicy, choose_rank
 from simulator.host_cache import NodeHostCache
-from simulator.sim_rank import SimulatedRank
+from simulator.sim_rank import ReplayRank
 
 _KINDS = {"stored": KvEventKind.STORED, "removed": KvEventKind.REMOVED, "all_cleared": KvEventKind.ALL_CLEARED}
 
 
 class SimulatedRouter:
-    def __init__(self, ranks: Sequence[SimulatedRank], policy: RoutePolicy, node_cache: NodeHostCache | None) -> None:
+    def __init__(self, ranks: Sequence[ReplayRank], policy: RoutePolicy, node_cache: NodeHostCache | None) -> None:
         self.ranks = {rank.rank_id: rank for rank in ranks}
         self.policy = policy
         self.node_cache = node_cache
@@ -41,7 +41,7 @@ class SimulatedRouter:
         if removed:
             self.index.apply_l1([KvEvent(KvEventKind.REMOVED, tuple(removed))])
 
-    def route(self, session_id: str, lookup_hashes: list[bytes], prompt_tokens: int) -> SimulatedRank:
+    def route(self, session_id: str, lookup_hashes: list[bytes], prompt_tokens: int) -> ReplayRank:
         """The rank for one request (and remember it as the session's)."""
         if len(self.ranks) == 1:
             return next(iter(self.ranks.values()))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import KvEvent, KvEventKind
@@ -57,6 +58,25 @@ class StepOutcome:
     first_tokens: list[Sequence]  # sequences whose first output came in this step
     finished: list[Sequence]
     events: list[KvEvent]  # the pool's KV events of this step (for the router's prefix index)
+
+
+class ReplayRank(Protocol):
+    """What the replay and the simulated router need of a rank."""
+
+    rank_id: str
+    settings: RankSettings
+    scheduler: Scheduler
+    kv: KvCacheManager
+    busy_until: float
+    busy_s: float
+    steps: int
+
+    @property
+    def has_work(self) -> bool: ...
+
+    def add(self, seq: Sequence, now: float) -> None: ...
+
+    def step(self, now: float) -> StepOutcome: ...
 
 
 class SimulatedRank:

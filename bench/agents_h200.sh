@@ -8,6 +8,7 @@ set -euo pipefail
 PHASE=${1:?phase: main or ab}
 OUT=${OUT:-bench/results/raw}
 mkdir -p "$OUT"
+trap 'cp -r /tmp/kvserve-run/logs "$OUT/logs-exit" 2>/dev/null || true' EXIT
 # The GPU machine cannot install packages: wheels, a redis-server build and the traces travel in .whl/.
 if [ -d .whl ] && [ "${USE_WHEELS:-1}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -17,6 +18,7 @@ TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 STEPS=${STEPS:-8,16,32}
 TURNS=${TURNS:-6}
+CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 MAX_OUT=${MAX_OUT:-256}
 NOCACHE_N=${NOCACHE_N:-16}
 N_AB=${N_AB:-32}
@@ -41,21 +43,37 @@ stop_stack() {
   cp -r /tmp/kvserve-run/logs "$OUT/logs-$1" 2>/dev/null || true
 }
 
-agents() {  # name, then kvserve bench agents flags
+agents() {  # name, then kvserve bench agents flags; SIGINT after STEP_BUDGET s keeps the finished steps
   local name=$1; shift
-  python3 -m launcher.cli bench agents --url http://127.0.0.1:8080 --trace-path "$TRACES" --no-charts --quiet \
-    --out "$OUT/$name.json" "$@" 2>&1 | tail -n 30
+  timeout -s INT "${STEP_BUDGET:-300}" python3 -m launcher.cli bench agents --url http://127.0.0.1:8080 \
+    --trace-path "$TRACES" --no-charts --quiet --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || true
+  tail -n 30 "$OUT/$name.log"
+}
+
+sanity() {  # one small request, timed: the path works before the load starts
+  local started=$(date +%s.%N)
+  curl -s -m 120 http://127.0.0.1:8080/v1/messages -H 'content-type: application/json' \
+    -d '{"model": "default", "max_tokens": 32, "ignore_eos": true, "messages": [{"role": "user", "content": "hello"}]}' \
+    > "$OUT/sanity-$1.json" || true
+  echo "sanity $1: $(python3 -c "print(round($(date +%s.%N) - $started, 2))") s: $(head -c 300 "$OUT/sanity-$1.json")"
 }
 
 # Every agent replays TURNS turns (the first of a session is cold, the rest mostly cached), outputs capped at
 # MAX_OUT tokens so a step ends within a few minutes.
-run_agents() { agents "$@" --turns "$TURNS" --max-output-tokens "$MAX_OUT"; }
+# One context scale for every run, so the runs with and without the cache replay the same prompts.
+run_agents() { agents "$@" --turns "$TURNS" --max-output-tokens "$MAX_OUT" --context-scale "$CONTEXT_SCALE"; }
 
 case $PHASE in
   main)
     start_stack warm_first
+    sanity warm_first
     run_agents warm_first --agents "$STEPS" --seed 1
     stop_stack warm_first
+    if [ -n "${NOCACHE_N}" ]; then
+      KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1
+      run_agents nocache --agents "$NOCACHE_N" --seed 1
+      stop_stack nocache
+    fi
     ;;
   ab)  # the read rate without the cache, then FIFO vs warm_first at one load with every agent starting at once
     KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1

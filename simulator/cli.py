@@ -6,7 +6,8 @@ simulator/README.md for what is modelled and what is not.
 
     kvserve bench simulate --shape llama-8b --ranks 1 --agents 4,8,16,32 --monthly-price 20000 --json sim.json
     kvserve bench simulate --synthetic 128k --ranks 8 --agents 16,32,64,128 --scheduling fifo
-    kvserve bench simulate --calibrate bench/results/agents-h200.json --json bench/results/simulate-h200.json
+    kvserve bench simulate --config bench/configs/agents-h200.yaml --calibrate bench/results/agents-h200.json \
+        --json bench/results/simulate-h200.json
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from contracts.config import KvServeConfig
+from contracts.config import KvServeConfig, load_config
 from loadgen.agent import ThinkTime
 from loadgen.report import TABLE_COLUMNS, Thresholds, step_row
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
@@ -38,13 +39,14 @@ from simulator.step_time import fit_report, fit_step_time, load_engine_results
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 PROBE_DIR = Path(__file__).resolve().parent / "results"
-DEFAULTS = KvServeConfig()  # the engine's and router's defaults, as a served node would have them
+DEFAULTS = KvServeConfig.model_construct()  # the config's defaults (no file, no environment)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve bench simulate", description=__doc__.split("\n\n")[0])
-    node = parser.add_argument_group("node")
-    node.add_argument("--shape", default="llama-8b", help="bench/shapes/<name> (or a config.json path)")
+    node = parser.add_argument_group("node (unset flags come from --config, else the config's defaults)")
+    node.add_argument("--config", default=None, help="the served stack's YAML config (engine, L1, router keys)")
+    node.add_argument("--shape", default=None, help="bench/shapes/<name> or a config.json (default: llama-8b)")
     node.add_argument("--engine-results", default=str(RESULTS_DIR / "engine-h200.json"), help="bench/engine.py JSON")
     node.add_argument(
         "--decode-results",
@@ -54,24 +56,26 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) of the node")
     node.add_argument("--kv-blocks", type=int, default=None, help="KV pool per rank (default: measured, or HBM)")
     node.add_argument("--hbm-gb", type=float, default=None, help="GPU memory (10^9 B) to size the pool from")
-    node.add_argument("--gpu-memory-utilization", type=float, default=DEFAULTS.gpu_memory_utilization)
+    node.add_argument("--gpu-memory-utilization", type=float, default=None)
     node.add_argument("--activation-gb", type=float, default=9.0, help="activation peak the pool leaves room for")
-    node.add_argument("--block-size", type=int, default=DEFAULTS.block_size)
-    node.add_argument("--max-num-seqs", type=int, default=DEFAULTS.max_num_seqs)
+    node.add_argument("--block-size", type=int, default=None)
+    node.add_argument("--max-num-seqs", type=int, default=None)
     node.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="default: what the engine benchmark ran with"
+        "--max-num-batched-tokens", type=int, default=None, help="default: --config's, else the engine benchmark's"
     )
-    node.add_argument("--l1-gb", type=float, default=0.0, help="node host cache (L1) in GB; 0 = none")
+    node.add_argument(
+        "--l1-gb", type=float, default=None, help="node host cache (L1) in GB (default: --config's, else 0)"
+    )
     node.add_argument("--l1-gbps", type=float, default=None, help="restore bandwidth (default: bench/results/l1-*)")
-    node.add_argument("--l1-restore-cost", type=float, default=DEFAULTS.l1_restore_cost, help="router score")
-    node.add_argument("--overload-prefill-tokens", type=int, default=DEFAULTS.overload_prefill_tokens)
+    node.add_argument("--l1-restore-cost", type=float, default=None, help="router score")
+    node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
-    policy.add_argument("--scheduling", choices=("warm_first", "fifo"), default=DEFAULTS.scheduling_policy)
+    policy.add_argument("--scheduling", choices=("warm_first", "fifo"), default=None)
     policy.add_argument("--ab", action="store_true", help="run both policies (fifo and warm_first) side by side")
-    policy.add_argument("--warm-prefix-fraction", type=float, default=DEFAULTS.warm_prefix_fraction)
-    policy.add_argument("--max-cold-prefills", type=int, default=DEFAULTS.max_cold_prefills)
-    policy.add_argument("--cold-max-wait", type=float, default=DEFAULTS.cold_max_wait_secs, help="seconds")
+    policy.add_argument("--warm-prefix-fraction", type=float, default=None)
+    policy.add_argument("--max-cold-prefills", type=int, default=None)
+    policy.add_argument("--cold-max-wait", type=float, default=None, help="seconds")
 
     work = parser.add_argument_group("workload (as kvserve bench agents; --calibrate fills what is not given)")
     work.add_argument("--trace", choices=("claude_code", "mooncake"), default=None, help="default claude_code")
@@ -127,6 +131,40 @@ def _fill_from_measured(args: argparse.Namespace, measured: dict[str, Any]) -> N
         args.turns = measured.get("turns")
 
 
+# flag -> config key: what a node runs with, from the stack's config unless given on the command line
+_FROM_CONFIG = {
+    "gpu_memory_utilization": "gpu_memory_utilization",
+    "block_size": "block_size",
+    "max_num_seqs": "max_num_seqs",
+    "l1_restore_cost": "l1_restore_cost",
+    "overload_prefill_tokens": "overload_prefill_tokens",
+    "scheduling": "scheduling_policy",
+    "warm_prefix_fraction": "warm_prefix_fraction",
+    "max_cold_prefills": "max_cold_prefills",
+    "cold_max_wait": "cold_max_wait_secs",
+}
+
+
+def _fill_from_config(args: argparse.Namespace) -> None:
+    """Node settings from --config (a served stack's YAML) or the config's defaults, unless given here."""
+    config = load_config(args.config) if args.config else DEFAULTS
+    for name, key in _FROM_CONFIG.items():
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(config, key))
+    if args.config is None:
+        args.shape = args.shape or "llama-8b"
+        args.l1_gb = 0.0 if args.l1_gb is None else args.l1_gb
+        return
+    if args.shape is None:
+        args.shape = config.model if config.model.endswith("config.json") else "llama-8b"
+    if args.max_num_batched_tokens is None:
+        args.max_num_batched_tokens = config.max_num_batched_tokens
+    if args.max_context is None and config.max_model_len:
+        args.max_context = config.max_model_len
+    if args.l1_gb is None:
+        args.l1_gb = config.l1_host_gb if config.l1_cache and config.prefix_cache else 0.0
+
+
 def _think(text: str, cap_s: float) -> ThinkTime:
     if str(text) == "trace":
         return ThinkTime(fixed=None, cap_s=cap_s)
@@ -169,6 +207,7 @@ def main(argv: list[str]) -> int:
         measured = load_measured(args.calibrate) if args.calibrate else None
         if measured is not None:
             _fill_from_measured(args, measured)
+        _fill_from_config(args)
         agent_counts = _agent_counts(args.agents or "4,8,16,32")
         think = _think(args.think_time if args.think_time is not None else "3", args.max_think)
         if args.ranks < 1:
@@ -255,6 +294,7 @@ def main(argv: list[str]) -> int:
         "engine_results": args.engine_results,
         "decode_results": probe_path if probe is not None else None,
         "ranks": args.ranks,
+        "config": args.config,
         "kv_blocks_per_rank": kv_blocks,
         "l1_blocks": l1_blocks,
         "policy": args.scheduling,

@@ -104,11 +104,11 @@ class BlockPool:
 
     def drain_events(self) -> list[KvEvent]:
         """Events since the last drain, in order, runs of the same kind merged into one event."""
-        merged: list[KvEvent] = []
+        runs: list[tuple[KvEventKind, list[bytes]]] = []  # lists, not tuples: merging stays linear
         for event in self._events:
-            if merged and merged[-1].kind is event.kind:
-                merged[-1] = KvEvent(event.kind, merged[-1].block_hashes + event.block_hashes)
+            if runs and runs[-1][0] is event.kind:
+                runs[-1][1].extend(event.block_hashes)
             else:
-                merged.append(event)
+                runs.append((event.kind, list(event.block_hashes)))
         self._events = []
-        return merged
+        return [KvEvent(kind, tuple(hashes)) for kind, hashes in runs]

@@ -17,11 +17,14 @@ fi
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 STEPS=${STEPS:-8,16,32}
-TURNS=${TURNS:-6}
+TURNS=${TURNS:-12}  # the first turn of a session is cold: ~12 turns are needed before 90% of input can be cached
 CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 MAX_OUT=${MAX_OUT:-256}
 NOCACHE_N=${NOCACHE_N:-16}
-N_AB=${N_AB:-32}
+N_AB=${N_AB:-16}
+# Staggered starts: cold first turns must overlap other agents' warm turns for the policy to matter (with
+# every agent starting at once the simulator predicts no difference).
+AB_STAGGER=${AB_STAGGER:-60}
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt" || true
 
@@ -75,15 +78,15 @@ case $PHASE in
       stop_stack nocache
     fi
     ;;
-  ab)  # the read rate without the cache, then FIFO vs warm_first at one load with every agent starting at once
+  ab)  # the read rate without the cache, then FIFO vs warm_first at one load with staggered starts
     KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1
     run_agents nocache --agents "$NOCACHE_N" --seed 2
     stop_stack nocache
     KVSERVE_SCHEDULING_POLICY=fifo start_stack fifo
-    run_agents ab-fifo --agents "$N_AB" --stagger 0 --seed 3
+    run_agents ab-fifo --agents "$N_AB" --stagger "$AB_STAGGER" --seed 3
     stop_stack fifo
     KVSERVE_SCHEDULING_POLICY=warm_first start_stack ab-warm_first
-    run_agents ab-warm_first --agents "$N_AB" --stagger 0 --seed 3
+    run_agents ab-warm_first --agents "$N_AB" --stagger "$AB_STAGGER" --seed 3
     stop_stack ab-warm_first
     ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;

@@ -15,9 +15,12 @@ import xxhash
 BlockHash = bytes  # 16 bytes
 
 
-def hash_namespace(model_id: str, tokenizer_fingerprint: str, block_size: int) -> BlockHash:
-    """The root of every chain for one model, tokenizer and block size."""
+def hash_namespace(model_id: str, tokenizer_fingerprint: str, block_size: int, kv_dtype: str = "") -> BlockHash:
+    """The root of every chain for one model, tokenizer and block size; kv_dtype (the dtype blocks are stored
+    in) keeps ranks of one model in different dtypes from sharing L1 blocks, whose bytes differ."""
     text = f"kvserve/v1|{model_id}|{tokenizer_fingerprint}|{block_size}"
+    if kv_dtype:
+        text += f"|{kv_dtype}"
     return xxhash.xxh3_128_digest(text.encode())
 
 

@@ -75,7 +75,9 @@ class PagedEngine(Engine):
             kv_pool_shape(model, settings.num_blocks, settings.block_size), dtype=dtype, device=device
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
-        self.namespace = hash_namespace(settings.model_id, fingerprint, settings.block_size)
+        self.namespace = hash_namespace(
+            settings.model_id, fingerprint, settings.block_size, str(dtype).removeprefix("torch.")
+        )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None

@@ -22,13 +22,15 @@ def test_equal_hashes_mean_equal_prefixes(a: list[int], b: list[int]) -> None:
         assert (x == y) == (a[: 4 * (i + 1)] == b[: 4 * (i + 1)])
 
 
-def test_namespace_separates_models_tokenizers_and_block_sizes() -> None:
+def test_namespace_separates_models_tokenizers_block_sizes_and_kv_dtypes() -> None:
     tokens = list(range(16))
     spaces = [
         hash_namespace("model-a", tokenizer_fingerprint("{}"), 4),
         hash_namespace("model-b", tokenizer_fingerprint("{}"), 4),
         hash_namespace("model-a", tokenizer_fingerprint('{"x":1}'), 4),
         hash_namespace("model-a", tokenizer_fingerprint("{}"), 8),
+        hash_namespace("model-a", tokenizer_fingerprint("{}"), 4, "bfloat16"),
+        hash_namespace("model-a", tokenizer_fingerprint("{}"), 4, "float32"),
     ]
     firsts = {prefix_block_hashes(ns, tokens, 4)[0] for ns in spaces}
     assert len(firsts) == len(spaces)

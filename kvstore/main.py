@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from contracts.config import KvServeConfig, load_config
+from contracts import service_main
+from contracts.config import KvServeConfig
 from kvstore.arena import Arena, ArenaError, create_arena, remove_stale_arenas
 from kvstore.l1_tier import ArenaInfo, L1Tier
 from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
@@ -30,32 +31,18 @@ log = logging.getLogger("kvstore")
 
 SHUTDOWN_GRACE_S = 2.0
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KvStore"].full_name
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second kvstore on the same port must fail, not silently share it
-    ("grpc.keepalive_permit_without_calls", 1),  # ranks and the router keep long-lived channels
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
+# Ranks and the router keep long-lived channels to it.
+SERVER_OPTIONS = service_main.SERVER_OPTIONS
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvserve kvstore", description="Run the node's L1 KV cache (gRPC).")
-    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG, then defaults)")
-    parser.add_argument("--host", help="bind address (overrides kvstore_host)")
-    parser.add_argument("--port", type=int, help="port (overrides kvstore_port)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
-    return parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    return service_main.service_arg_parser(
+        "kvserve kvstore", "Run the node's L1 KV cache (gRPC).", "kvstore_host", "kvstore_port"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> KvServeConfig:
-    overrides = {
-        key: value for key, value in (("kvstore_host", args.host), ("kvstore_port", args.port)) if value is not None
-    }
-    return load_config(args.config, **overrides)
-
-
-def listen_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return service_main.config_with_overrides(args.config, {"kvstore_host": args.host, "kvstore_port": args.port})
 
 
 @dataclass(frozen=True)
@@ -92,7 +79,7 @@ async def sweep_pins(tier: L1Tier, interval_s: float) -> None:
 
 
 async def serve(config: KvServeConfig) -> int:
-    address = listen_address(config.kvstore_host, config.kvstore_port)
+    address = service_main.listen_address(config.kvstore_host, config.kvstore_port)
     health_servicer = health.aio.HealthServicer()
     servicer = KvStoreServicer()
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -105,7 +92,7 @@ async def serve(config: KvServeConfig) -> int:
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", address, exc)
         return 1
-    address = listen_address(config.kvstore_host, port)
+    address = service_main.listen_address(config.kvstore_host, port)
     await server.start()
     log.info("listening on %s; creating the arena in %s", address, config.l1_arena_dir)
 
@@ -168,25 +155,24 @@ def sweep_interval_s(pin_ttl_s: float) -> float:
     return min(max(pin_ttl_s / 4, 0.1), 10.0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+def l1_disabled(config: KvServeConfig) -> bool:
+    if config.l1_cache and config.l1_host_gb > 0:
+        return False
+    log.error(
+        "L1 disabled (l1_cache=%s, l1_host_gb=%g): the kvstore has nothing to serve; "
+        "enable l1_cache and set l1_host_gb > 0 to run it",
+        config.l1_cache,
+        config.l1_host_gb,
     )
-    try:
-        config = config_from_args(args)
-    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        log.error("bad configuration: %s", exc)
-        return 2
-    if not config.l1_cache or config.l1_host_gb <= 0:
-        log.error(
-            "L1 disabled (l1_cache=%s, l1_host_gb=%g): the kvstore has nothing to serve; "
-            "enable l1_cache and set l1_host_gb > 0 to run it",
-            config.l1_cache,
-            config.l1_host_gb,
-        )
-        return 2
-    return asyncio.run(serve(config))
+    return True
+
+
+async def serve_if_enabled(config: KvServeConfig) -> int:
+    return 2 if l1_disabled(config) else await serve(config)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return service_main.run_service(build_parser().parse_args(argv), config_from_args, serve_if_enabled, log)
 
 
 if __name__ == "__main__":

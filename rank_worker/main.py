@@ -19,7 +19,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from contracts.config import KvServeConfig, load_config
+from contracts import service_main
+from contracts.config import KvServeConfig
 from protos import rank_worker_pb2, rank_worker_pb2_grpc
 from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
 from rank_worker.engine_loop import EngineLoop
@@ -34,49 +35,36 @@ log = logging.getLogger("rank_worker")
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ModelInfo carries the whole tokenizer json (~2 MB for SmolLM2)
 SHUTDOWN_GRACE_S = 5.0
 SERVICE_NAME = rank_worker_pb2.DESCRIPTOR.services_by_name["RankWorker"].full_name
+# ModelInfo carries the whole tokenizer json; the gateway's keepalive pings notice a dead rank (a server
+# that refused them would drop every stream on the connection, long prefills included).
 SERVER_OPTIONS = [
+    *service_main.SERVER_OPTIONS,
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a second worker on the same port must fail, not silently share it
-    # Clients (the gateway) send keepalive pings to notice a dead rank; a server that refuses them
-    # answers "too many pings" and drops every stream on the connection, long prefills included.
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
 ]
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvserve rank-worker", description="Run one engine rank as a gRPC server.")
-    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG, then defaults)")
-    parser.add_argument("--host", help="bind address (overrides rank_worker_host)")
-    parser.add_argument("--port", type=int, help="port (overrides rank_worker_port)")
+    parser = service_main.service_arg_parser(
+        "kvserve rank-worker", "Run one engine rank as a gRPC server.", "rank_worker_host", "rank_worker_port"
+    )
     parser.add_argument("--model", help="model path (overrides model; empty = embedded SmolLM2-135M)")
     parser.add_argument("--rank-id", help="this rank's name (overrides rank_id; default rank-<port>)")
     parser.add_argument("--kvstore", help="kvstore host:port for the L1 host cache (overrides kvstore)")
     parser.add_argument("--router", help="router host:port to register with (overrides router)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
     return parser.parse_args(argv)
 
 
 def config_from_args(args: argparse.Namespace) -> KvServeConfig:
     overrides = {
-        key: value
-        for key, value in (
-            ("rank_worker_host", args.host),
-            ("rank_worker_port", args.port),
-            ("model", args.model),
-            ("rank_id", args.rank_id),
-            ("kvstore", args.kvstore),
-            ("router", args.router),
-        )
-        if value is not None
+        "rank_worker_host": args.host,
+        "rank_worker_port": args.port,
+        "model": args.model,
+        "rank_id": args.rank_id,
+        "kvstore": args.kvstore,
+        "router": args.router,
     }
-    return load_config(args.config, **overrides)
-
-
-def listen_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return service_main.config_with_overrides(args.config, overrides)
 
 
 def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> Engine:
@@ -87,7 +75,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
 
 
 async def serve(config: KvServeConfig) -> int:
-    address = listen_address(config.rank_worker_host, config.rank_worker_port)
+    address = service_main.listen_address(config.rank_worker_host, config.rank_worker_port)
     health_servicer = health.aio.HealthServicer()
     servicer = RankWorkerServicer(config.max_waiting_requests)
     server = grpc.aio.server(options=SERVER_OPTIONS)
@@ -100,7 +88,7 @@ async def serve(config: KvServeConfig) -> int:
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", address, exc)
         return 1
-    address = listen_address(config.rank_worker_host, port)  # the real port when 0 asked for any free one
+    address = service_main.listen_address(config.rank_worker_host, port)  # the real port when 0 asked for any free one
     await server.start()
     rank_id = config.rank_id or f"rank-{port}"
     incarnation = uuid.uuid4().hex
@@ -190,16 +178,7 @@ def _log_ready(info: ModelInfo, stats: EngineStats, address: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    try:
-        config = config_from_args(args)
-    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        log.error("bad configuration: %s", exc)
-        return 2
-    return asyncio.run(serve(config))
+    return service_main.run_service(parse_args(argv), config_from_args, serve, log)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ from collections.abc import Sequence
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from contracts.config import KvServeConfig, load_config
+from contracts import service_main
+from contracts.config import KvServeConfig
 from protos import router_pb2, router_pb2_grpc
 from router.durable_state import DurableState
 from router.event_feeds import EventFeeds
@@ -31,33 +32,19 @@ log = logging.getLogger("router")
 SHUTDOWN_GRACE_S = 2.0
 REDIS_LOAD_TIMEOUT_S = 10.0
 SERVICE_NAME = router_pb2.DESCRIPTOR.services_by_name["Router"].full_name
-SERVER_OPTIONS = [
-    ("grpc.so_reuseport", 0),  # a second router on the same port must fail, not silently share it
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),  # a Route for a 1M-token prompt: ~1.1 MB of hashes
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-]
+# A Route for a 1M-token prompt carries ~1.1 MB of hashes.
+SERVER_OPTIONS = [*service_main.SERVER_OPTIONS, ("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="kvserve router", description="Run the router as a gRPC server.")
-    parser.add_argument("--config", help="YAML config file (default: $KVSERVE_CONFIG, then defaults)")
-    parser.add_argument("--host", help="bind address (overrides router_host)")
-    parser.add_argument("--port", type=int, help="port (overrides router_port)")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG (one line per route decision), INFO, ...")
-    return parser.parse_args(argv)
+def build_parser() -> argparse.ArgumentParser:
+    # --log-level DEBUG logs one line per route decision
+    return service_main.service_arg_parser(
+        "kvserve router", "Run the router as a gRPC server.", "router_host", "router_port"
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> KvServeConfig:
-    overrides = {
-        key: value for key, value in (("router_host", args.host), ("router_port", args.port)) if value is not None
-    }
-    return load_config(args.config, **overrides)
-
-
-def listen_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+    return service_main.config_with_overrides(args.config, {"router_host": args.host, "router_port": args.port})
 
 
 def build_state(config: KvServeConfig) -> RouterState:
@@ -72,7 +59,7 @@ async def sweep_forever(state: RouterState, interval_s: float) -> None:
 
 
 async def serve(config: KvServeConfig) -> int:
-    address = listen_address(config.router_host, config.router_port)
+    address = service_main.listen_address(config.router_host, config.router_port)
     state = build_state(config)
     feeds = EventFeeds(state, config.rank_down_after_secs)
     durable = DurableState(state, config.redis_url)
@@ -89,7 +76,7 @@ async def serve(config: KvServeConfig) -> int:
     except RuntimeError as exc:
         log.error("cannot listen on %s: %s", address, exc)
         return 1
-    address = listen_address(config.router_host, port)
+    address = service_main.listen_address(config.router_host, port)
     await server.start()
 
     stop = asyncio.Event()
@@ -134,16 +121,7 @@ async def serve(config: KvServeConfig) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
-    try:
-        config = config_from_args(args)
-    except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        log.error("bad configuration: %s", exc)
-        return 2
-    return asyncio.run(serve(config))
+    return service_main.run_service(build_parser().parse_args(argv), config_from_args, serve, log)
 
 
 if __name__ == "__main__":

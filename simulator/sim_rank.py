@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.interface import KvEvent, KvEventKind
+from rank_worker.engine.interface import KvEvent
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.scheduler import Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
@@ -33,22 +33,6 @@ class RankSettings:
     policy: SchedulingPolicy = field(default_factory=SchedulingPolicy)
     kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
     l1_bytes_per_s: float = 50e9
-
-
-class SimulatedBlockPool(BlockPool):
-    """The real block pool with a linear drain_events: the engine drains after every step, a handful of
-    events; a simulated step of a long cold prefill registers thousands of blocks one event each, and
-    merging them by tuple concatenation would be quadratic."""
-
-    def drain_events(self) -> list[KvEvent]:
-        runs: list[tuple[KvEventKind, list[bytes]]] = []
-        for event in self._events:
-            if runs and runs[-1][0] is event.kind:
-                runs[-1][1].extend(event.block_hashes)
-            else:
-                runs.append((event.kind, list(event.block_hashes)))
-        self._events = []
-        return [KvEvent(kind, tuple(hashes)) for kind, hashes in runs]
 
 
 @dataclass
@@ -92,7 +76,7 @@ class SimulatedRank:
         self.rank_id = rank_id
         self.settings = settings
         self.step_time = step_time
-        self.pool = SimulatedBlockPool(settings.num_blocks, caching=True)
+        self.pool = BlockPool(settings.num_blocks, caching=True)
         self.tier = RankHostTier(node_cache, self.pool) if node_cache is not None else None
         self.kv = KvCacheManager(self.pool, settings.block_size, namespace, self.tier)
         self.scheduler = Scheduler(

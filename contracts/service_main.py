@@ -43,6 +43,17 @@ def listen_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
+def client_target(host: str, port: int) -> str:
+    """Where a client should connect to reach a server bound to host:port (a wildcard bind means this host)."""
+    if host in ("", "0.0.0.0"):
+        host = "127.0.0.1"
+    elif host in ("::", "[::]"):
+        host = "[::1]"
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{port}"
+
+
 def run_service(
     args: argparse.Namespace,
     config_of: Callable[[argparse.Namespace], KvServeConfig],

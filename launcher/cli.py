@@ -128,8 +128,8 @@ def _compose(args: argparse.Namespace) -> int:
 
 def _complete(args: argparse.Namespace) -> int:
     from contracts.config import load_config
+    from contracts.service_main import client_target
     from launcher.complete import CompletionArgs, complete
-    from launcher.health import client_target
 
     target = args.target
     if not target:

@@ -35,14 +35,3 @@ def wait_for_serving(
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{target} was not SERVING after {timeout_s:.0f}s (last: {last_seen})")
             time.sleep(0.2)
-
-
-def client_target(host: str, port: int) -> str:
-    """Where a local client should connect to reach a server bound to host:port."""
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "[::1]"
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"

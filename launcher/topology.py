@@ -17,7 +17,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from contracts.config import KvServeConfig
-from launcher.health import client_target
+from contracts.service_main import client_target
 from launcher.health_check import HealthCheck
 
 Mode = Literal["local", "compose"]

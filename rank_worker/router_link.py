@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from contracts.service_main import client_target
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from rank_worker.engine.interface import EngineStats
@@ -38,15 +39,7 @@ class RankIdentity:
 
 def advertise_address(configured: str, host: str, port: int) -> str:
     """Where others reach this rank: the configured address, else host:port as a client would dial it."""
-    if configured:
-        return configured
-    if host in ("", "0.0.0.0"):
-        host = "127.0.0.1"
-    elif host in ("::", "[::]"):
-        host = "[::1]"
-    elif ":" in host and not host.startswith("["):
-        host = f"[{host}]"
-    return f"{host}:{port}"
+    return configured or client_target(host, port)
 
 
 def rank_load(stats: EngineStats) -> pb.RankLoad:

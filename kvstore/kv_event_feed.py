@@ -11,21 +11,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
-from kvstore.slot_index import KvEvent, KvEventKind
+from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
 
 DEFAULT_MAX_BATCHES = 10_000
 
 
 class FeedClosedError(RuntimeError):
     """The kvstore is stopping: no more batches."""
-
-
-@dataclass(frozen=True)
-class KvEventBatch:
-    sequence: int
-    events: tuple[KvEvent, ...]
 
 
 class KvEventSubscription:

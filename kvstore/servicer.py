@@ -13,10 +13,11 @@ from typing import TypeVar
 
 import grpc
 
+from contracts.kv_events import batch_message
 from kvstore.arena_layout import InvalidAttachError, LayoutMismatchError
 from kvstore.kv_event_feed import FeedClosedError
 from kvstore.l1_tier import InvalidRequestError, L1Tier, StaleArenaError
-from kvstore.slot_index import KvEventKind, SlotRequestError, UnknownRankError
+from kvstore.slot_index import SlotRequestError, UnknownRankError
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -33,11 +34,6 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (UnknownRankError, grpc.StatusCode.FAILED_PRECONDITION),
     (LayoutMismatchError, grpc.StatusCode.FAILED_PRECONDITION),
 )
-_KV_EVENT_KINDS = {
-    KvEventKind.STORED: events_pb.KV_EVENT_KIND_STORED,
-    KvEventKind.REMOVED: events_pb.KV_EVENT_KIND_REMOVED,
-    KvEventKind.ALL_CLEARED: events_pb.KV_EVENT_KIND_ALL_CLEARED,
-}
 
 
 class KvStoreServicer(pb_grpc.KvStoreServicer):
@@ -119,13 +115,7 @@ class KvStoreServicer(pb_grpc.KvStoreServicer):
                     batch = await subscription.get()
                 except FeedClosedError:
                     return
-                yield events_pb.KvEventBatch(
-                    sequence=batch.sequence,
-                    events=[
-                        events_pb.KvEvent(kind=_KV_EVENT_KINDS[event.kind], block_hashes=list(event.block_hashes))
-                        for event in batch.events
-                    ],
-                )
+                yield batch_message(batch)
         finally:
             subscription.close()
 

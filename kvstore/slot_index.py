@@ -17,23 +17,13 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from contracts.kv_events import KvEvent, KvEventKind
+
 
 class SlotState(enum.Enum):
     FREE = "free"
     WRITING = "writing"
     STORED = "stored"
-
-
-class KvEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-    ALL_CLEARED = "all_cleared"
-
-
-@dataclass(frozen=True)
-class KvEvent:
-    kind: KvEventKind
-    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)

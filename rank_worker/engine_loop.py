@@ -15,16 +15,14 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
     EngineStats,
     FinishReason,
     InvalidRequestError,
-    KvEvent,
-    KvEventKind,
     RequestOutput,
 )
 
@@ -82,12 +80,6 @@ class RequestStream:
         if item.finished:
             self.finished = True
         return item
-
-
-@dataclass(frozen=True)
-class KvEventBatch:
-    sequence: int  # per subscriber, +1 per batch published while subscribed: a gap means dropped batches
-    events: tuple[KvEvent, ...]
 
 
 class KvEventSubscription:

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from contracts.kv_events import batch_message
 from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
@@ -21,7 +22,6 @@ from rank_worker.engine.interface import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
-    KvEventKind,
     ModelInfo,
     RequestOutput,
     RequestStats,
@@ -35,11 +35,6 @@ _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
     FinishReason.ABORT: pb.FINISH_REASON_ABORT,
-}
-_KV_EVENT_KINDS = {
-    KvEventKind.STORED: events_pb.KV_EVENT_KIND_STORED,
-    KvEventKind.REMOVED: events_pb.KV_EVENT_KIND_REMOVED,
-    KvEventKind.ALL_CLEARED: events_pb.KV_EVENT_KIND_ALL_CLEARED,
 }
 
 
@@ -163,13 +158,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
                     batch = await subscription.get()
                 except EngineLoopStoppedError:
                     return
-                yield events_pb.KvEventBatch(
-                    sequence=batch.sequence,
-                    events=[
-                        events_pb.KvEvent(kind=_KV_EVENT_KINDS[event.kind], block_hashes=list(event.block_hashes))
-                        for event in batch.events
-                    ],
-                )
+                yield batch_message(batch)
         finally:
             subscription.close()
 

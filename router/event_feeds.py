@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from contracts.kv_events import KvEvent, kind_of_wire
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2_grpc, rank_worker_pb2_grpc
-from router.prefix_index import KvEvent, KvEventKind
 from router.rank_registry import RankIdentity
 from router.router_state import RouterState
 
@@ -36,11 +36,6 @@ RANK_CHANNEL_OPTIONS = [
 ]
 KVSTORE_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
 
-_KINDS = {
-    events_pb.KV_EVENT_KIND_STORED: KvEventKind.STORED,
-    events_pb.KV_EVENT_KIND_REMOVED: KvEventKind.REMOVED,
-    events_pb.KV_EVENT_KIND_ALL_CLEARED: KvEventKind.ALL_CLEARED,
-}
 
 OpenStream = Callable[[grpc.aio.Channel], AsyncIterator[events_pb.KvEventBatch]]
 
@@ -49,7 +44,7 @@ def batch_events(batch: events_pb.KvEventBatch) -> list[KvEvent]:
     """The index's events for a wire batch; events of an unknown kind are skipped."""
     events = []
     for event in batch.events:
-        kind = _KINDS.get(event.kind)
+        kind = kind_of_wire(event.kind)
         if kind is None:
             log.warning("ignoring a KV event of unknown kind %d", event.kind)
             continue

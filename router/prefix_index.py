@@ -8,21 +8,10 @@ small int per block instead of a set object, which matters at millions of blocks
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-
-class KvEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-    ALL_CLEARED = "all-cleared"
-
-
-@dataclass(frozen=True)
-class KvEvent:
-    kind: KvEventKind
-    block_hashes: tuple[bytes, ...] = ()
+from contracts.kv_events import KvEvent, KvEventKind
 
 
 @dataclass(frozen=True)

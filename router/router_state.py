@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from router.prefix_index import KvEvent, PrefixIndex
+from contracts.kv_events import KvEvent
+from router.prefix_index import PrefixIndex
 from router.rank_registry import RankEntry, RankIdentity, RankLoad, RankRegistry, RegisterOutcome
 from router.route_score import Candidate, RouteChoice, RoutePolicy, choose_rank
 from router.session_table import SessionTable

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from rank_worker.engine.interface import KvEvent as EngineKvEvent
-from router.prefix_index import KvEvent, KvEventKind, PrefixIndex
+from contracts.kv_events import KvEvent, KvEventKind
+from router.prefix_index import PrefixIndex
 from router.route_score import Candidate, RoutePolicy, choose_rank
 from simulator.host_cache import NodeHostCache
 from simulator.sim_rank import ReplayRank
-
-_KINDS = {"stored": KvEventKind.STORED, "removed": KvEventKind.REMOVED, "all_cleared": KvEventKind.ALL_CLEARED}
 
 
 class SimulatedRouter:
@@ -27,10 +25,10 @@ class SimulatedRouter:
         self.sessions: dict[str, str] = {}  # session id -> the rank of its last turn
         self.reasons: dict[str, int] = {}
 
-    def rank_events(self, rank_id: str, events: list[EngineKvEvent]) -> None:
+    def rank_events(self, rank_id: str, events: list[KvEvent]) -> None:
         if len(self.ranks) == 1:
             return  # one rank needs no index
-        self.index.apply(rank_id, [KvEvent(_KINDS[e.kind.value], e.block_hashes) for e in events])
+        self.index.apply(rank_id, events)
 
     def sync_l1(self) -> None:
         if self.node_cache is None:

@@ -14,8 +14,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.interface import KvEvent
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.scheduler import Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from rank_worker.engine.interface import KvEvent, KvEventKind
+from contracts.kv_events import KvEvent, KvEventKind
 
 
 @dataclass(eq=False)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from contracts.kv_events import KvEvent
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses as given (maps to INVALID_ARGUMENT / HTTP 400)."""
@@ -66,18 +68,6 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     stop_token_id: int | None = None
     stats: RequestStats | None = None  # set on the first output (partial) and when finished
-
-
-class KvEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-    ALL_CLEARED = "all_cleared"
-
-
-@dataclass(frozen=True)
-class KvEvent:
-    kind: KvEventKind
-    block_hashes: tuple[bytes, ...] = ()
 
 
 @dataclass

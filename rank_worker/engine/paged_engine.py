@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
+from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import (
     Engine,
@@ -17,7 +18,6 @@ from rank_worker.engine.interface import (
     EngineStats,
     FinishReason,
     InvalidRequestError,
-    KvEvent,
     ModelInfo,
     RequestOutput,
     RequestStats,

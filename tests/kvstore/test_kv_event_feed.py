@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
+from contracts.kv_events import KvEvent, KvEventKind
 from kvstore.kv_event_feed import FeedClosedError, KvEventFeed
-from kvstore.slot_index import KvEvent, KvEventKind
 
 
 def h(n: int) -> bytes:

@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from contracts.kv_events import KvEvent, KvEventKind
 from kvstore.arena_layout import (
     MAX_NAMESPACE_BYTES,
     InvalidAttachError,
@@ -14,7 +15,7 @@ from kvstore.arena_layout import (
     plan_layout,
 )
 from kvstore.l1_tier import ArenaInfo, InvalidRequestError, L1Tier, StaleArenaError
-from kvstore.slot_index import KvEvent, KvEventKind, UnknownRankError
+from kvstore.slot_index import UnknownRankError
 
 NS = b"n" * 16
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.kv_events import KvEvent, KvEventKind
 from kvstore.slot_index import (
-    KvEvent,
-    KvEventKind,
     PinOwner,
     SlotIndex,
     SlotRequestError,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.kv_events import KvEventKind
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.interface import KvEventKind
 
 
 def test_released_cached_blocks_stay_findable_until_reused() -> None:

@@ -12,13 +12,13 @@ from collections.abc import Iterator
 import pytest
 
 from contracts.config import KvServeConfig
+from contracts.kv_events import KvEventBatch, KvEventKind
 from rank_worker.engine.factory import build_engine
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
     FinishReason,
     InvalidRequestError,
-    KvEventKind,
     RequestOutput,
     SamplingParams,
 )
@@ -26,7 +26,6 @@ from rank_worker.engine_loop import (
     EngineFailedError,
     EngineLoop,
     EngineLoopStoppedError,
-    KvEventBatch,
     RequestStream,
 )
 

@@ -13,7 +13,8 @@ from engine_fixtures import generate_one, greedy, make_engine, random_prompt, ru
 from l1_fixtures import kvstore_settings, kvstore_stats, l1_engine, tiny_model
 from service_processes import free_port, start_kvstore
 
-from rank_worker.engine.interface import EngineRequest, FinishReason, KvEventKind
+from contracts.kv_events import KvEventKind
+from rank_worker.engine.interface import EngineRequest, FinishReason
 from rank_worker.engine.paged_engine import PagedEngine
 
 BLOCK = 16

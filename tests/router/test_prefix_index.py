@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from router_prompts import lookup_hashes, prompt_tokens
 
-from router.prefix_index import KvEvent, KvEventKind, PrefixIndex, PrefixMatch
+from contracts.kv_events import KvEvent, KvEventKind
+from router.prefix_index import PrefixIndex, PrefixMatch
 
 
 def hashes(count: int, conversation: int = 1) -> list[bytes]:

@@ -8,7 +8,7 @@ import logging
 import pytest
 from router_prompts import lookup_hashes, prompt_tokens
 
-from router.prefix_index import KvEvent, KvEventKind
+from contracts.kv_events import KvEvent, KvEventKind
 from router.rank_registry import RankIdentity, RankLoad, RegisterOutcome
 from router.route_score import RoutePolicy
 from router.router_state import FORGET_DOWN_RANK_AFTER_S, NoRankAvailableError, RouteQuery, RouterState

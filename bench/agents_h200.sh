@@ -20,7 +20,7 @@ STEPS=${STEPS:-8,16,32}
 TURNS=${TURNS:-12}  # the first turn of a session is cold: ~12 turns are needed before 90% of input can be cached
 CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 MAX_OUT=${MAX_OUT:-256}
-NOCACHE_N=${NOCACHE_N:-16}
+NOCACHE_N=${NOCACHE_N-16}  # empty: no run with the cache off
 N_AB=${N_AB:-16}
 # Staggered starts: cold first turns must overlap other agents' warm turns for the policy to matter (with
 # every agent starting at once the simulator predicts no difference).

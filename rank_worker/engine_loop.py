@@ -25,6 +25,7 @@ from rank_worker.engine.interface import (
     InvalidRequestError,
     RequestOutput,
 )
+from rank_worker.step_timing import StepTiming, StepTimingSummary
 
 log = logging.getLogger(__name__)
 
@@ -133,8 +134,11 @@ class KvEventSubscription:
 class EngineLoop:
     """Owns an Engine on a dedicated thread; every public method is safe to call from any thread."""
 
-    def __init__(self, engine: Engine, *, failure_backoff_s: float = 0.05) -> None:
+    def __init__(self, engine: Engine, *, failure_backoff_s: float = 0.05, timing_log_interval_s: float = 10.0) -> None:
         self._engine = engine
+        self._timing = StepTiming()
+        self._timing_log_interval_s = timing_log_interval_s
+        self.last_step_timing: StepTimingSummary | None = None
         self._failure_backoff_s = failure_backoff_s
         self._cond = threading.Condition()
         # Guarded by _cond: the inbox, every live request's stream, the KV event subscribers.
@@ -245,6 +249,7 @@ class EngineLoop:
                     self._cond.wait()
                 if self._stopping:
                     break
+                iteration_started = time.perf_counter()
                 new = list(self._new)
                 self._new.clear()
                 aborts = list(self._aborts)
@@ -252,11 +257,12 @@ class EngineLoop:
             try:
                 self._add(new)
                 self._abort(aborts)  # after adds, so an abort racing its own submit still finds the request
-                if self._engine.has_unfinished():
-                    self._step()
+                step_s = self._step() if self._engine.has_unfinished() else None
                 self._publish_kv_events()
                 self._stats = self._engine.stats()
                 busy = self._engine.has_unfinished()
+                if step_s is not None:
+                    self._record_timing(step_s, time.perf_counter() - iteration_started)
             except Exception as exc:
                 log.exception("engine loop iteration failed; failing %d in-flight requests", len(self._in_engine))
                 self._fail_in_engine(exc)
@@ -295,12 +301,25 @@ class EngineLoop:
             self._stats = self._engine.stats()
             self._deliver([output])
 
-    def _step(self) -> None:
+    def _step(self) -> float:
+        """Step the engine and deliver its outputs; returns the step's own duration."""
+        started = time.perf_counter()
         outputs = self._engine.step()
+        step_s = time.perf_counter() - started
         # Refresh the snapshot before anyone hears of this step, so a client that saw its request finish
         # never reads stats from before it.
         self._stats = self._engine.stats()
         self._deliver(outputs)
+        return step_s
+
+    def _record_timing(self, step_s: float, iteration_s: float) -> None:
+        computed, prefill = self._engine.last_step_tokens()
+        if computed == 0:
+            return  # a step that only finished copies: not a model step
+        self._timing.record(step_s, iteration_s, computed, prefill)
+        if self._timing.elapsed() >= self._timing_log_interval_s:
+            self.last_step_timing = self._timing.take()
+            log.info("engine loop: %s", self.last_step_timing.describe())
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
         with self._cond:

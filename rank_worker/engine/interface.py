@@ -156,6 +156,10 @@ class Engine(ABC):
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks exported by export_blocks (same model, same layout) into these physical blocks."""
 
+    def last_step_tokens(self) -> tuple[int, int]:
+        """(tokens computed, of which prefill tokens) in the last step, for step timing; (0, 0) if unknown."""
+        return (0, 0)
+
     def close(self) -> None:
         """Let go of outside resources (an L1 arena mapping, connections) once the engine loop has stopped."""
         return None  # an engine that holds none has nothing to do

@@ -89,6 +89,7 @@ class PagedEngine(Engine):
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Sequence] = {}
         self.finished_requests = 0
+        self._last_step_tokens = (0, 0)
         self._info = ModelInfo(
             served_model_name=settings.served_model_name,
             model_id=settings.model_id,
@@ -167,6 +168,7 @@ class PagedEngine(Engine):
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:
+        self._last_step_tokens = (0, 0)
         if self.l1 is not None:
             self.l1.poll()
         batch = self.scheduler.schedule()
@@ -175,6 +177,8 @@ class PagedEngine(Engine):
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
         sampled = self.runner.run(batch)
+        computed = sum(n for _, n in batch.entries)
+        self._last_step_tokens = (computed, sum(n for _, n in batch.entries if n > 1))
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for seq, num_new in batch.entries:
@@ -206,6 +210,9 @@ class PagedEngine(Engine):
                     RequestOutput(seq.request_id, new_tokens, True, reason, seq.stop_token_id, self._request_stats(seq))
                 )
         return outputs
+
+    def last_step_tokens(self) -> tuple[int, int]:
+        return self._last_step_tokens
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling

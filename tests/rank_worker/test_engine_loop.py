@@ -258,3 +258,24 @@ def test_late_subscriber_gets_a_snapshot_of_the_cache_first(engine: Engine, engi
         subscription.close()
 
     asyncio.run(run())
+
+
+def test_step_timing_is_logged_with_prefill_and_decode_steps_apart(
+    engine: Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    loop = EngineLoop(engine, timing_log_interval_s=0.0)  # a summary after every step
+    loop.start()
+    with caplog.at_level(logging.INFO, logger="rank_worker.engine_loop"):
+        try:
+
+            async def run() -> None:
+                await collect(loop.submit(request("timed", prompt_of(40, 3), max_tokens=5)))
+
+            asyncio.run(run())
+        finally:
+            loop.stop()  # joins the thread: the last step's summary is logged inside the capture
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("engine loop: ")]
+    assert len(lines) >= 5  # one prefill step, then a decode step per further token
+    assert "with prefill 1 at" in lines[0] and "decode-only 0" in lines[0]
+    assert any("decode-only 1 at" in line for line in lines[1:])
+    assert loop.last_step_timing is not None and loop.last_step_timing.steps == 1

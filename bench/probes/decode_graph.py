@@ -66,7 +66,7 @@ def main() -> None:
     with torch.inference_mode():
         for batch in batches:
             forward = decode_batch(batch, args.context, block_size, device)
-            eager = timed(lambda: model(forward, kv), 20)
+            eager = timed(lambda forward=forward: model(forward, kv), 20)
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -81,12 +81,22 @@ def main() -> None:
             torch.cuda.synchronize()
             same = bool(torch.allclose(logits, expected, atol=1e-2, rtol=1e-2))
             replay = timed(graph.replay, 50)
-            rows.append({"batch": batch, "context": args.context, "eager_ms": round(eager, 3),
-                         "graph_ms": round(replay, 3), "speedup": round(eager / replay, 2), "same_logits": same})
+            rows.append(
+                {
+                    "batch": batch,
+                    "context": args.context,
+                    "eager_ms": round(eager, 3),
+                    "graph_ms": round(replay, 3),
+                    "speedup": round(eager / replay, 2),
+                    "same_logits": same,
+                }
+            )
             print(rows[-1], flush=True)
             del graph
     if args.out:
-        Path(args.out).write_text(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        Path(args.out).write_text(
+            json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -35,6 +35,13 @@ class KvServeConfig(BaseSettings):
     kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
     num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
     prefix_cache: bool = True
+    cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
+    cuda_graph_max_kv_tokens: int = Field(
+        524_288,
+        gt=0,
+        description="largest decode step replayed from a graph (rows x padded context); larger ones run eagerly. "
+        "The activations of the largest are held for the graphs, out of the KV pool's share of GPU memory",
+    )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)
     request_timeout_secs: float = Field(600.0, gt=0.0)

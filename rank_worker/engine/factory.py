@@ -9,7 +9,8 @@ from collections.abc import Iterator
 import torch
 
 from contracts.config import KvServeConfig
-from rank_worker.engine.model_runner import kv_block_bytes
+from rank_worker.engine.decode_graphs import DecodeGraphs
+from rank_worker.engine.model_runner import kv_block_bytes, kv_pool_shape
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.config import LlamaFamilyConfig
@@ -71,15 +72,17 @@ def build_model(
     return model.eval()
 
 
-def size_kv_pool(config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> int:
-    """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights
-    and the activation peak of a full-size step; on the CPU kv_cache_memory_gb."""
+def size_kv_pool(
+    config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights,
+    the activation peak of a full-size step and the memory decode graphs hold; on the CPU kv_cache_memory_gb."""
     block_bytes = kv_block_bytes(model, config.block_size, dtype)
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if device.type != "cuda":
         return max(int(config.kv_cache_memory_gb * 1024**3) // block_bytes, 1)
-    peak = _profile_peak_bytes(config, model, device, dtype)
+    peak = _profile_peak_bytes(config, model, device, dtype) + _decode_graph_bytes(config, model, max_model_len)
     total = torch.cuda.get_device_properties(device).total_memory
     budget = int(total * config.gpu_memory_utilization) - peak
     if budget < block_bytes:
@@ -101,6 +104,7 @@ def _profile_peak_bytes(
         max_model_len=tokens + 1,
         max_num_batched_tokens=tokens,
         prefix_cache=False,
+        cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -117,6 +121,40 @@ def _profile_peak_bytes(
     return peak
 
 
+def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_model_len: int) -> int:
+    """What decode graphs keep for themselves: their static buffers and the activations of the largest graph
+    (graphs share one memory pool, so it grows to the largest one's peak, and eager steps cannot use it).
+    Measured by running that step eagerly over a two-block pool: the padded rows' shapes, not their data,
+    set the size."""
+    if not config.cuda_graphs:
+        return 0
+    device = model.embed_tokens.device
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    kv_cache = torch.zeros(kv_pool_shape(model, 2, config.block_size), dtype=model.embed_tokens.dtype, device=device)
+    graphs = DecodeGraphs(
+        model,
+        kv_cache,
+        config.block_size,
+        max_batch=config.max_num_seqs,
+        max_blocks=-(-max_model_len // config.block_size),
+        max_kv_tokens=config.cuda_graph_max_kv_tokens,
+        scratch_block=1,
+        capture=False,
+    )
+    largest = graphs.largest_key()
+    torch.cuda.reset_peak_memory_stats(device)
+    if largest is not None:
+        with torch.inference_mode():
+            graphs._forward(largest)
+    torch.cuda.synchronize(device)
+    reserved = torch.cuda.max_memory_allocated(device) - before
+    del graphs, kv_cache
+    torch.cuda.empty_cache()
+    log.info("decode graphs: %.2f GB held for buckets up to %s", reserved / 1e9, largest)
+    return reserved
+
+
 def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> PagedEngine:
     """Everything a rank worker needs at start: model files checked first, then weights, then the pool, then
     the L1 tier over l1_client (None: L0 only)."""
@@ -126,7 +164,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
     trained = int(source.hf_config.get("max_position_embeddings", 2048))
     max_model_len = resolve_max_model_len(config, trained)
     model = build_model(source, device, dtype, max_model_len, config.seed)
-    num_blocks = size_kv_pool(config, model, device, dtype)
+    num_blocks = size_kv_pool(config, model, device, dtype, max_model_len)
     capacity = num_blocks * config.block_size
     if max_model_len > capacity:
         log.warning(
@@ -158,6 +196,8 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         warm_prefix_fraction=config.warm_prefix_fraction,
         max_cold_prefills=config.max_cold_prefills,
         cold_max_wait_secs=config.cold_max_wait_secs,
+        cuda_graphs=config.cuda_graphs,
+        cuda_graph_max_kv_tokens=config.cuda_graph_max_kv_tokens,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.sampler import sample_tokens
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
@@ -23,21 +24,40 @@ def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype)
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        decode_graphs: DecodeGraphs | None = None,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        self.decode_graphs = decode_graphs  # decode-only steps padded to a bucket (CUDA graphs on a GPU)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Forward the batch; returns the sampled next token of each sequence that reached its end."""
+        if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):
+            seqs = [seq for seq, _ in batch.entries]
+            logits = self.decode_graphs.run(seqs)
+            if logits is not None:
+                # A one-token prefill chunk short of the prompt's end is computed but not sampled.
+                rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+                if len(rows) < len(seqs):
+                    logits = logits[rows]
+                return self._sample(logits, [seqs[i] for i in rows])
         forward, sampling_seqs = self.build_forward_batch(batch.entries)
-        logits = self.model(forward, self.kv_cache)
-        if not sampling_seqs:
+        return self._sample(self.model(forward, self.kv_cache), sampling_seqs)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, int]:
+        if not seqs:
             return {}
-        tokens = sample_tokens(logits, [s.sampling for s in sampling_seqs], [s.generator for s in sampling_seqs])
-        return dict(zip(sampling_seqs, tokens, strict=True))
+        tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        return dict(zip(seqs, tokens, strict=True))
 
     def build_forward_batch(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
         decodes = [(seq, n) for seq, n in entries if n == 1]

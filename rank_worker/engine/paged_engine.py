@@ -12,6 +12,7 @@ import torch
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -48,6 +49,8 @@ class EngineSettings:
     warm_prefix_fraction: float = 0.5
     max_cold_prefills: int = 0
     cold_max_wait_secs: float = 30.0
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
+    cuda_graph_max_kv_tokens: int = 524_288
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -70,9 +73,10 @@ class PagedEngine(Engine):
         self.tokenizer = tokenizer
         device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
-        # zeros, not empty: padded decode slots are masked, but NaN garbage would still poison 0 * NaN
+        # zeros, not empty: padded decode slots are masked, but NaN garbage would still poison 0 * NaN.
+        # One block past the pool is scratch: no sequence owns it; padded rows of graph steps write there.
         self.kv_cache = torch.zeros(
-            kv_pool_shape(model, settings.num_blocks, settings.block_size), dtype=dtype, device=device
+            kv_pool_shape(model, settings.num_blocks + 1, settings.block_size), dtype=dtype, device=device
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
@@ -85,7 +89,7 @@ class PagedEngine(Engine):
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
-        self.runner = ModelRunner(model, self.kv_cache, settings.block_size)
+        self.runner = ModelRunner(model, self.kv_cache, settings.block_size, self._decode_graphs(model, settings))
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Sequence] = {}
         self.finished_requests = 0
@@ -99,6 +103,20 @@ class PagedEngine(Engine):
             block_size=settings.block_size,
             hash_namespace=self.namespace,
             tokenizer=tokenizer,
+        )
+
+    def _decode_graphs(self, model: LlamaForCausalLM, settings: EngineSettings) -> DecodeGraphs | None:
+        if not (settings.cuda_graphs and self.kv_cache.is_cuda):
+            return None
+        return DecodeGraphs(
+            model,
+            self.kv_cache,
+            settings.block_size,
+            max_batch=settings.max_num_seqs,
+            max_blocks=-(-settings.max_model_len // settings.block_size),
+            max_kv_tokens=settings.cuda_graph_max_kv_tokens,
+            scratch_block=settings.num_blocks,
+            capture=True,
         )
 
     @property

@@ -1,0 +1,139 @@
+"""Decode steps padded to (batch, context-blocks) buckets: the bucketing, and that padding changes nothing
+(logits, K/V written, tokens) against the unpadded eager step. On the CPU the padded forward runs eagerly;
+with CUDA the same checks run on recorded graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+
+from rank_worker.engine.decode_graphs import DecodeGraphs, GraphKey, bucket_for, size_buckets
+from rank_worker.engine.interface import EngineRequest
+from rank_worker.engine.paged_engine import PagedEngine
+
+
+def test_buckets_grow_geometrically_and_end_at_the_limit() -> None:
+    assert size_buckets(64) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64]
+    assert size_buckets(100) == [1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 100]
+    assert size_buckets(5) == [1, 2, 4, 5]
+    assert size_buckets(1) == [1]
+    assert bucket_for(13, size_buckets(64)) == 16
+    assert bucket_for(65, size_buckets(64)) is None
+
+
+def padded(engine: PagedEngine, max_kv_tokens: int = 1 << 20) -> DecodeGraphs:
+    settings = engine.settings
+    return DecodeGraphs(
+        engine.model,
+        engine.kv_cache,
+        settings.block_size,
+        max_batch=settings.max_num_seqs,
+        max_blocks=-(-settings.max_model_len // settings.block_size),
+        max_kv_tokens=max_kv_tokens,
+        scratch_block=settings.num_blocks,
+        capture=engine.kv_cache.is_cuda,
+    )
+
+
+def test_key_for_pads_rows_and_blocks_and_refuses_past_the_token_cap(smollm2) -> None:
+    model, tokenizer = smollm2
+    engine = make_engine(model, tokenizer, max_num_seqs=32, max_model_len=2048)
+    graphs = padded(engine, max_kv_tokens=16 * 16 * 64)
+    assert graphs.key_for(5, 17) == GraphKey(8, 24)
+    assert graphs.key_for(32, 32) == GraphKey(32, 32)
+    assert graphs.key_for(33, 1) is None  # more rows than max_num_seqs
+    assert graphs.key_for(32, 33) is None  # 32 x 48 blocks x 16 tokens is past the cap
+    assert graphs.largest_key() == GraphKey(32, 32)
+
+
+def _decoding_engine(model, tokenizer, lengths: list[int]) -> PagedEngine:
+    """An engine whose requests have all finished prefill (every sequence's next step is a decode)."""
+    engine = make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=4096, prefix_cache=False)
+    for i, length in enumerate(lengths):
+        prompt = random_prompt(length, model.cfg.vocab_size, seed=40 + i)
+        engine.add_request(EngineRequest(f"d{i}", prompt, greedy(8)))
+    engine.step()  # all prompts fit one step's token budget
+    assert all(seq.num_uncomputed_tokens == 1 for seq in engine.requests.values())
+    return engine
+
+
+def test_padded_decode_step_equals_the_eager_step(smollm2) -> None:
+    model, tokenizer = smollm2
+    engine = _decoding_engine(model, tokenizer, [5, 40, 77, 130, 17])  # 5 rows -> 8; 9 blocks -> 12
+    batch = engine.scheduler.schedule()  # the decode step, its blocks allocated
+    assert [n for _, n in batch.entries] == [1] * 5
+    seqs = [seq for seq, _ in batch.entries]
+    pool = engine.settings.num_blocks
+    before = engine.kv_cache.clone()
+
+    forward, _ = engine.runner.build_forward_batch(batch.entries)
+    with torch.inference_mode():
+        eager_logits = model(forward, engine.kv_cache).clone()
+    eager_cache = engine.kv_cache[:pool].clone()
+
+    engine.kv_cache.copy_(before)
+    graphs = padded(engine)
+    padded_logits = graphs.run(seqs)
+    assert graphs.steps == 1 and padded_logits is not None
+    torch.testing.assert_close(padded_logits, eager_logits, rtol=1e-4, atol=1e-4)
+    # every pool block holds what the eager step wrote; the padded rows touched only the scratch block
+    torch.testing.assert_close(engine.kv_cache[:pool], eager_cache, rtol=1e-5, atol=1e-4)
+    assert not torch.equal(engine.kv_cache[pool], before[pool])
+
+
+def _generate(engine: PagedEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(EngineRequest(f"g{i}", prompt, greedy(n)))
+    outputs = run_to_completion(engine)
+    return [outputs[f"g{i}"].new_token_ids for i in range(len(prompts))]
+
+
+def test_engine_tokens_are_the_same_with_padded_decode_steps(smollm2) -> None:
+    model, tokenizer = smollm2
+    vocab = model.cfg.vocab_size
+    prompts = [random_prompt(7 + 23 * i, vocab, seed=70 + i) for i in range(11)]
+    lengths = [6 + 3 * (i % 4) for i in range(11)]  # rows finish at different steps: the batch shrinks
+    plain = _generate(make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=256), prompts, lengths)
+    engine = make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=256)
+    engine.runner.decode_graphs = padded(engine)
+    assert _generate(engine, prompts, lengths) == plain
+    assert engine.runner.decode_graphs.steps > 10
+    assert engine.stats().used_blocks == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_recorded_graphs_give_the_eager_tokens_on_cuda(tmp_path) -> None:
+    import json
+
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import build_engine
+
+    config_path = tmp_path / "config.json"
+    config_path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": 512,
+                "hidden_size": 256,
+                "intermediate_size": 512,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 4096,
+                "rms_norm_eps": 1e-6,
+            }
+        )
+    )
+    prompts = [random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
+    lengths = [10 + 5 * (i % 3) for i in range(13)]
+    runs = []
+    for graphs in (False, True):
+        config = KvServeConfig(
+            model=str(config_path), load_format="dummy", dtype="float32", num_kv_blocks=256, cuda_graphs=graphs
+        )
+        engine = build_engine(config)
+        runs.append(_generate(engine, prompts, lengths))
+        if graphs:
+            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.graphs
+    assert runs[0] == runs[1]

@@ -37,10 +37,13 @@ class KvServeConfig(BaseSettings):
     prefix_cache: bool = True
     cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
     cuda_graph_max_kv_tokens: int = Field(
-        524_288,
-        gt=0,
-        description="largest decode step replayed from a graph (rows x padded context); larger ones run eagerly. "
-        "The activations of the largest are held for the graphs, out of the KV pool's share of GPU memory",
+        0,
+        ge=0,
+        description="largest decode step replayed from a graph (rows x padded context); larger ones run eagerly; "
+        "0 = every shape with the Triton decode kernel, 524288 with SDPA (whose padded copies the graphs hold)",
+    )
+    decode_attention: Literal["auto", "triton", "sdpa"] = Field(
+        "auto", description="decode attention: the Triton kernel reading the pool in place (CUDA), or gather + SDPA"
     )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)

@@ -27,6 +27,18 @@ from rank_worker.model.llama import LlamaForCausalLM
 log = logging.getLogger(__name__)
 
 
+# Without the Triton kernel every row's blocks are gathered into a padded copy: past this many padded
+# tokens a graph's activations (held for good) cost more memory than replaying saves time.
+SDPA_GRAPH_KV_TOKENS = 524_288
+
+
+def graph_kv_token_cap(configured: int, paged_kernel: bool) -> int:
+    """cuda_graph_max_kv_tokens, where 0 means: every shape with the kernel, SDPA_GRAPH_KV_TOKENS without."""
+    if configured:
+        return configured
+    return 1 << 62 if paged_kernel else SDPA_GRAPH_KV_TOKENS
+
+
 def size_buckets(limit: int, smallest: int = 1) -> list[int]:
     """1, 2, 4, then powers of two with a midpoint (8, 12, 16, 24, 32, 48, ...) up to limit, which is last."""
     sizes: list[int] = []
@@ -67,6 +79,7 @@ class DecodeGraphs:
         max_kv_tokens: int,
         scratch_block: int,
         capture: bool,
+        paged_kernel: bool = False,
     ) -> None:
         device = kv_cache.device
         self.model = model
@@ -75,6 +88,7 @@ class DecodeGraphs:
         self.max_kv_tokens = max_kv_tokens
         self.scratch_block = scratch_block
         self.capture = capture
+        self.paged_kernel = paged_kernel
         self.batch_buckets = size_buckets(max_batch)
         self.block_buckets = size_buckets(max_blocks, smallest=min(16, max_blocks))
         long = torch.long
@@ -157,6 +171,7 @@ class DecodeGraphs:
                 block_tables=self.block_tables[:batch, : key.blocks],
                 context_lens=self.context_lens[:batch],
                 max_context_len=key.blocks * self.block_size,
+                paged_kernel=self.paged_kernel,
             ),
             prefills=[],
             logits_indices=self.logits_indices[:batch],

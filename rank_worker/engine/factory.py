@@ -9,12 +9,13 @@ from collections.abc import Iterator
 import torch
 
 from contracts.config import KvServeConfig
-from rank_worker.engine.decode_graphs import DecodeGraphs
+from rank_worker.engine.decode_graphs import DecodeGraphs, graph_kv_token_cap
 from rank_worker.engine.model_runner import kv_block_bytes, kv_pool_shape
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model.paged_decode_kernel import use_kernel
 from rank_worker.model_files.source import ModelSource, open_model_source
 
 log = logging.getLogger(__name__)
@@ -132,15 +133,17 @@ def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_mode
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     kv_cache = torch.zeros(kv_pool_shape(model, 2, config.block_size), dtype=model.embed_tokens.dtype, device=device)
+    paged_kernel = use_kernel(config.decode_attention, True, model.cfg.head_dim)
     graphs = DecodeGraphs(
         model,
         kv_cache,
         config.block_size,
         max_batch=config.max_num_seqs,
         max_blocks=-(-max_model_len // config.block_size),
-        max_kv_tokens=config.cuda_graph_max_kv_tokens,
+        max_kv_tokens=graph_kv_token_cap(config.cuda_graph_max_kv_tokens, paged_kernel),
         scratch_block=1,
         capture=False,
+        paged_kernel=paged_kernel,
     )
     largest = graphs.largest_key()
     torch.cuda.reset_peak_memory_stats(device)
@@ -198,6 +201,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         cold_max_wait_secs=config.cold_max_wait_secs,
         cuda_graphs=config.cuda_graphs,
         cuda_graph_max_kv_tokens=config.cuda_graph_max_kv_tokens,
+        decode_attention=config.decode_attention,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -30,12 +30,14 @@ class ModelRunner:
         kv_cache: torch.Tensor,
         block_size: int,
         decode_graphs: DecodeGraphs | None = None,
+        paged_kernel: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
         self.decode_graphs = decode_graphs  # decode-only steps padded to a bucket (CUDA graphs on a GPU)
+        self.paged_kernel = paged_kernel  # decode attention by the Triton kernel (CUDA)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
@@ -96,6 +98,7 @@ class ModelRunner:
                 block_tables=torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True),
                 context_lens=torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True),
                 max_context_len=max(lens),
+                paged_kernel=self.paged_kernel,
             )
         forward = ForwardBatch(
             input_ids=torch.cat(ids).to(dev, non_blocking=True),

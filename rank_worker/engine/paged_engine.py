@@ -12,7 +12,7 @@ import torch
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.decode_graphs import DecodeGraphs
+from rank_worker.engine.decode_graphs import DecodeGraphs, graph_kv_token_cap
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -31,6 +31,7 @@ from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model.paged_decode_kernel import use_kernel
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class EngineSettings:
     max_cold_prefills: int = 0
     cold_max_wait_secs: float = 30.0
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
-    cuda_graph_max_kv_tokens: int = 524_288
+    cuda_graph_max_kv_tokens: int = 0  # 0: graph_kv_token_cap decides
+    decode_attention: str = "auto"  # "auto" | "triton" | "sdpa"
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -89,7 +91,10 @@ class PagedEngine(Engine):
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
-        self.runner = ModelRunner(model, self.kv_cache, settings.block_size, self._decode_graphs(model, settings))
+        self.paged_kernel = use_kernel(settings.decode_attention, self.kv_cache.is_cuda, model.cfg.head_dim)
+        self.runner = ModelRunner(
+            model, self.kv_cache, settings.block_size, self._decode_graphs(model, settings), self.paged_kernel
+        )
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Sequence] = {}
         self.finished_requests = 0
@@ -114,9 +119,10 @@ class PagedEngine(Engine):
             settings.block_size,
             max_batch=settings.max_num_seqs,
             max_blocks=-(-settings.max_model_len // settings.block_size),
-            max_kv_tokens=settings.cuda_graph_max_kv_tokens,
+            max_kv_tokens=graph_kv_token_cap(settings.cuda_graph_max_kv_tokens, self.paged_kernel),
             scratch_block=settings.num_blocks,
             capture=True,
+            paged_kernel=self.paged_kernel,
         )
 
     @property

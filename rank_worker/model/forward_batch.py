@@ -25,6 +25,7 @@ class DecodeGroup:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] padded with a valid block id (masked out)
     context_lens: torch.Tensor  # [num_seqs] tokens with KV, including this step's token
     max_context_len: int
+    paged_kernel: bool = False  # read K/V in place with the Triton kernel instead of gathering for SDPA
 
 
 @dataclass

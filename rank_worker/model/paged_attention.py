@@ -1,4 +1,5 @@
-"""Attention over the paged KV pool, in plain PyTorch (SDPA), for CPU and CUDA alike.
+"""Attention over the paged KV pool, in plain PyTorch (SDPA), for CPU and CUDA alike; on CUDA decode
+rows can instead be read in place by a Triton kernel (paged_decode_kernel.py).
 
 The pool is one tensor [num_blocks, num_layers, 2, block_size, kv_heads, head_dim]: a physical block
 holds every layer's K and V for its tokens contiguously, so it can be copied to host memory in one piece.
@@ -11,6 +12,7 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.paged_decode_kernel import paged_decode_attention
 
 
 def write_kv(
@@ -70,6 +72,8 @@ def _decode_attention(
     """One query token per sequence over its whole context; sequences padded to the longest."""
     group = batch.decode
     assert group is not None
+    if group.paged_kernel:
+        return paged_decode_attention(q, k_cache, v_cache, group.block_tables, group.context_lens, scale)
     num_seqs, max_blocks = group.block_tables.shape
     block_size = k_cache.shape[1]
     keys = k_cache[group.block_tables].reshape(num_seqs, max_blocks * block_size, *k_cache.shape[2:])

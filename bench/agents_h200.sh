@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The agent benchmark on the GPU machine, one phase per call (each fits the 10-minute limit):
 #   bash bench/agents_h200.sh main      # warm_first steps of N agents (STEPS=8,16,32)
-#   bash bench/agents_h200.sh ab        # the cache off at NOCACHE_N agents; FIFO vs warm_first at N_AB agents
+#   bash bench/agents_h200.sh ab        # at N_AB agents, staggered: the cache off, then FIFO, then warm_first
 # The whole stack comes up with `kvserve up` (redis-server, kvstore, router, one rank worker, gateway) from
 # bench/configs/agents-h200.yaml; results go to $OUT (default bench/results/raw).
 set -euo pipefail
@@ -72,15 +72,19 @@ case $PHASE in
     sanity warm_first
     run_agents warm_first --agents "$STEPS" --seed 1
     stop_stack warm_first
+    if [ -n "${DECODE_PROBE:-}" ]; then  # the simulator's decode step model, measured on the engine as it is now
+      timeout "$DECODE_PROBE" python3 -m simulator.decode_probe --out "$OUT/decode-h200.json" > "$OUT/decode-h200.log" 2>&1 || true
+      tail -n 3 "$OUT/decode-h200.log"
+    fi
     if [ -n "${NOCACHE_N}" ]; then
       KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1
       run_agents nocache --agents "$NOCACHE_N" --seed 1
       stop_stack nocache
     fi
     ;;
-  ab)  # the read rate without the cache, then FIFO vs warm_first at one load with staggered starts
+  ab)  # FIFO vs warm_first at one load with staggered starts, and the same run with the cache off (read rate)
     KVSERVE_PREFIX_CACHE=false start_stack nocache  # no L0 and, with it, no L1
-    run_agents nocache --agents "$NOCACHE_N" --seed 2
+    run_agents nocache --agents "$N_AB" --stagger "$AB_STAGGER" --seed 3
     stop_stack nocache
     KVSERVE_SCHEDULING_POLICY=fifo start_stack fifo
     run_agents ab-fifo --agents "$N_AB" --stagger "$AB_STAGGER" --seed 3

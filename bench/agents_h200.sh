@@ -93,6 +93,23 @@ case $PHASE in
     run_agents ab-warm_first --agents "$N_AB" --stagger "$AB_STAGGER" --seed 3
     stop_stack ab-warm_first
     ;;
+  readrate)  # one device call: the cache off and on at N_RR agents, a heavier step, then FIFO at it if time is left
+    N_RR=${N_RR:-8}; N_HEAVY=${N_HEAVY:-32}; DEADLINE=${DEADLINE:-540}
+    KVSERVE_PREFIX_CACHE=false start_stack nocache
+    STEP_BUDGET=${NOCACHE_BUDGET:-160} run_agents nocache --agents "$N_RR" --seed 5
+    stop_stack nocache
+    start_stack warm_first
+    STEP_BUDGET=${WARM_BUDGET:-260} run_agents warm_first --agents "$N_RR,$N_HEAVY" --seed 5
+    stop_stack warm_first
+    left=$((DEADLINE - SECONDS))
+    if [ "$left" -gt 150 ]; then
+      KVSERVE_SCHEDULING_POLICY=fifo start_stack fifo
+      STEP_BUDGET=$((DEADLINE - SECONDS - 10)) run_agents fifo --agents "$N_HEAVY" --seed 5
+      stop_stack fifo
+    else
+      echo "no time left for the FIFO run ($left s)"
+    fi
+    ;;
   *) echo "unknown phase $PHASE"; exit 2 ;;
 esac
 echo "commit $COMMIT" > "$OUT/commit.txt"

@@ -4,6 +4,8 @@ as a stream, and account for the request at the end. Each API supplies a ChatApi
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -43,6 +45,7 @@ class ChatApi(Protocol):
 
 async def serve_chat(request: Request, api: ChatApi) -> Response:
     state = gateway_state(request)
+    arrived = time.monotonic()
     record = RequestRecord(request_id=api.new_id(), api=api.name)
     try:
         key = authenticate(request)
@@ -52,10 +55,13 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         generation = ready_generation(request)
         chat = api.to_chat(body, request.headers.get(api.session_header, ""))
         record.session = chat.session_id
-        prepared = generation.prepare(chat)
+        # Off the event loop: tokenizing a long agent prompt takes tens of milliseconds (the tokenizer lets go
+        # of the GIL), and the loop meanwhile streams every other request's tokens.
+        prepared = await asyncio.to_thread(generation.prepare, chat)
         record.prompt_tokens = prepared.prompt_tokens
         record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
-        opened = await generation.open(prepared)
+        opened = await generation.open(prepared, arrived)
+        record.prepare_s = time.monotonic() - arrived
     except Exception as exc:
         error = api_error_for(exc)
         record_failure(state, record, error)

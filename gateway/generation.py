@@ -146,10 +146,11 @@ class Generation:
         self.model.check_name(chat.model)
         return len(self.model.encode(self.prompts.render(chat)))
 
-    async def open(self, prepared: PreparedRequest) -> OpenGeneration:
-        """Find a rank that accepts the request. Refusals raise here, before any response is sent."""
+    async def open(self, prepared: PreparedRequest, arrived: float | None = None) -> OpenGeneration:
+        """Find a rank that accepts the request. Refusals raise here, before any response is sent. arrived: when
+        the request came in (time.monotonic()), where its time to first token starts; default now."""
         stream, choice = await self._start(prepared, avoid=set())
-        return OpenGeneration(self, prepared, stream, choice)
+        return OpenGeneration(self, prepared, stream, choice, arrived)
 
     async def _start(
         self, prepared: PreparedRequest, avoid: set[str], continuation: list[int] | None = None
@@ -202,12 +203,19 @@ class Generation:
 class OpenGeneration:
     """A request a rank accepted: iterate `events()` once; closing it early cancels the rank request."""
 
-    def __init__(self, owner: Generation, prepared: PreparedRequest, stream: RankStream, choice: RankChoice) -> None:
+    def __init__(
+        self,
+        owner: Generation,
+        prepared: PreparedRequest,
+        stream: RankStream,
+        choice: RankChoice,
+        arrived: float | None = None,
+    ) -> None:
         self.owner = owner
         self.prepared = prepared
         self.stream = stream
         self.choice = choice
-        self.started = time.monotonic()
+        self.started = time.monotonic() if arrived is None else arrived
         self.delivered: list[int] = []  # tokens handed on, across every rank that served this request
         self.delivered_before_stream = 0  # of those, the ones earlier streams produced
         self.cache_stream: RankStream | None = None  # the stream whose cache use the client's prompt got

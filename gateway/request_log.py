@@ -30,6 +30,7 @@ class RequestRecord:
     output_tokens: int = 0
     rank: str = ""  # the rank that served it (the last one, after a switch)
     rank_switches: int = 0  # the stream went on on another rank after a failure
+    prepare_s: float | None = None  # from receiving the request to a rank accepting it (parse, tokenize, route)
     queue_wait_s: float | None = None  # until a rank started the prefill
     ttft_s: float | None = None  # from receiving the request to the first output token
     decode_s: float | None = None  # from the first output token to the last
@@ -61,6 +62,7 @@ def format_request_line(record: RequestRecord) -> str:
         ("l0_cached", str(record.cached_tokens - record.l1_cached_tokens)),
         ("l1_cached", str(record.l1_cached_tokens)),
         ("hit_pct", _number(record.hit_pct, 1)),
+        ("prepare_ms", _number(_ms(record.prepare_s), 1)),
         ("queue_ms", _number(_ms(record.queue_wait_s), 1)),
         ("ttft_ms", _number(_ms(record.ttft_s), 1)),
         ("output_tokens", str(record.output_tokens)),

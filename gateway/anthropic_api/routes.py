@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from typing import Any
@@ -81,7 +82,7 @@ async def count_tokens(request: Request) -> dict[str, int]:
     check_model_allowed(key, body.model)
     generation = ready_generation(request)
     try:
-        return {"input_tokens": generation.count_tokens(to_chat(body))}
+        return {"input_tokens": await asyncio.to_thread(generation.count_tokens, to_chat(body))}
     except Exception as exc:
         raise api_error_for(exc) from exc
 

@@ -21,8 +21,13 @@ SYSTEM = (
 
 
 @pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tmp: Path = tmp_path_factory.mktemp("anthropic-stack")
+def stack_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("anthropic-stack")
+
+
+@pytest.fixture(scope="module")
+def base_url(stack_dir: Path) -> Iterator[str]:
+    tmp = stack_dir
     rank = {"KVSERVE_NUM_KV_BLOCKS": "512", "KVSERVE_MAX_MODEL_LEN": "4096", "KVSERVE_MAX_NUM_SEQS": "8"}
     gateway = {"KVSERVE_MAX_REQUEST_BYTES": str(256 * 1024), "KVSERVE_DEPLOYMENT_SLUG": "smol-local"}
     with gateway_stack(tmp, rank, gateway) as url:
@@ -253,6 +258,18 @@ def test_health_ready_and_metrics(base_url: str, client: anthropic.Anthropic) ->
     metrics = httpx.get(f"{base_url}/metrics").text
     assert 'kvserve_gateway_requests_total{api="anthropic",status="200"}' in metrics
     assert "kvserve_gateway_time_to_first_token_seconds_bucket" in metrics
+
+
+def test_request_line_times_the_prepare_inside_the_time_to_first_token(
+    stack_dir: Path, client: anthropic.Anthropic
+) -> None:
+    text = "count the words of this long prompt " * 300  # ~2K tokens to tokenize
+    reply = client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": text}])
+    lines = [line for line in (stack_dir / "gateway.log").read_text().splitlines() if f"request id={reply.id} " in line]
+    assert len(lines) == 1, lines
+    fields = dict(pair.split("=", 1) for pair in lines[0].split("request ", 1)[1].split(" "))
+    prepare_ms, ttft_ms = float(fields["prepare_ms"]), float(fields["ttft_ms"])
+    assert 0 < prepare_ms <= ttft_ms  # the time to first token counts from the request's arrival
 
 
 def test_stop_sequence_cuts_the_answer_and_still_reports_usage(client: anthropic.Anthropic) -> None:

@@ -1,7 +1,8 @@
 """Decode step time on the GPU against batch AND context: a check of the step-time model's decode assumption
-(one step costs in proportion to batch x the longest context, because the decode attention gathers every
-sequence's blocks padded to the longest). The engine benchmark (bench/engine.py) measures one context;
-this measures several, and batches of mixed contexts, and prints the model's prediction beside each.
+(what a step costs per token of KV, and what rows shorter than the longest cost: with the gather path they
+were padded to the longest; with the paged decode kernel they cost their own length). The engine benchmark
+(bench/engine.py) measures one context; this measures several, and batches of mixed contexts, and prints
+the model's prediction beside each.
 
 Sequences are set up as if their prompt had been prefilled (blocks allocated, nothing computed: decode time
 does not depend on the values in the KV), so only decode steps run. Random weights in a real shape.

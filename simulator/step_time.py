@@ -16,17 +16,18 @@ and the probe's 8K chunk over 64K cached pin gamma, and the cold 32K/100K TTFTs 
 together. The four coefficients are a non-negative least-squares fit of all these points, each weighted by
 1/measured (relative error).
 
-Decode. One step of B sequences is launch-bound at small batch (the CPU issues kernels slower than the GPU
-runs them) and beyond that grows with the KV it reads:
+Decode. One step of B sequences is launch-bound at small batch and beyond that grows with the KV it reads:
 
     decode_s = max(floor, base + per_kv_token * kv + per_pad_token * (B * longest - kv))
 
-kv is the tokens of all B contexts; B * longest - kv the padding: the decode attention gathers every
-sequence's blocks padded to the longest (padding reads block 0 again and again, cheaper than real KV but
-not free). The probe measured B x context from 4x4K to 4x128K (the same kv costs the same at any split)
-and batches of one long context among short ones (the padding term). Without a probe, only the
-benchmark's 4K points exist: padding is then costed as real KV. floor is the median of the launch-bound
-points (those under 1.4 x the fastest); base and the per-token costs a least-squares fit of the others.
+kv is the tokens of all B contexts; B * longest - kv the padding. The engine once gathered every
+sequence's blocks padded to the longest (padding cost nearly as much as real KV); since decode steps are
+replayed from CUDA graphs and attention reads the pool in place (rank_worker/model/paged_decode_kernel.py),
+the probe puts the padding term at a quarter of the KV term (empty split-K slices still launch) and the
+floor at ~8 ms. The probe measured B x context from 4x4K to 4x128K and batches of one long context among
+short ones. Without a probe, only the benchmark's 4K points exist: padding is then costed as real KV.
+floor is the median of the launch-bound points (those under 1.4 x the fastest); base and the per-token
+costs a least-squares fit of the others.
 A step that also prefills pays the prefill cost plus the per-token KV terms of its decodes (the probe's
 mixed steps add up that way; the floor is already in the prefill overhead).
 """

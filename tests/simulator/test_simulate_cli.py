@@ -52,7 +52,7 @@ def test_simulate_predicts_steps_the_largest_passing_n_and_its_cost(tmp_path: Pa
     )
     assert results["decode_results"].endswith("simulator/results/decode-h200.json")  # used by default
     fit = results["step_time_fit"]
-    assert len(fit) == 29 and all(row["model_s"] == pytest.approx(row["measured_s"], rel=0.15) for row in fit)
+    assert len(fit) == 29 and all(row["model_s"] == pytest.approx(row["measured_s"], rel=0.2) for row in fit)
 
 
 def test_calibrate_replays_the_measured_run_and_reports_ratios(tmp_path: Path) -> None:

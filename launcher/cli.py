@@ -36,6 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports, a GPU each)")
     up.add_argument("--config", help="YAML config file, passed to every service")
+    up.add_argument(
+        "--gpus",
+        default="",
+        help="the GPU of each rank, e.g. 0,0 (ranks naming one GPU share it and split gpu_memory_utilization); "
+        "default: one visible GPU each",
+    )
     up.add_argument("--ready-timeout", type=float, default=600.0, help="seconds a rank worker may take to load")
     up.add_argument("--state-dir", default=".kvserve/run", help="logs, redis data, services.json")
 
@@ -88,7 +94,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "up":
         from launcher.up import UpOptions, run_up
 
-        return run_up(UpOptions(args.config, args.ranks, args.ready_timeout, Path(args.state_dir)))
+        gpus = tuple(gpu.strip() for gpu in args.gpus.split(",") if gpu.strip())
+        return run_up(UpOptions(args.config, args.ranks, args.ready_timeout, Path(args.state_dir), gpus))
     if args.command == "compose":
         return _compose(args)
     if args.command == "keys":

@@ -201,6 +201,9 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
     if gpu is not None:
         # A container given one GPU (device_ids) sees it as device 0; a local process sees them all.
         environment["CUDA_VISIBLE_DEVICES"] = "0" if stack.compose else gpu
+        sharing = stack.gpu_ids[: stack.ranks].count(gpu)
+        if sharing > 1:  # ranks on one GPU (tests of multi-rank paths on a small machine) split its memory
+            environment["KVSERVE_GPU_MEMORY_UTILIZATION"] = f"{config.gpu_memory_utilization / sharing:.4g}"
     elif stack.ranks > 1 and config.num_kv_blocks is None:
         environment["KVSERVE_KV_CACHE_MEMORY_GB"] = f"{cpu_kv_cache_gb(config, stack.ranks):g}"
     return ServiceSpec(

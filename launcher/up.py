@@ -48,6 +48,7 @@ class UpOptions:
     ranks: int = 1
     ready_timeout_s: float = 600.0
     state_dir: Path = DEFAULT_STATE_DIR
+    gpus: tuple[str, ...] = ()  # the GPU of each rank, in order (repeats share one); empty = one visible GPU each
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -81,6 +82,13 @@ def plan_stack(options: UpOptions, config: KvServeConfig) -> list[ServiceSpec]:
     if shutil.which("redis-server") is None:
         raise StackError(REDIS_INSTALL_HINT)
     gpu_ids = visible_gpu_ids(config)
+    if options.gpus:
+        if len(options.gpus) != options.ranks:
+            raise StackError(f"--gpus names {len(options.gpus)} GPUs for {options.ranks} rank workers: one per rank")
+        unknown = sorted(set(options.gpus) - set(gpu_ids))
+        if unknown:
+            raise StackError(f"--gpus {','.join(options.gpus)}: GPU {unknown[0]} is not visible ({gpu_ids})")
+        gpu_ids = list(options.gpus)
     if gpu_ids and options.ranks > len(gpu_ids):
         raise StackError(f"--ranks {options.ranks} needs one GPU per rank; {len(gpu_ids)} visible ({gpu_ids})")
     plan = StackPlan(

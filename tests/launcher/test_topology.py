@@ -134,6 +134,14 @@ def test_gpus_are_pinned_one_per_rank() -> None:
         local(3, ("0", "1"))
 
 
+def test_ranks_sharing_a_gpu_split_its_memory() -> None:
+    specs = local(3, ("0", "0", "1"), gpu_memory_utilization=0.9)
+    ranks = [spec for spec in specs if spec.role == "rank-worker"]
+    assert [rank.environment["CUDA_VISIBLE_DEVICES"] for rank in ranks] == ["0", "0", "1"]
+    shares = [rank.environment.get("KVSERVE_GPU_MEMORY_UTILIZATION") for rank in ranks]
+    assert shares == ["0.45", "0.45", None]  # the rank alone on GPU 1 keeps the configured share
+
+
 def test_cpu_ranks_split_the_kv_cache_budget() -> None:
     ranks = [spec for spec in local(4, kv_cache_memory_gb=3.0) if spec.role == "rank-worker"]
     assert {rank.environment["KVSERVE_KV_CACHE_MEMORY_GB"] for rank in ranks} == {"0.75"}
@@ -155,3 +163,21 @@ def test_kvstore_leaves_ram_for_cpu_ranks() -> None:
 def test_a_stack_needs_a_rank() -> None:
     with pytest.raises(ValueError, match="at least one"):
         compose(0)
+
+
+def test_up_places_ranks_on_the_gpus_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from contracts.config import KvServeConfig
+    from launcher.up import StackError, UpOptions, plan_stack
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    config = KvServeConfig(
+        rank_worker_port=0, router_port=0, kvstore_port=0, gateway_port=0, redis_url="redis://127.0.0.1:0/0"
+    )
+    specs = plan_stack(UpOptions(None, ranks=2, gpus=("1", "1")), config)
+    ranks = [spec for spec in specs if spec.role == "rank-worker"]
+    assert [rank.gpu for rank in ranks] == ["1", "1"]
+    assert {rank.environment["KVSERVE_GPU_MEMORY_UTILIZATION"] for rank in ranks} == {"0.45"}
+    with pytest.raises(StackError, match="one per rank"):
+        plan_stack(UpOptions(None, ranks=2, gpus=("0",)), config)
+    with pytest.raises(StackError, match="GPU 7 is not visible"):
+        plan_stack(UpOptions(None, ranks=2, gpus=("7", "7")), config)

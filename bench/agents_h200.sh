@@ -9,13 +9,7 @@ PHASE=${1:?phase: main or ab}
 OUT=${OUT:-bench/results/raw}
 mkdir -p "$OUT"
 trap 'cp -r /tmp/kvserve-run/logs "$OUT/logs-exit" 2>/dev/null || true' EXIT
-# The GPU machine cannot install packages: wheels, a redis-server build and the traces travel in .whl/.
-if [ -d .whl ] && [ "${USE_WHEELS:-1}" = 1 ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1
-  export PYTHONPATH=/tmp/site:$PWD PATH=$PWD/.whl/redis-bin:$PATH LD_LIBRARY_PATH=$PWD/.whl/redis-bin
-fi
-TRACES=${TRACES:-.whl/traces/claude_code}
-CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
+source "$(dirname "$0")/stack_lib.sh"
 STEPS=${STEPS:-8,16,32}
 TURNS=${TURNS:-12}  # the first turn of a session is cold: ~12 turns are needed before 90% of input can be cached
 CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
@@ -27,39 +21,6 @@ N_AB=${N_AB:-16}
 AB_STAGGER=${AB_STAGGER:-60}
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt" || true
-
-start_stack() {  # env overrides (KVSERVE_*) apply to every service
-  rm -rf /tmp/kvserve-run
-  python3 -m launcher.cli up --config "$CONFIG" --state-dir /tmp/kvserve-run > "$OUT/up-$1.log" 2>&1 &
-  UP_PID=$!
-  for _ in $(seq 1 300); do
-    grep -qs "Ctrl-C" "$OUT/up-$1.log" && return 0
-    kill -0 $UP_PID 2>/dev/null || { tail -n 50 "$OUT/up-$1.log"; tail -n 30 /tmp/kvserve-run/logs/*.log; return 1; }
-    sleep 1
-  done
-  echo "stack not ready"; return 1
-}
-
-stop_stack() {
-  kill -INT $UP_PID 2>/dev/null || true
-  wait $UP_PID 2>/dev/null || true
-  cp -r /tmp/kvserve-run/logs "$OUT/logs-$1" 2>/dev/null || true
-}
-
-agents() {  # name, then kvserve bench agents flags; SIGINT after STEP_BUDGET s keeps the finished steps
-  local name=$1; shift
-  timeout -s INT "${STEP_BUDGET:-300}" python3 -m launcher.cli bench agents --url http://127.0.0.1:8080 \
-    --trace-path "$TRACES" --no-charts --quiet --out "$OUT/$name.json" "$@" > "$OUT/$name.log" 2>&1 || true
-  tail -n 30 "$OUT/$name.log"
-}
-
-sanity() {  # one small request, timed: the path works before the load starts
-  local started=$(date +%s.%N)
-  curl -s -m 120 http://127.0.0.1:8080/v1/messages -H 'content-type: application/json' \
-    -d '{"model": "default", "max_tokens": 32, "ignore_eos": true, "messages": [{"role": "user", "content": "hello"}]}' \
-    > "$OUT/sanity-$1.json" || true
-  echo "sanity $1: $(python3 -c "print(round($(date +%s.%N) - $started, 2))") s: $(head -c 300 "$OUT/sanity-$1.json")"
-}
 
 # Every agent replays TURNS turns (the first of a session is cold, the rest mostly cached), outputs capped at
 # MAX_OUT tokens so a step ends within a few minutes.

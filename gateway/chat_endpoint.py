@@ -57,7 +57,9 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         record.session = chat.session_id
         # Off the event loop: tokenizing a long agent prompt takes tens of milliseconds (the tokenizer lets go
         # of the GIL), and the loop meanwhile streams every other request's tokens.
+        tokenize_started = time.monotonic()
         prepared = await asyncio.to_thread(generation.prepare, chat)
+        record.tokenize_s = time.monotonic() - tokenize_started
         record.prompt_tokens = prepared.prompt_tokens
         record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
         opened = await generation.open(prepared, arrived)

@@ -31,6 +31,7 @@ class RequestRecord:
     rank: str = ""  # the rank that served it (the last one, after a switch)
     rank_switches: int = 0  # the stream went on on another rank after a failure
     prepare_s: float | None = None  # from receiving the request to a rank accepting it (parse, tokenize, route)
+    tokenize_s: float | None = None  # of that, rendering the prompt and tokenizing it (in a worker thread)
     queue_wait_s: float | None = None  # until a rank started the prefill
     ttft_s: float | None = None  # from receiving the request to the first output token
     decode_s: float | None = None  # from the first output token to the last
@@ -63,6 +64,7 @@ def format_request_line(record: RequestRecord) -> str:
         ("l1_cached", str(record.l1_cached_tokens)),
         ("hit_pct", _number(record.hit_pct, 1)),
         ("prepare_ms", _number(_ms(record.prepare_s), 1)),
+        ("tokenize_ms", _number(_ms(record.tokenize_s), 1)),
         ("queue_ms", _number(_ms(record.queue_wait_s), 1)),
         ("ttft_ms", _number(_ms(record.ttft_s), 1)),
         ("output_tokens", str(record.output_tokens)),

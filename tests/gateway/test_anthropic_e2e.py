@@ -269,7 +269,7 @@ def test_request_line_times_the_prepare_inside_the_time_to_first_token(
     assert len(lines) == 1, lines
     fields = dict(pair.split("=", 1) for pair in lines[0].split("request ", 1)[1].split(" "))
     prepare_ms, ttft_ms = float(fields["prepare_ms"]), float(fields["ttft_ms"])
-    assert 0 < prepare_ms <= ttft_ms  # the time to first token counts from the request's arrival
+    assert 0 < float(fields["tokenize_ms"]) <= prepare_ms <= ttft_ms  # the time to first token counts from arrival
 
 
 def test_stop_sequence_cuts_the_answer_and_still_reports_usage(client: anthropic.Anthropic) -> None:

@@ -29,6 +29,7 @@ def full_record(**changes: object) -> RequestRecord:
         rank="rank-0",
         rank_switches=1,
         prepare_s=0.0311,
+        tokenize_s=0.0204,
         queue_wait_s=0.0042,
         ttft_s=0.350,
         decode_s=4.0,
@@ -68,6 +69,7 @@ def test_every_field_is_in_the_line() -> None:
         "l1_cached": "2000",
         "hit_pct": "75.0",
         "prepare_ms": "31.1",
+        "tokenize_ms": "20.4",
         "queue_ms": "4.2",
         "ttft_ms": "350.0",
         "output_tokens": "201",
@@ -82,7 +84,7 @@ def test_unknown_values_are_dashes_and_errors_are_named() -> None:
     record = RequestRecord(request_id="req_02", api="openai", model="m", status=529, error_type="overloaded_error")
     fields = parse(format_request_line(record))
     assert fields["status"] == "529" and fields["error"] == "overloaded_error"
-    for key in ("session", "hit_pct", "prepare_ms", "queue_ms", "ttft_ms", "tok_s", "finish"):
+    for key in ("session", "hit_pct", "prepare_ms", "tokenize_ms", "queue_ms", "ttft_ms", "tok_s", "finish"):
         assert fields[key] == "-", key
     assert fields["prompt_tokens"] == "0" and fields["output_tokens"] == "0"
 

@@ -24,11 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.interface import SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
 from rank_worker.engine.sequence import Sequence, SequenceStatus  # noqa: E402
-from rank_worker.model.config import LlamaFamilyConfig  # noqa: E402
-from rank_worker.model.llama import LlamaForCausalLM  # noqa: E402
 from simulator.step_time import fit_step_time, load_engine_results  # noqa: E402
 
 # (decode contexts, prefill chunk as (new tokens, cached tokens) or None)
@@ -57,21 +56,12 @@ def _sync() -> None:
 
 
 def _engine(shape: str, num_blocks: int, max_len: int) -> PagedEngine:
-    cfg = LlamaFamilyConfig.from_hf(json.loads((ROOT / "bench" / "shapes" / shape / "config.json").read_text()))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        with device:
-            model = LlamaForCausalLM(cfg, max_positions=max_len)
-    finally:
-        torch.set_default_dtype(previous)
-    model.init_random_weights(0)
+    model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
     # The engine benchmark's chunk size, so a prefill chunk runs whole in one step.
     settings = EngineSettings(
         num_blocks=num_blocks, max_model_len=max_len, max_num_seqs=256, max_num_batched_tokens=32768
     )
-    return PagedEngine(model.eval(), settings)
+    return PagedEngine(model, settings)
 
 
 def _running(engine: PagedEngine, request_id: str, computed: int, total: int) -> Sequence:

@@ -8,7 +8,7 @@ warm turns and decodes. What neither run has: the gateway, HTTP and tokenization
 calibration against the load generator's measurements covers those).
 
     python -m simulator.engine_check --out simulator/results/engine-check-h200.json     # on the GPU
-    python -m simulator.engine_check --quick                                            # CPU smoke run
+    python -m simulator.engine_check --quick --shape tiny                               # CPU smoke run
 """
 
 from __future__ import annotations
@@ -30,12 +30,11 @@ sys.path.insert(0, str(ROOT))
 from loadgen.agent import ThinkTime  # noqa: E402
 from loadgen.report import step_stats  # noqa: E402
 from loadgen.traces import AgentTrace, TraceTurn, synthetic  # noqa: E402
+from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
 from rank_worker.engine.scheduler import SchedulingPolicy  # noqa: E402
 from rank_worker.engine.sequence import Sequence, SequenceStatus  # noqa: E402
-from rank_worker.model.config import LlamaFamilyConfig  # noqa: E402
-from rank_worker.model.llama import LlamaForCausalLM  # noqa: E402
 from simulator.replay import NodeSettings, Replay, WorkloadSettings  # noqa: E402
 from simulator.sim_rank import RankSettings, StepOutcome  # noqa: E402
 from simulator.step_time import StepTimeModel, fit_step_time, load_engine_results  # noqa: E402
@@ -113,16 +112,7 @@ class EngineRank:
 
 
 def _engine(shape: str, rank: RankSettings, max_len: int) -> PagedEngine:
-    cfg = LlamaFamilyConfig.from_hf(json.loads((ROOT / "bench" / "shapes" / shape / "config.json").read_text()))
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16 if device.type == "cuda" else torch.float32)
-    try:
-        with device:
-            model = LlamaForCausalLM(cfg, max_positions=max_len)
-    finally:
-        torch.set_default_dtype(previous)
-    model.init_random_weights(0)
+    model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
     policy = rank.policy
     settings = EngineSettings(
         num_blocks=rank.num_blocks,
@@ -135,7 +125,7 @@ def _engine(shape: str, rank: RankSettings, max_len: int) -> PagedEngine:
         max_cold_prefills=policy.max_cold_prefills,
         cold_max_wait_secs=policy.cold_max_wait_secs,
     )
-    return PagedEngine(model.eval(), settings)
+    return PagedEngine(model, settings)
 
 
 def _growing(name: str, first_id: int, block_tokens: int) -> AgentTrace:

@@ -17,10 +17,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from rank_worker.engine.factory import build_model  # noqa: E402
+from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.model_runner import kv_pool_shape  # noqa: E402
 from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch  # noqa: E402
-from rank_worker.model_files.source import open_model_source  # noqa: E402
 
 
 def decode_batch(batch: int, context: int, block_size: int, device: torch.device) -> ForwardBatch:
@@ -56,8 +55,7 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     device = torch.device("cuda")
-    source = open_model_source(str(ROOT / "bench/shapes" / args.shape / "config.json"), "dummy")
-    model = build_model(source, device, torch.bfloat16, 131072, 0)
+    model = build_random_model(str(ROOT / "bench/shapes" / args.shape / "config.json"), 131072)
     block_size = 16
     batches = [int(b) for b in args.batches.split(",")]
     num_blocks = max(batches) * args.context // block_size

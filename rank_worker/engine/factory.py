@@ -122,6 +122,15 @@ def _profile_peak_bytes(
     return peak
 
 
+def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+    """Random weights in the shape of a config.json, bf16 on the GPU when there is one, else float32 on the CPU:
+    the model benchmarks and probes time."""
+    device = resolve_device("auto")
+    return build_model(
+        open_model_source(config_json, "dummy"), device, resolve_dtype("auto", device), max_positions, seed
+    )
+
+
 def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_model_len: int) -> int:
     """What decode graphs keep for themselves: their static buffers and the activations of the largest graph
     (graphs share one memory pool, so it grows to the largest one's peak, and eager steps cannot use it).

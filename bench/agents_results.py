@@ -23,18 +23,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-STEP_FIELDS = (
-    "agents",
-    "ttft_p50",
-    "ttft_p95",
-    "ttft_p95_warm",
-    "ttft_p95_cold",
-    "tok_s_p50",
-    "tok_s_p10",
-    "cache_hit",
-    "errors",
-    "passed",
-)
+from simulator.calibration import COMPARED  # noqa: E402
+
+# The statistics every step reports (the ones the simulator's calibration compares), keyed by agent count.
+STEP_FIELDS = ("agents", *COMPARED)
 EXTRA_FIELDS = (
     "ttft_p50_warm",
     "ttft_p50_cold",

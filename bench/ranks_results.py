@@ -20,9 +20,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loadgen.rank_balance import failover, parse_request_lines, rank_load, stickiness  # noqa: E402
+from simulator.calibration import COMPARED  # noqa: E402
 
-STEP_FIELDS = ("agents", "ttft_p50", "ttft_p95", "ttft_p95_warm", "ttft_p95_cold", "tok_s_p50", "tok_s_p10")
-STEP_FIELDS += ("cache_hit", "cache_hit_l0", "cache_hit_l1", "errors", "passed", "failed")
+STEP_FIELDS = ("agents", *COMPARED, "cache_hit_l0", "cache_hit_l1", "failed")
 
 
 def unpack(tarball: Path, into: Path) -> Path | None:

@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from rich.table import Table
 from loadgen.agent import ThinkTime
 from loadgen.content import ContentBuilder
 from loadgen.gateway_info import calibrate, count_tokens, probe_context, served_model
-from loadgen.report import TABLE_COLUMNS, Thresholds, largest_passing, step_row, step_stats
+from loadgen.report import TABLE_COLUMNS, Thresholds, current_commit, largest_passing, step_row, step_stats
 from loadgen.runner import RunSettings, StepSettings, run_step
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
 
@@ -90,14 +89,6 @@ def _think(args: argparse.Namespace) -> ThinkTime:
     if seconds < 0:
         raise ValueError("--think-time must not be negative")
     return ThinkTime(fixed=seconds, cap_s=args.max_think)
-
-
-def _commit() -> str:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
-    except OSError:
-        return ""
-    return result.stdout.strip()
 
 
 def main(argv: list[str]) -> int:
@@ -175,7 +166,7 @@ def main(argv: list[str]) -> int:
     best = largest_passing(steps)
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": current_commit(),
         "url": args.url,
         "api": args.api,
         "model": model,

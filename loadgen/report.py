@@ -8,6 +8,7 @@ statistic with no samples (no answered request, no decode time) fails its criter
 from __future__ import annotations
 
 import math
+import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -179,3 +180,12 @@ TABLE_COLUMNS = (
     "errors",
     "verdict",
 )
+
+
+def current_commit() -> str:
+    """The checked-out commit, recorded with every result ("" outside a git checkout)."""
+    try:
+        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
+    except OSError:
+        return ""
+    return result.stdout.strip()

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -26,7 +25,7 @@ from rich.table import Table
 
 from contracts.config import KvServeConfig, load_config
 from loadgen.agent import ThinkTime
-from loadgen.report import TABLE_COLUMNS, Thresholds, step_row
+from loadgen.report import TABLE_COLUMNS, Thresholds, current_commit, step_row
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
 from rank_worker.engine.scheduler import SchedulingPolicy
 from router.route_score import RoutePolicy
@@ -192,14 +191,6 @@ def _l1_gbps(args: argparse.Namespace, gpu_tag: str) -> float:
     return 50.0  # the H200's measured scattered restore bandwidth (bench/results/l1-h200.json)
 
 
-def _commit() -> str:
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
-    except OSError:
-        return ""
-    return result.stdout.strip()
-
-
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     err = Console(stderr=True, width=None if sys.stderr.isatty() else 160)
@@ -288,7 +279,7 @@ def main(argv: list[str]) -> int:
 
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": _commit(),
+        "commit": current_commit(),
         "simulated": True,
         "shape": facts.name,
         "engine_results": args.engine_results,

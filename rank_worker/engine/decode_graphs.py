@@ -128,7 +128,7 @@ class DecodeGraphs:
         self._fill(seqs, key)
         self.steps += 1
         if not self.capture:
-            self._forward(key)
+            self.forward(key)
         else:
             graph = self.graphs.get(key)
             if graph is None:
@@ -159,7 +159,8 @@ class DecodeGraphs:
         self.context_lens[: key.batch].copy_(host[1] + 1)  # a padded row attends to its one scratch token
         self.block_tables[: key.batch, : key.blocks].copy_(table_rows.to(device, non_blocking=True))
 
-    def _forward(self, key: GraphKey) -> None:
+    def forward(self, key: GraphKey) -> None:
+        """The padded forward of one bucket over the static buffers (eagerly, or inside a capture)."""
         batch = key.batch
         forward = ForwardBatch(
             input_ids=self.input_ids[:batch],
@@ -185,12 +186,12 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.kv_cache.device))
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._forward(key)
+                self.forward(key)
         torch.cuda.current_stream(self.kv_cache.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the L1 attach thread may register host memory with CUDA while this one records.
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._forward(key)
+            self.forward(key)
         self.graphs[key] = graph
         log.info("decode graph recorded for %d rows x %d blocks (%d graphs)", key.batch, key.blocks, len(self.graphs))
         return graph

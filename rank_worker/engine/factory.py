@@ -9,13 +9,11 @@ from collections.abc import Iterator
 import torch
 
 from contracts.config import KvServeConfig
-from rank_worker.engine.decode_graphs import DecodeGraphs, graph_kv_token_cap
-from rank_worker.engine.model_runner import kv_block_bytes, kv_pool_shape
+from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.llama import LlamaForCausalLM
-from rank_worker.model.paged_decode_kernel import use_kernel
 from rank_worker.model_files.source import ModelSource, open_model_source
 
 log = logging.getLogger(__name__)
@@ -134,34 +132,33 @@ def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> L
 def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_model_len: int) -> int:
     """What decode graphs keep for themselves: their static buffers and the activations of the largest graph
     (graphs share one memory pool, so it grows to the largest one's peak, and eager steps cannot use it).
-    Measured by running that step eagerly over a two-block pool: the padded rows' shapes, not their data,
-    set the size."""
+    Measured by running that step eagerly in a throwaway engine of one block (its graphs set up as a serving
+    engine's are): the padded rows' shapes, not their data, set the size."""
     if not config.cuda_graphs:
         return 0
     device = model.embed_tokens.device
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
-    kv_cache = torch.zeros(kv_pool_shape(model, 2, config.block_size), dtype=model.embed_tokens.dtype, device=device)
-    paged_kernel = use_kernel(config.decode_attention, True, model.cfg.head_dim)
-    graphs = DecodeGraphs(
-        model,
-        kv_cache,
-        config.block_size,
-        max_batch=config.max_num_seqs,
-        max_blocks=-(-max_model_len // config.block_size),
-        max_kv_tokens=graph_kv_token_cap(config.cuda_graph_max_kv_tokens, paged_kernel),
-        scratch_block=1,
-        capture=False,
-        paged_kernel=paged_kernel,
+    settings = EngineSettings(
+        num_blocks=1,
+        block_size=config.block_size,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        prefix_cache=False,
+        cuda_graph_max_kv_tokens=config.cuda_graph_max_kv_tokens,
+        decode_attention=config.decode_attention,
     )
+    probe = PagedEngine(model, settings)
+    graphs = probe.runner.decode_graphs
+    assert graphs is not None  # a CUDA engine with cuda_graphs on
     largest = graphs.largest_key()
     torch.cuda.reset_peak_memory_stats(device)
     if largest is not None:
         with torch.inference_mode():
-            graphs._forward(largest)
+            graphs.forward(largest)
     torch.cuda.synchronize(device)
     reserved = torch.cuda.max_memory_allocated(device) - before
-    del graphs, kv_cache
+    del probe, graphs
     torch.cuda.empty_cache()
     log.info("decode graphs: %.2f GB held for buckets up to %s", reserved / 1e9, largest)
     return reserved

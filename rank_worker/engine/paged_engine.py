@@ -201,8 +201,7 @@ class PagedEngine(Engine):
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
         sampled = self.runner.run(batch)
-        computed = sum(n for _, n in batch.entries)
-        self._last_step_tokens = (computed, sum(n for _, n in batch.entries if n > 1))
+        self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))
         now = time.monotonic()
         outputs: list[RequestOutput] = []
         for seq, num_new in batch.entries:

@@ -24,7 +24,15 @@ from rich.table import Table
 from loadgen.agent import ThinkTime
 from loadgen.content import ContentBuilder
 from loadgen.gateway_info import calibrate, count_tokens, probe_context, served_model
-from loadgen.report import TABLE_COLUMNS, Thresholds, current_commit, largest_passing, step_row, step_stats
+from loadgen.report import (
+    TABLE_COLUMNS,
+    add_pass_bar_arguments,
+    current_commit,
+    largest_passing,
+    step_row,
+    step_stats,
+    thresholds_from,
+)
 from loadgen.runner import RunSettings, StepSettings, run_step
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
 
@@ -57,12 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     steps.add_argument("--turns", type=int, default=None, help="calls per agent per step")
     steps.add_argument("--stagger", type=float, default=0.0, help="spread agent starts over this many seconds")
 
-    bar = parser.add_argument_group("pass bar")
-    bar.add_argument("--ttft-p95", type=float, default=15.0, help="max TTFT p95 (s)")
-    bar.add_argument("--tok-s-p50", type=float, default=20.0, help="min per-agent output tok/s p50")
-    bar.add_argument("--tok-s-p10", type=float, default=10.0, help="min per-agent output tok/s p10")
-    bar.add_argument("--cache-hit", type=float, default=0.9, help="min fraction of input tokens from cache")
-    bar.add_argument("--max-errors", type=float, default=0.01, help="error fraction must stay below this")
+    add_pass_bar_arguments(parser)
 
     out = parser.add_argument_group("output")
     out.add_argument("--out", default="agents-bench.json", help="JSON results file")
@@ -130,7 +133,7 @@ def main(argv: list[str]) -> int:
         f"{len(sessions)} sessions, model {model} (context {max_context}), context scale {factor:.4g}, "
         f"{tokens_per_word:.3f} tokens/word, first prompt {check['counted']} tokens (aimed at {check['expected']})"
     )
-    thresholds = Thresholds(args.ttft_p95, args.tok_s_p50, args.tok_s_p10, args.cache_hit, args.max_errors)
+    thresholds = thresholds_from(args)
     run = RunSettings(
         base_url=args.url,
         api=args.api,

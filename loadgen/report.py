@@ -7,6 +7,7 @@ statistic with no samples (no answered request, no decode time) fails its criter
 
 from __future__ import annotations
 
+import argparse
 import math
 import subprocess
 from collections.abc import Iterable, Sequence
@@ -25,6 +26,20 @@ class Thresholds:
     tok_s_p10: float = 10.0
     cache_hit: float = 0.9
     errors: float = 0.01  # the error fraction must stay below this
+
+
+def add_pass_bar_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bar's flags, the same for the load generator and the simulator (defaults: Thresholds')."""
+    bar = parser.add_argument_group("pass bar")
+    bar.add_argument("--ttft-p95", type=float, default=Thresholds.ttft_p95_s, help="max TTFT p95 (s)")
+    bar.add_argument("--tok-s-p50", type=float, default=Thresholds.tok_s_p50, help="min per-agent output tok/s p50")
+    bar.add_argument("--tok-s-p10", type=float, default=Thresholds.tok_s_p10, help="min per-agent output tok/s p10")
+    bar.add_argument("--cache-hit", type=float, default=Thresholds.cache_hit, help="min fraction of input from cache")
+    bar.add_argument("--max-errors", type=float, default=Thresholds.errors, help="error fraction must stay below this")
+
+
+def thresholds_from(args: argparse.Namespace) -> Thresholds:
+    return Thresholds(args.ttft_p95, args.tok_s_p50, args.tok_s_p10, args.cache_hit, args.max_errors)
 
 
 def percentile(values: Iterable[float], q: float) -> float | None:

@@ -25,7 +25,7 @@ from rich.table import Table
 
 from contracts.config import KvServeConfig, load_config
 from loadgen.agent import ThinkTime
-from loadgen.report import TABLE_COLUMNS, Thresholds, current_commit, step_row
+from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
 from rank_worker.engine.scheduler import SchedulingPolicy
 from router.route_score import RoutePolicy
@@ -92,12 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--max-output-tokens", type=int, default=None, help="cap on the trace's output lengths")
     work.add_argument("--seed", type=int, default=None, help="id namespace and synthetic draws (default 0)")
 
-    bar = parser.add_argument_group("pass bar")
-    bar.add_argument("--ttft-p95", type=float, default=15.0, help="max TTFT p95 (s)")
-    bar.add_argument("--tok-s-p50", type=float, default=20.0, help="min per-agent output tok/s p50")
-    bar.add_argument("--tok-s-p10", type=float, default=10.0, help="min per-agent output tok/s p10")
-    bar.add_argument("--cache-hit", type=float, default=0.9, help="min fraction of input tokens from cache")
-    bar.add_argument("--max-errors", type=float, default=0.01, help="error fraction must stay below this")
+    add_pass_bar_arguments(parser)
 
     out = parser.add_argument_group("output")
     out.add_argument("--monthly-price", type=float, default=None, help="the node's price per month (any currency)")
@@ -259,7 +254,7 @@ def main(argv: list[str]) -> int:
         max_output_tokens=args.max_output_tokens,
         seed=args.seed or 0,
     )
-    thresholds = Thresholds(args.ttft_p95, args.tok_s_p50, args.tok_s_p10, args.cache_hit, args.max_errors)
+    thresholds = thresholds_from(args)
     err.print(
         f"{len(sessions)} sessions, {args.shape} x {args.ranks} ranks of {kv_blocks} blocks "
         f"({kv_blocks * args.block_size:,} tokens each), L1 {l1_blocks} blocks, context scale {factor:.4g}, "

@@ -17,6 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from loadgen.report import current_commit  # noqa: E402
 from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.model_runner import kv_pool_shape  # noqa: E402
 from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch  # noqa: E402
@@ -92,9 +93,15 @@ def main() -> None:
             print(rows[-1], flush=True)
             del graph
     if args.out:
-        Path(args.out).write_text(
-            json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}, indent=1)
-        )
+        result = {
+            "date": time.strftime("%Y-%m-%d"),
+            "commit": current_commit(),
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "shape": args.shape,
+            "rows": rows,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -104,7 +104,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens", "rank_id", "l1_attached", "l1_restored_tokens", "l1_offloaded_blocks", "l1_copies_in_flight")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens", "rank_id", "l1_attached", "l1_restored_tokens", "l1_offloaded_blocks", "l1_copies_in_flight", "waiting_warm_prefill_tokens")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -122,6 +122,7 @@ class StatsResponse(_message.Message):
     L1_RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     L1_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     L1_COPIES_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    WAITING_WARM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -139,7 +140,8 @@ class StatsResponse(_message.Message):
     l1_restored_tokens: int
     l1_offloaded_blocks: int
     l1_copies_in_flight: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., rank_id: _Optional[str] = ..., l1_attached: _Optional[bool] = ..., l1_restored_tokens: _Optional[int] = ..., l1_offloaded_blocks: _Optional[int] = ..., l1_copies_in_flight: _Optional[int] = ...) -> None: ...
+    waiting_warm_prefill_tokens: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., rank_id: _Optional[str] = ..., l1_attached: _Optional[bool] = ..., l1_restored_tokens: _Optional[int] = ..., l1_offloaded_blocks: _Optional[int] = ..., l1_copies_in_flight: _Optional[int] = ..., waiting_warm_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

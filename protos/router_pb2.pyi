@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class RankLoad(_message.Message):
-    __slots__ = ("running", "waiting", "waiting_prefill_tokens", "free_blocks", "total_blocks")
+    __slots__ = ("running", "waiting", "waiting_prefill_tokens", "free_blocks", "total_blocks", "waiting_warm_prefill_tokens")
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     WAITING_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    WAITING_WARM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     running: int
     waiting: int
     waiting_prefill_tokens: int
     free_blocks: int
     total_blocks: int
-    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ...) -> None: ...
+    waiting_warm_prefill_tokens: int
+    def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting_warm_prefill_tokens: _Optional[int] = ...) -> None: ...
 
 class RegisterRankRequest(_message.Message):
     __slots__ = ("rank_id", "address", "incarnation", "block_size", "hash_namespace", "load")

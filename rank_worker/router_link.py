@@ -49,6 +49,7 @@ def rank_load(stats: EngineStats) -> pb.RankLoad:
         waiting_prefill_tokens=stats.waiting_prefill_tokens,
         free_blocks=stats.free_blocks,
         total_blocks=stats.total_blocks,
+        waiting_warm_prefill_tokens=stats.waiting_warm_prefill_tokens,
     )
 
 

@@ -48,7 +48,11 @@ def config_from_args(args: argparse.Namespace) -> KvServeConfig:
 
 
 def build_state(config: KvServeConfig) -> RouterState:
-    policy = RoutePolicy(l1_restore_cost=config.l1_restore_cost, overload_prefill_tokens=config.overload_prefill_tokens)
+    policy = RoutePolicy(
+        l1_restore_cost=config.l1_restore_cost,
+        overload_prefill_tokens=config.overload_prefill_tokens,
+        warm_prefix_fraction=config.warm_prefix_fraction,  # what the ranks' schedulers call warm
+    )
     return RouterState(policy, config.session_ttl_secs, config.rank_down_after_secs)
 
 

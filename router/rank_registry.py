@@ -20,6 +20,7 @@ class RankLoad:
     waiting_prefill_tokens: int = 0
     free_blocks: int = 0
     total_blocks: int = 0
+    waiting_warm_prefill_tokens: int = 0  # the part of waiting_prefill_tokens a new warm request waits for
 
 
 class RankHealth(enum.Enum):
@@ -47,6 +48,7 @@ class RankEntry:
     load: RankLoad = field(default_factory=RankLoad)
     # Prompt tokens routed here since the last heartbeat: the rank's queue will hold them before it says so.
     pending_prefill_tokens: int = 0
+    pending_warm_prefill_tokens: int = 0  # the part of it routed as warm requests
     down_since: float | None = None
     down_reason: str = ""
 
@@ -62,6 +64,11 @@ class RankEntry:
     def queued_prefill_tokens(self) -> int:
         """Prefill work ahead of a new request: what the rank reported plus what we sent it since."""
         return self.load.waiting_prefill_tokens + self.pending_prefill_tokens
+
+    @property
+    def queued_warm_prefill_tokens(self) -> int:
+        """The part of queued_prefill_tokens a new warm request queues behind."""
+        return self.load.waiting_warm_prefill_tokens + self.pending_warm_prefill_tokens
 
 
 class RegisterOutcome(enum.Enum):
@@ -113,6 +120,7 @@ class RankRegistry:
         entry.last_heartbeat = now
         entry.load = load
         entry.pending_prefill_tokens = 0  # the reported queue now includes what we sent before
+        entry.pending_warm_prefill_tokens = 0
         return True
 
     def mark_down(self, rank_id: str, reason: str, now: float, incarnation: str | None = None) -> bool:
@@ -127,6 +135,7 @@ class RankRegistry:
         entry.down_since = now
         entry.down_reason = reason
         entry.pending_prefill_tokens = 0
+        entry.pending_warm_prefill_tokens = 0
         return True
 
     def stale(self, now: float) -> list[RankEntry]:
@@ -147,11 +156,14 @@ class RankRegistry:
     def forget(self, rank_id: str) -> None:
         self._ranks.pop(rank_id, None)
 
-    def add_pending_prefill(self, rank_id: str, tokens: int) -> None:
-        """Optimistic load: a request routed here will queue `tokens` of prefill before the next heartbeat."""
+    def add_pending_prefill(self, rank_id: str, tokens: int, warm: bool = False) -> None:
+        """Optimistic load: a request routed here will queue `tokens` of prefill before the next heartbeat
+        (`warm`: as a warm request, ahead of the cold ones)."""
         entry = self._ranks.get(rank_id)
         if entry is not None:
             entry.pending_prefill_tokens += max(tokens, 0)
+            if warm:
+                entry.pending_warm_prefill_tokens += max(tokens, 0)
 
     def healthy(self) -> list[RankEntry]:
         return [entry for entry in self._ranks.values() if entry.healthy]

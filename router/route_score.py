@@ -1,8 +1,13 @@
 """The routing decision, as a pure function of the candidates' cache matches and load.
 
-score = new prefill work on that rank + work already queued there (lower is better), where a token held
+score = new prefill work on that rank + work queued there ahead of it (lower is better), where a token held
 in L0 costs nothing, a token restored from L1 costs l1_restore_cost of a prefilled one, and each running
 sequence adds a fixed amount because decode steps share the GPU with the prefill.
+
+"Ahead of it" follows the rank's warm_first scheduler: a request the rank will find warm (at least
+warm_prefix_fraction of its prompt cached in L0 or L1) is taken before waiting cold prefills, so it queues
+only behind the warm part of the queue. A session's rank busy with new sessions' cold prefills is therefore
+not overloaded for the session's next turn, and the turn stays where its prefix is.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ RUNNING_SEQUENCE_TOKENS = 256
 # An overloaded session rank is left only for a rank whose score is at most this fraction of its own:
 # moving a session throws its L0 prefix away, so "slightly better" is not worth it.
 ESCAPE_SCORE_RATIO = 0.5
+# The ranks' scheduling default (SchedulingPolicy.warm_prefix_fraction): the cached share that makes a request warm.
+WARM_PREFIX_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -23,6 +30,7 @@ class RoutePolicy:
     overload_prefill_tokens: int
     running_sequence_tokens: int = RUNNING_SEQUENCE_TOKENS
     escape_score_ratio: float = ESCAPE_SCORE_RATIO
+    warm_prefix_fraction: float = WARM_PREFIX_FRACTION
 
 
 @dataclass(frozen=True)
@@ -35,6 +43,7 @@ class Candidate:
     l1_blocks: int  # lookup hashes after those that the node's L1 holds
     queued_prefill_tokens: int  # reported waiting prefill plus what we routed there since
     running: int
+    queued_warm_prefill_tokens: int  # the part of it a warm request waits for (the rest is cold prefill)
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,8 @@ class ScoredCandidate:
     uncached_tokens: int  # prompt tokens the rank must compute
     new_prefill: float  # uncached tokens plus the weighted cost of restoring the L1 ones
     queue: float
+    warm: bool  # the rank's scheduler will take it as a warm request
+    queued_ahead: int  # waiting prefill tokens it queues behind
 
     @property
     def score(self) -> float:
@@ -63,6 +74,7 @@ class RouteChoice:
     expected_l1_tokens: int
     score: float
     new_prefill_tokens: int  # prompt tokens the rank will compute (for the optimistic load estimate)
+    warm: bool = False  # expected warm on that rank (its prefill joins the warm part of the queue)
 
 
 def score_candidate(candidate: Candidate, prompt_tokens: int, policy: RoutePolicy) -> ScoredCandidate:
@@ -72,8 +84,14 @@ def score_candidate(candidate: Candidate, prompt_tokens: int, policy: RoutePolic
     l1_tokens = min(candidate.l1_blocks * candidate.block_size, prompt_tokens - l0_tokens)
     uncached = prompt_tokens - l0_tokens - l1_tokens
     new_prefill = uncached + l1_tokens * policy.l1_restore_cost
-    queue = candidate.queued_prefill_tokens + candidate.running * policy.running_sequence_tokens
-    return ScoredCandidate(candidate, l0_tokens, l1_tokens, uncached, new_prefill, queue)
+    warm = prompt_tokens > 0 and l0_tokens + l1_tokens >= policy.warm_prefix_fraction * prompt_tokens
+    ahead = (
+        min(candidate.queued_warm_prefill_tokens, candidate.queued_prefill_tokens)
+        if warm
+        else candidate.queued_prefill_tokens
+    )
+    queue = ahead + candidate.running * policy.running_sequence_tokens
+    return ScoredCandidate(candidate, l0_tokens, l1_tokens, uncached, new_prefill, queue, warm, ahead)
 
 
 def choose_rank(
@@ -87,7 +105,7 @@ def choose_rank(
     best = min(scored, key=_order)
     session = next((item for item in scored if item.candidate.rank_id == session_rank_id), None)
     if session is not None:
-        if session.candidate.queued_prefill_tokens < policy.overload_prefill_tokens:
+        if session.queued_ahead < policy.overload_prefill_tokens:
             return _choice(session, "session")
         others = [item for item in scored if item is not session]
         if others:
@@ -115,4 +133,5 @@ def _choice(item: ScoredCandidate, reason: str) -> RouteChoice:
         expected_l1_tokens=item.l1_tokens,
         score=item.score,
         new_prefill_tokens=item.uncached_tokens,
+        warm=item.warm,
     )

@@ -199,13 +199,14 @@ class RouterState:
                 l1_blocks=matches[rank_id].l1_blocks,
                 queued_prefill_tokens=entry.queued_prefill_tokens,
                 running=entry.load.running,
+                queued_warm_prefill_tokens=entry.queued_warm_prefill_tokens,
             )
             for rank_id, entry in ranks.items()
         ]
         session_rank = self.sessions.rank_of(query.session_id, now) if query.session_id else None
         choice = choose_rank(candidates, query.prompt_tokens, session_rank, self.policy)
         assert choice is not None  # candidates is not empty
-        self.registry.add_pending_prefill(choice.rank_id, choice.new_prefill_tokens)
+        self.registry.add_pending_prefill(choice.rank_id, choice.new_prefill_tokens, choice.warm)
         if query.session_id:
             self.sessions.record(query.session_id, choice.rank_id, now)
             self.durable.session_changed(query.session_id)

@@ -43,9 +43,13 @@ def rank_load(message: pb.RankLoad) -> RankLoad:
         waiting_prefill_tokens=message.waiting_prefill_tokens,
         free_blocks=message.free_blocks,
         total_blocks=message.total_blocks,
+        waiting_warm_prefill_tokens=message.waiting_warm_prefill_tokens,
     )
-    if min(load.running, load.waiting, load.waiting_prefill_tokens, load.free_blocks, load.total_blocks) < 0:
+    counts = (load.running, load.waiting, load.waiting_prefill_tokens, load.free_blocks, load.total_blocks)
+    if min(*counts, load.waiting_warm_prefill_tokens) < 0:
         raise InvalidMessageError("load counts must not be negative")
+    if load.waiting_warm_prefill_tokens > load.waiting_prefill_tokens:
+        raise InvalidMessageError("waiting_warm_prefill_tokens must not exceed waiting_prefill_tokens")
     return load
 
 
@@ -83,6 +87,7 @@ def load_message(load: RankLoad) -> pb.RankLoad:
         waiting_prefill_tokens=load.waiting_prefill_tokens,
         free_blocks=load.free_blocks,
         total_blocks=load.total_blocks,
+        waiting_warm_prefill_tokens=load.waiting_warm_prefill_tokens,
     )
 
 

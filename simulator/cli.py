@@ -242,7 +242,11 @@ def main(argv: list[str]) -> int:
         l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * args.block_size))
-    route = RoutePolicy(l1_restore_cost=args.l1_restore_cost, overload_prefill_tokens=args.overload_prefill_tokens)
+    route = RoutePolicy(
+        l1_restore_cost=args.l1_restore_cost,
+        overload_prefill_tokens=args.overload_prefill_tokens,
+        warm_prefix_fraction=args.warm_prefix_fraction,
+    )
     workload = WorkloadSettings(
         agents=agent_counts[0],
         turns=args.turns,

@@ -51,7 +51,9 @@ class NodeSettings:
     ranks: int
     rank: RankSettings
     l1_blocks: int = 0  # the node's host cache in blocks; 0 = no L1
-    route: RoutePolicy = field(default_factory=lambda: RoutePolicy(l1_restore_cost=0.05, overload_prefill_tokens=65536))
+    route: RoutePolicy = field(
+        default_factory=lambda: RoutePolicy(l1_restore_cost=0.05, overload_prefill_tokens=262144)
+    )
     model_id: str = "simulated"
 
 

@@ -53,6 +53,7 @@ class SimulatedRouter:
                 l1_blocks=matches[rank_id].l1_blocks,
                 queued_prefill_tokens=rank.scheduler.waiting_prefill_tokens(),
                 running=len(rank.scheduler.running),
+                queued_warm_prefill_tokens=rank.scheduler.waiting_warm_prefill_tokens(),
             )
             for rank_id, rank in self.ranks.items()
         ]

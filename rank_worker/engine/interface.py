@@ -84,6 +84,7 @@ class EngineStats:
     preemptions: int
     block_size: int
     waiting_prefill_tokens: int
+    waiting_warm_prefill_tokens: int = 0  # the part of it a new warm request would wait for
     l1_attached: bool = False
     l1_restored_tokens: int = 0
     l1_offloaded_blocks: int = 0

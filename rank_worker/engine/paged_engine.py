@@ -290,6 +290,7 @@ class PagedEngine(Engine):
             preemptions=sched.num_preemptions,
             block_size=self.settings.block_size,
             waiting_prefill_tokens=sched.waiting_prefill_tokens(),
+            waiting_warm_prefill_tokens=sched.waiting_warm_prefill_tokens(),
             l1_attached=self.l1 is not None and self.l1.attached,
             l1_restored_tokens=sched.restored_tokens,
             l1_offloaded_blocks=self.l1.offloaded_blocks if self.l1 is not None else 0,

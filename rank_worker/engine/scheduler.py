@@ -105,6 +105,20 @@ class Scheduler:
     def waiting_prefill_tokens(self) -> int:
         return sum(seq.num_uncomputed_tokens for seq in self.waiting)
 
+    def waiting_warm_prefill_tokens(self) -> int:
+        """Waiting prefill a newly arrived warm request would queue behind: under warm_first only the waiting
+        requests taken before cold ones (warm, preempted, starved), under fifo everything waiting. The
+        router compares this, not the whole queue, when a session's rank is busy with cold prefills: its warm
+        turn would not wait for them."""
+        if not self.policy.warm_first:
+            return self.waiting_prefill_tokens()
+        now = self.clock()
+        return sum(
+            seq.num_uncomputed_tokens
+            for seq in self.waiting
+            if seq.num_cached_tokens is not None or self._waited_too_long(seq, now) or self._is_warm(seq)
+        )
+
     def cold_prefills(self) -> int:
         """Running sequences admitted cold whose prefill has not completed yet."""
         return sum(1 for seq in self.running if seq.num_computed_tokens < seq.cold_until)

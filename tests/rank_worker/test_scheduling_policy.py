@@ -224,3 +224,25 @@ def test_warmth_counts_the_run_the_host_tier_is_known_to_hold() -> None:
     assert engine.kv.peek_cached_tokens(seq) == 14 * 16  # L0's 10 blocks, then the 4 L1 holds
     engine.kv.host_tier = _KnownHostTier(set(hashes[11:16]))
     assert engine.kv.peek_cached_tokens(seq) == 10 * 16  # L1's run must continue L0's, not skip a block
+
+
+def test_the_warm_part_of_the_waiting_queue_is_what_a_warm_turn_waits_for() -> None:
+    # Reported to the router: a session's rank busy with cold prefills is not overloaded for its warm turn.
+    clock = Clock()
+    warm_first = _engine("warm_first", clock)
+    _cache_history(warm_first)
+    for i, prompt in enumerate(_cold(2)):
+        _submit(warm_first, f"cold{i}", prompt, 4, at=clock.now)
+    warm_prompt = [*HISTORY, 5, 6, 7, 8]
+    _submit(warm_first, "warm", warm_prompt, 4, at=clock.now)
+    sched = warm_first.scheduler
+    assert sched.waiting_prefill_tokens() == 2 * 150 + len(warm_prompt)
+    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt), "the cold requests are not ahead of it"
+    assert warm_first.stats().waiting_warm_prefill_tokens == len(warm_prompt)
+    clock.now += sched.policy.cold_max_wait_secs
+    assert sched.waiting_warm_prefill_tokens() == sched.waiting_prefill_tokens(), "starved cold ones go first"
+
+    fifo = _engine("fifo")
+    for i, prompt in enumerate(_cold(2)):
+        _submit(fifo, f"cold{i}", prompt, 4)
+    assert fifo.scheduler.waiting_warm_prefill_tokens() == fifo.scheduler.waiting_prefill_tokens() == 300

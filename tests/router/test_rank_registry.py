@@ -75,3 +75,14 @@ def test_optimistic_pending_prefill_until_the_next_heartbeat() -> None:
     assert entry is not None and entry.queued_prefill_tokens == 1600
     registry.heartbeat("r0", "i1", RankLoad(waiting_prefill_tokens=1400), now=1)
     assert entry.queued_prefill_tokens == 1400, "the heartbeat's queue replaces the estimate"
+
+
+def test_pending_warm_prefill_counts_in_the_warm_queue_only_when_routed_warm() -> None:
+    registry = RankRegistry(rank_down_after_s=5)
+    registry.register(identity(), RankLoad(waiting_prefill_tokens=900, waiting_warm_prefill_tokens=100), now=0)
+    registry.add_pending_prefill("r0", 1000)  # a cold request
+    registry.add_pending_prefill("r0", 50, warm=True)
+    entry = registry.get("r0")
+    assert entry is not None and (entry.queued_prefill_tokens, entry.queued_warm_prefill_tokens) == (1950, 150)
+    registry.heartbeat("r0", "i1", RankLoad(waiting_prefill_tokens=1400, waiting_warm_prefill_tokens=30), now=1)
+    assert (entry.queued_prefill_tokens, entry.queued_warm_prefill_tokens) == (1400, 30)

@@ -8,7 +8,8 @@ POLICY = RoutePolicy(l1_restore_cost=0.05, overload_prefill_tokens=10_000)
 
 
 def rank(rank_id: str, l0: int = 0, l1: int = 0, queued: int = 0, running: int = 0) -> Candidate:
-    return Candidate(rank_id, 16, l0, l1, queued, running)
+    """A rank whose whole queue is ahead of any request (as under fifo scheduling)."""
+    return Candidate(rank_id, 16, l0, l1, queued, running, queued)
 
 
 def test_no_candidate_no_choice() -> None:
@@ -83,3 +84,40 @@ def test_ties_are_stable() -> None:
     first = choose_rank([rank("b"), rank("a")], 100, None, POLICY)
     second = choose_rank([rank("a"), rank("b")], 100, None, POLICY)
     assert first is not None and second is not None and first.rank_id == second.rank_id == "a"
+
+
+def test_warm_turn_waits_only_for_the_warm_part_of_the_queue() -> None:
+    # The session's rank is busy with cold prefills of new sessions; its warm_first scheduler takes this
+    # turn (its prefix is in L0) before them, so the rank is not overloaded for it and the session stays.
+    mine = Candidate("mine", 16, 60, 0, 40_000, 0, 500)
+    choice = choose_rank([mine, rank("idle")], 1000, "mine", POLICY)
+    assert choice is not None and (choice.rank_id, choice.reason) == ("mine", "session") and choice.warm
+    assert score_candidate(mine, 1000, POLICY).queued_ahead == 500
+
+
+def test_warm_queue_past_the_limit_still_lets_the_session_escape() -> None:
+    mine = Candidate("mine", 16, 60, 0, 40_000, 0, 30_000)
+    choice = choose_rank([mine, rank("idle")], 1000, "mine", POLICY)
+    assert choice is not None and (choice.rank_id, choice.reason) == ("idle", "overloaded-session-rank")
+    assert not choice.warm, "cold on the idle rank"
+
+
+def test_a_cold_request_queues_behind_everything() -> None:
+    # Under half the prompt cached: the rank's scheduler takes it as cold, after every waiting prefill.
+    busy = Candidate("busy", 16, 20, 0, 40_000, 0, 500)
+    scored = score_candidate(busy, 1000, POLICY)
+    assert not scored.warm and scored.queued_ahead == 40_000
+    choice = choose_rank([busy, rank("idle")], 1000, "busy", POLICY)
+    assert choice is not None and (choice.rank_id, choice.reason) == ("idle", "overloaded-session-rank")
+
+
+def test_l1_blocks_make_a_request_warm_too() -> None:
+    # The rank's scheduler counts what the node's L1 holds as cached when it judges warm.
+    other = Candidate("other", 16, 0, 60, 40_000, 0, 0)
+    scored = score_candidate(other, 1000, POLICY)
+    assert scored.warm and scored.queued_ahead == 0
+
+
+def test_warm_queue_is_never_taken_as_more_than_the_whole_queue() -> None:
+    odd = Candidate("odd", 16, 60, 0, 100, 0, 900)
+    assert score_candidate(odd, 1000, POLICY).queued_ahead == 100

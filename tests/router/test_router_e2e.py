@@ -172,6 +172,10 @@ def test_routes_follow_prefixes_and_sessions_and_bad_input_is_refused(stack: Sta
         with pytest.raises(grpc.RpcError) as bad_address:
             stub.RegisterRank(pb.RegisterRankRequest(rank_id="x", address="nowhere", incarnation="x", block_size=16))
         assert bad_address.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.RpcError) as bad_load:
+            load = pb.RankLoad(waiting_prefill_tokens=10, waiting_warm_prefill_tokens=11)
+            stub.Heartbeat(pb.HeartbeatRequest(rank_id="rank-a", incarnation="x", load=load), timeout=2)
+        assert bad_load.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert stub.Heartbeat(pb.HeartbeatRequest(rank_id="stranger", incarnation="x"), timeout=2).known is False
         assert set(rank_status(stub)) == {"rank-a", "rank-b"}, "refused requests changed nothing"
 

@@ -116,6 +116,25 @@ def test_optimistic_load_spreads_a_burst_of_new_sessions(state: RouterState) -> 
     assert state.route(query(prompt_tokens(9, 100))).choice.rank_id == "a"
 
 
+def test_warm_turn_stays_on_a_rank_busy_with_cold_prefills(state: RouterState, clock: Clock) -> None:
+    register(state, "a")
+    register(state, "b")
+    history = prompt_tokens(1, 800)
+    state.apply_rank_events("a", "i1", [KvEvent(KvEventKind.STORED, tuple(lookup_hashes(history)[:50]))])
+    assert state.route(query(history, session="s1")).choice.rank_id == "a"
+    # "a" is past the overload limit with new sessions' cold prefills, none of which a warm turn waits for.
+    state.heartbeat("a", "i1", RankLoad(waiting_prefill_tokens=50_000, waiting_warm_prefill_tokens=200))
+    clock.now += 1
+    turn = state.route(query([*history, *prompt_tokens(2, 64)], session="s1"))
+    assert (turn.choice.rank_id, turn.choice.reason, turn.choice.warm) == ("a", "session", True)
+    entry = state.registry.get("a")
+    assert entry is not None and entry.queued_warm_prefill_tokens == 200 + turn.choice.new_prefill_tokens
+    # Once the warm part itself is past the limit, the session leaves for the idle rank.
+    state.heartbeat("a", "i1", RankLoad(waiting_prefill_tokens=50_000, waiting_warm_prefill_tokens=40_000))
+    moved = state.route(query([*history, *prompt_tokens(2, 64)], session="s1"))
+    assert (moved.choice.rank_id, moved.choice.reason) == ("b", "overloaded-session-rank")
+
+
 def test_session_moves_when_its_rank_is_down_or_avoided(state: RouterState, recorder: Recorder) -> None:
     register(state, "a")
     register(state, "b")

@@ -21,6 +21,8 @@ MAX_OUT=${MAX_OUT:-64}
 CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 nvidia-smi --query-gpu=name --format=csv,noheader > "$OUT/gpu.txt" || true
 git rev-parse --short HEAD > "$OUT/commit.txt" 2>/dev/null || true
+[ -n "${COMMIT:-}" ] && echo "$COMMIT" > "$OUT/commit.txt"  # the device copy's git HEAD can be stale
+echo "${GPUS:-}" > "$OUT/gpus.txt"
 UP_FLAGS=(--ranks "$RANKS")
 [ -n "$GPUS" ] && UP_FLAGS+=(--gpus "$GPUS")
 run_agents() { agents "$@" --turns "$TURNS" --max-output-tokens "$MAX_OUT" --context-scale "$CONTEXT_SCALE"; }

@@ -42,8 +42,12 @@ def phase(run: Path, name: str) -> dict[str, Any]:
     gateway_log = run / f"logs-{name}" / "gateway.log"
     served = parse_request_lines(gateway_log.read_text().splitlines()) if gateway_log.is_file() else []
     rank_ids = [f"rank-{index}" for index in range(ranks)]
+    gpus = (run / "gpus.txt").read_text().strip() if (run / "gpus.txt").is_file() else ""
+    placement = gpus.split(",") if gpus else [str(index) for index in range(ranks)]
     result: dict[str, Any] = {
         "ranks": ranks,
+        "gpus": placement if name != "one" else placement[:1],
+        "ranks_share_a_gpu": len(set(placement)) < len(placement) and name != "one",
         "commit": (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else None,
         "steps": [{key: step.get(key) for key in STEP_FIELDS} for step in measured["steps"]],
         "largest_passing": measured.get("largest_passing"),
@@ -77,9 +81,19 @@ def main() -> None:
             result[name] = phase(run, name)
     one = (result.get("one") or {}).get("largest_passing")
     many = (result.get("many") or {}).get("largest_passing")
-    result["scaling_vs_one_rank"] = round(many / one, 2) if one and many else None
+    ratio = round(many / one, 2) if one and many else None
+    if (result.get("many") or {}).get("ranks_share_a_gpu"):
+        # Ranks sharing a GPU share its compute: their ratio says what splitting costs, not what GPUs add.
+        result["scaling_vs_one_rank"] = None
+        result["ratio_ranks_sharing_one_gpu"] = ratio
+    else:
+        result["scaling_vs_one_rank"] = ratio
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps({k: v for k, v in result.items() if k in ("gpu", "scaling_vs_one_rank")}))
+    print(
+        json.dumps(
+            {k: v for k, v in result.items() if k in ("gpu", "scaling_vs_one_rank", "ratio_ranks_sharing_one_gpu")}
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -101,8 +101,11 @@ def failover(requests: list[ServedRequest], dead_rank: str, killed_at: float) ->
         if request.session in orphaned and request.at >= killed_at and request.rank != dead_rank:
             resumed.setdefault(request.session, request)
     firsts = [r for r in resumed.values() if r.status == 200 and r.ttft_s is not None]
-    cold = [r.ttft_s for r in requests if r.status == 200 and r.cached_tokens == 0 and r.ttft_s is not None]
+    colds = [r for r in requests if r.status == 200 and r.cached_tokens == 0 and r.ttft_s is not None]
+    cold = [r.ttft_s for r in colds]
     prompt = sum(r.prompt_tokens for r in firsts)
+    # The restarted rank's work after it re-registered: it rejoined when it serves again.
+    back = [r for r in requests if r.rank == dead_rank and r.at >= killed_at and r.status == 200]
     return {
         "dead_rank": dead_rank,
         "orphaned_sessions": len(orphaned),
@@ -110,7 +113,11 @@ def failover(requests: list[ServedRequest], dead_rank: str, killed_at: float) ->
         "resumed_ttft_p50_s": round(statistics.median(r.ttft_s for r in firsts), 3) if firsts else None,  # type: ignore[misc]
         "resumed_l1_share": round(sum(r.l1_cached_tokens for r in firsts) / prompt, 4) if prompt else None,
         "resumed_cache_share": round(sum(r.cached_tokens for r in firsts) / prompt, 4) if prompt else None,
-        "cold_ttft_p50_s": round(statistics.median(cold), 3) if cold else None,
+        "resumed_prompt_tokens_p50": round(statistics.median(r.prompt_tokens for r in firsts)) if firsts else None,
+        "cold_ttft_p50_s": round(statistics.median(cold), 3) if cold else None,  # type: ignore[type-var]
+        "cold_prompt_tokens_p50": round(statistics.median(r.prompt_tokens for r in colds)) if colds else None,
+        "served_by_restarted_rank": len(back),
+        "restarted_rank_first_served_after_s": round(min(r.at for r in back) - killed_at, 1) if back else None,
         "failed_after_kill": sum(1 for r in requests if r.at >= killed_at and r.status != 200),
         "switched_mid_stream": sum(1 for r in requests if r.rank_switches > 0),
     }

@@ -64,10 +64,15 @@ def test_load_per_rank_and_stickiness() -> None:
 
 
 def test_failover_reports_the_dead_ranks_sessions_coming_back() -> None:
-    served = parse_request_lines(RUN)
+    # rank-0 restarted and serves a new session at second 40
+    served = parse_request_lines([*RUN, line(40, "d", "rank-0", 1000, 0, ttft=4.0)])
     killed_at = served[0].at + 9  # second 10
     report = failover(served, "rank-0", killed_at)
     assert report["orphaned_sessions"] == 2 and report["resumed_sessions"] == 2
     assert report["resumed_ttft_p50_s"] == 0.55 and report["cold_ttft_p50_s"] == 4.0
+    assert report["resumed_prompt_tokens_p50"] == 1100 and report["cold_prompt_tokens_p50"] == 1000
     assert report["resumed_l1_share"] == round((1100 + 896) / 2200, 4)
     assert report["failed_after_kill"] == 0
+    assert report["served_by_restarted_rank"] == 1 and report["restarted_rank_first_served_after_s"] == 30.0
+    quiet = failover(parse_request_lines(RUN), "rank-0", killed_at)
+    assert quiet["served_by_restarted_rank"] == 0 and quiet["restarted_rank_first_served_after_s"] is None

@@ -1,9 +1,11 @@
-"""Assemble the multi-rank results (issue 6) from the tarballs of bench/ranks_h200.sh: the largest passing agent
-count with one rank and with RANKS ranks (scaling_vs_one_rank, the ratio), load per rank and stickiness from
-the gateway's request lines, and the recovery of a rank killed mid-run.
+"""Assemble the multi-rank results (issue 6) from the tarballs of bench/ranks_h200.sh: per run, the load
+generator's steps, where the ranks ran, load per rank and stickiness from the gateway's request lines, and the
+recovery of a rank killed mid-run; then the largest passing agent count of each placement against one rank's
+(scaling_vs_one_rank when the ranks had a GPU each).
 
     python bench/ranks_results.py --raw DIR --out bench/results/four-gpus-h200.json
-DIR holds ranks-one.tgz, ranks-many.tgz and ranks-kill.tgz (any of them may be missing).
+DIR holds ranks-<phase>[-<label>].tgz files (phase: one, many or kill); runs of one phase and placement (one
+rank; or the same GPU list) are taken together for their largest passing N.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from loadgen.rank_balance import failover, parse_request_lines, rank_load, stickiness  # noqa: E402
+from loadgen.report import largest_passing  # noqa: E402
 from simulator.calibration import COMPARED  # noqa: E402
 
-STEP_FIELDS = ("agents", *COMPARED, "cache_hit_l0", "cache_hit_l1", "failed")
+STEP_FIELDS = ("agents", "turns", *COMPARED, "expected_cache_hit", "cache_hit_l0", "cache_hit_l1", "failed", "passed")
+PHASES = ("one", "many", "kill")
 
 
-def unpack(tarball: Path, into: Path) -> Path | None:
-    if not tarball.is_file():
-        return None
+def unpack(tarball: Path, into: Path) -> Path:
     target = into / tarball.stem
     target.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tarball) as archive:
@@ -35,33 +37,64 @@ def unpack(tarball: Path, into: Path) -> Path | None:
     return target
 
 
-def phase(run: Path, name: str) -> dict[str, Any]:
-    """One phase's load generator steps, its ranks, and what the gateway's request lines say."""
-    measured = json.loads((run / f"{name}.json").read_text())
-    ranks = int((run / "ranks.txt").read_text()) if (run / "ranks.txt").is_file() else 1
-    gateway_log = run / f"logs-{name}" / "gateway.log"
+def _text(path: Path, default: str = "") -> str:
+    return path.read_text().strip() if path.is_file() else default
+
+
+def run_result(run: Path, phase: str) -> dict[str, Any]:
+    """One run: its load generator steps, its ranks and GPUs, and what the gateway's request lines say."""
+    measured = json.loads((run / f"{phase}.json").read_text())
+    ranks = int(_text(run / "ranks.txt", "1"))
+    gpus = _text(run / "gpus.txt")
+    placement = gpus.split(",")[:ranks] if gpus and phase != "one" else [str(index) for index in range(ranks)]
+    gateway_log = run / f"logs-{phase}" / "gateway.log"
     served = parse_request_lines(gateway_log.read_text().splitlines()) if gateway_log.is_file() else []
     rank_ids = [f"rank-{index}" for index in range(ranks)]
-    gpus = (run / "gpus.txt").read_text().strip() if (run / "gpus.txt").is_file() else ""
-    placement = gpus.split(",") if gpus else [str(index) for index in range(ranks)]
+    turns = measured.get("turns")
     result: dict[str, Any] = {
+        "phase": phase,
         "ranks": ranks,
-        "gpus": placement if name != "one" else placement[:1],
-        "ranks_share_a_gpu": len(set(placement)) < len(placement) and name != "one",
-        "commit": (run / "commit.txt").read_text().strip() if (run / "commit.txt").is_file() else None,
-        "steps": [{key: step.get(key) for key in STEP_FIELDS} for step in measured["steps"]],
+        "gpus": placement,
+        "ranks_share_a_gpu": len(set(placement)) < len(placement),
+        "gpu": _text(run / "gpu.txt") or None,
+        "commit": _text(run / "commit.txt") or None,
+        "date": measured.get("date"),
+        "steps": [{key: ({**step, "turns": turns}).get(key) for key in STEP_FIELDS} for step in measured["steps"]],
         "largest_passing": measured.get("largest_passing"),
         "load": rank_load(served, rank_ids) if served else None,
         "stickiness": stickiness(served) if served else None,
     }
     killed = run / "killed_at.txt"
     if killed.is_file():
-        dead = (run / "killed_rank.txt").read_text().strip()
+        dead = _text(run / "killed_rank.txt")
         result["failover"] = failover(served, dead, float(killed.read_text()))
-        router_log = run / f"logs-{name}" / "router.log"
+        router_log = run / f"logs-{phase}" / "router.log"
         lines = router_log.read_text().splitlines() if router_log.is_file() else []
         result["failover"]["router_lines_about_it"] = [line for line in lines if dead in line][-6:]
     return result
+
+
+def placements(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Runs of one placement taken together: their largest passing N over all their steps, and that against
+    one rank's (a ratio for ranks sharing a GPU says what splitting it does, not what more GPUs add)."""
+    grouped: dict[str, list[dict[str, Any]]] = {}
+    for run in runs.values():
+        key = "1 rank" if run["ranks"] == 1 else f"{run['ranks']} ranks on GPUs {','.join(run['gpus'])}"
+        grouped.setdefault(key, []).append(run)
+    summary: dict[str, dict[str, Any]] = {}
+    for key, members in grouped.items():
+        steps = [step for run in members for step in run["steps"]]
+        summary[key] = {
+            "ranks": members[0]["ranks"],
+            "gpus": len(set(members[0]["gpus"])),
+            "steps_run": sorted({(step["agents"], step["turns"]) for step in steps}),
+            "largest_passing": largest_passing(steps),
+        }
+    one = summary.get("1 rank", {}).get("largest_passing")
+    for entry in summary.values():
+        many = entry["largest_passing"]
+        entry["vs_one_rank"] = round(many / one, 2) if one and many else None
+    return summary
 
 
 def main() -> None:
@@ -69,31 +102,23 @@ def main() -> None:
     parser.add_argument("--raw", required=True)
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    raw = Path(args.raw)
-    result: dict[str, Any] = {"gpu": None}
+    runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        for name in ("one", "many", "kill"):
-            run = unpack(raw / f"ranks-{name}.tgz", Path(scratch))
-            if run is None:
-                continue
-            if result["gpu"] is None and (run / "gpu.txt").is_file():
-                result["gpu"] = (run / "gpu.txt").read_text().strip() or "cpu"
-            result[name] = phase(run, name)
-    one = (result.get("one") or {}).get("largest_passing")
-    many = (result.get("many") or {}).get("largest_passing")
-    ratio = round(many / one, 2) if one and many else None
-    if (result.get("many") or {}).get("ranks_share_a_gpu"):
-        # Ranks sharing a GPU share its compute: their ratio says what splitting costs, not what GPUs add.
-        result["scaling_vs_one_rank"] = None
-        result["ratio_ranks_sharing_one_gpu"] = ratio
-    else:
-        result["scaling_vs_one_rank"] = ratio
+        for tarball in sorted(Path(args.raw).glob("ranks-*.tgz")):
+            name = tarball.stem.removeprefix("ranks-")
+            phase = name.split("-")[0]
+            if phase in PHASES:
+                runs[name] = run_result(unpack(tarball, Path(scratch)), phase)
+    by_placement = placements(runs)
+    four = [e for e in by_placement.values() if e["ranks"] == 4 and e["gpus"] == 4]
+    result: dict[str, Any] = {
+        # The issue's measure: four ranks with a GPU each against one rank; None until such a run exists.
+        "scaling_vs_one_rank": four[0]["vs_one_rank"] if four else None,
+        "placements": by_placement,
+        "runs": runs,
+    }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(
-        json.dumps(
-            {k: v for k, v in result.items() if k in ("gpu", "scaling_vs_one_rank", "ratio_ranks_sharing_one_gpu")}
-        )
-    )
+    print(json.dumps({"scaling_vs_one_rank": result["scaling_vs_one_rank"], "placements": by_placement}, indent=1))
     print(f"wrote {args.out}")
 
 

@@ -41,6 +41,12 @@ def _text(path: Path, default: str = "") -> str:
     return path.read_text().strip() if path.is_file() else default
 
 
+def _machine(gpu_names: str) -> str | None:
+    """nvidia-smi's one line per GPU as "N x name" (what the machine had, not what the ranks used)."""
+    names = gpu_names.splitlines()
+    return f"{len(names)} x {names[0]}" if names else None
+
+
 def run_result(run: Path, phase: str) -> dict[str, Any]:
     """One run: its load generator steps, its ranks and GPUs, and what the gateway's request lines say."""
     measured = json.loads((run / f"{phase}.json").read_text())
@@ -56,7 +62,7 @@ def run_result(run: Path, phase: str) -> dict[str, Any]:
         "ranks": ranks,
         "gpus": placement,
         "ranks_share_a_gpu": len(set(placement)) < len(placement),
-        "gpu": _text(run / "gpu.txt") or None,
+        "gpu": _machine(_text(run / "gpu.txt")),
         "commit": _text(run / "commit.txt") or None,
         "date": measured.get("date"),
         "steps": [{key: ({**step, "turns": turns}).get(key) for key in STEP_FIELDS} for step in measured["steps"]],
@@ -101,6 +107,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--note", default="", help="what was and was not run, kept in the JSON")
     args = parser.parse_args()
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as scratch:
@@ -112,6 +119,10 @@ def main() -> None:
     by_placement = placements(runs)
     four = [e for e in by_placement.values() if e["ranks"] == 4 and e["gpus"] == 4]
     result: dict[str, Any] = {
+        "dates": sorted({run["date"] for run in runs.values() if run["date"]}),
+        "commits": sorted({run["commit"] for run in runs.values() if run["commit"]}),
+        "gpu": sorted({run["gpu"] for run in runs.values() if run["gpu"]}),
+        "note": args.note,
         # The issue's measure: four ranks with a GPU each against one rank; None until such a run exists.
         "scaling_vs_one_rank": four[0]["vs_one_rank"] if four else None,
         "placements": by_placement,

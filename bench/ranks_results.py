@@ -103,10 +103,43 @@ def placements(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return summary
 
 
+def draw_chart(runs: dict[str, dict[str, Any]], path: Path) -> None:
+    """Per-agent tok/s p50 against agents, one line per placement; filled markers: the step passed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lines: dict[str, list[dict[str, Any]]] = {}
+    for run in runs.values():
+        where = "GPU" if len(set(run["gpus"])) == 1 else "GPUs"
+        label = f"{run['ranks']} rank{'s' if run['ranks'] > 1 else ''} on {len(set(run['gpus']))} {where}"
+        lines.setdefault(label, []).extend(run["steps"])
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, steps in sorted(lines.items()):
+        steps = sorted(steps, key=lambda step: step["agents"])
+        agents = [step["agents"] for step in steps]
+        line = ax.plot(agents, [step["tok_s_p50"] for step in steps], "-", label=label)[0]
+        for step in steps:
+            face = line.get_color() if step["passed"] else "white"
+            ax.plot(step["agents"], step["tok_s_p50"], "o", color=line.get_color(), markerfacecolor=face, markersize=8)
+            if step["turns"] != 20:
+                ax.annotate(f"{step['turns']} turns", (step["agents"], step["tok_s_p50"]), fontsize="small")
+    ax.axhline(20, color="red", linestyle="--", linewidth=1, label="p50 bar")
+    ax.set_xlabel("concurrent agents")
+    ax.set_ylabel("output tokens/s per agent (p50)")
+    ax.set_title("H200, llama-8b shape: filled = step passed every bar")
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--chart", default="", help="also draw tok/s per placement into this PNG (matplotlib)")
     parser.add_argument("--note", default="", help="what was and was not run, kept in the JSON")
     args = parser.parse_args()
     runs: dict[str, dict[str, Any]] = {}
@@ -129,6 +162,8 @@ def main() -> None:
         "runs": runs,
     }
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    if args.chart:
+        draw_chart(runs, Path(args.chart))
     print(json.dumps({"scaling_vs_one_rank": result["scaling_vs_one_rank"], "placements": by_placement}, indent=1))
     print(f"wrote {args.out}")
 

@@ -119,5 +119,6 @@ def failover(requests: list[ServedRequest], dead_rank: str, killed_at: float) ->
         "served_by_restarted_rank": len(back),
         "restarted_rank_first_served_after_s": round(min(r.at for r in back) - killed_at, 1) if back else None,
         "failed_after_kill": sum(1 for r in requests if r.at >= killed_at and r.status != 200),
-        "switched_mid_stream": sum(1 for r in requests if r.rank_switches > 0),
+        # retried before their first token or continued mid-stream on another rank
+        "switched_rank": sum(1 for r in requests if r.rank_switches > 0),
     }

@@ -36,6 +36,7 @@ def engine_stats(free_blocks: int) -> EngineStats:
         preemptions=0,
         block_size=16,
         waiting_prefill_tokens=777,
+        waiting_warm_prefill_tokens=300,
     )
 
 
@@ -97,6 +98,7 @@ def test_link_registers_heartbeats_and_survives_a_router_restart(
         status = ranks(router)["rank-link-test"]
         assert status.healthy and status.address == "127.0.0.1:50999"
         assert status.load.waiting_prefill_tokens == 777 and status.load.total_blocks == 100
+        assert status.load.waiting_warm_prefill_tokens == 300, "the warm part of the queue reaches the router"
         free["blocks"] = 42  # heartbeats carry the current load
         wait_until(lambda: ranks(router)["rank-link-test"].load.free_blocks == 42, 10, "load updated")
         beats = link.heartbeats

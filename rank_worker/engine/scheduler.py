@@ -31,6 +31,8 @@ from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 
 PolicyName = Literal["fifo", "warm_first"]
+# How long a computed warm part of the waiting queue is reused (a load signal, heard once a heartbeat).
+WARM_QUEUE_REFRESH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
         self.cold_admissions = 0  # requests admitted as cold prefills (warm_first only)
+        self._warm_queue: tuple[float, int] | None = None  # (when, value) of the last waiting_warm_prefill_tokens
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -109,15 +112,22 @@ class Scheduler:
         """Waiting prefill a newly arrived warm request would queue behind: under warm_first only the waiting
         requests taken before cold ones (warm, preempted, starved), under fifo everything waiting. The
         router compares this, not the whole queue, when a session's rank is busy with cold prefills: its warm
-        turn would not wait for them."""
+        turn would not wait for them.
+
+        Judging a request warm walks its block hashes, and the engine loop asks after every step: the value is
+        reused for WARM_QUEUE_REFRESH_S (the router hears it once a heartbeat, and counts what it routed since)."""
         if not self.policy.warm_first:
             return self.waiting_prefill_tokens()
         now = self.clock()
-        return sum(
+        if self._warm_queue is not None and 0 <= now - self._warm_queue[0] < WARM_QUEUE_REFRESH_S:
+            return self._warm_queue[1]
+        value = sum(
             seq.num_uncomputed_tokens
             for seq in self.waiting
             if seq.num_cached_tokens is not None or self._waited_too_long(seq, now) or self._is_warm(seq)
         )
+        self._warm_queue = (now, value)
+        return value
 
     def cold_prefills(self) -> int:
         """Running sequences admitted cold whose prefill has not completed yet."""

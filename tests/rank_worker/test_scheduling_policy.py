@@ -11,7 +11,7 @@ from l1_fixtures import tiny_model
 
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.paged_engine import PagedEngine
-from rank_worker.engine.scheduler import ScheduledBatch
+from rank_worker.engine.scheduler import WARM_QUEUE_REFRESH_S, ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 
 VOCAB = 128
@@ -239,6 +239,10 @@ def test_the_warm_part_of_the_waiting_queue_is_what_a_warm_turn_waits_for() -> N
     assert sched.waiting_prefill_tokens() == 2 * 150 + len(warm_prompt)
     assert sched.waiting_warm_prefill_tokens() == len(warm_prompt), "the cold requests are not ahead of it"
     assert warm_first.stats().waiting_warm_prefill_tokens == len(warm_prompt)
+    _submit(warm_first, "warm2", [*HISTORY, 9, 10], 4, at=clock.now)
+    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt), "reused within WARM_QUEUE_REFRESH_S"
+    clock.now += WARM_QUEUE_REFRESH_S
+    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt) + len(HISTORY) + 2
     clock.now += sched.policy.cold_max_wait_secs
     assert sched.waiting_warm_prefill_tokens() == sched.waiting_prefill_tokens(), "starved cold ones go first"
 

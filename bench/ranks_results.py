@@ -80,15 +80,20 @@ def run_result(run: Path, phase: str) -> dict[str, Any]:
     return result
 
 
-def placements(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Runs of one placement taken together: their largest passing N over all their steps, and that against
-    one rank's (a ratio for ranks sharing a GPU says what splitting it does, not what more GPUs add)."""
+def by_placement(runs: dict[str, dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Runs grouped by where their ranks ran ("1 rank", "2 ranks on GPUs 0,0", ...)."""
     grouped: dict[str, list[dict[str, Any]]] = {}
     for run in runs.values():
         key = "1 rank" if run["ranks"] == 1 else f"{run['ranks']} ranks on GPUs {','.join(run['gpus'])}"
         grouped.setdefault(key, []).append(run)
+    return grouped
+
+
+def placements(runs: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Runs of one placement taken together: their largest passing N over all their steps, and that against
+    one rank's (a ratio for ranks sharing a GPU says what splitting it does, not what more GPUs add)."""
     summary: dict[str, dict[str, Any]] = {}
-    for key, members in grouped.items():
+    for key, members in by_placement(runs).items():
         steps = [step for run in members for step in run["steps"]]
         summary[key] = {
             "ranks": members[0]["ranks"],
@@ -110,14 +115,9 @@ def draw_chart(runs: dict[str, dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    lines: dict[str, list[dict[str, Any]]] = {}
-    for run in runs.values():
-        where = "GPU" if len(set(run["gpus"])) == 1 else "GPUs"
-        label = f"{run['ranks']} rank{'s' if run['ranks'] > 1 else ''} on {len(set(run['gpus']))} {where}"
-        lines.setdefault(label, []).extend(run["steps"])
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, steps in sorted(lines.items()):
-        steps = sorted(steps, key=lambda step: step["agents"])
+    for label, members in sorted(by_placement(runs).items()):
+        steps = sorted((step for run in members for step in run["steps"]), key=lambda step: step["agents"])
         agents = [step["agents"] for step in steps]
         line = ax.plot(agents, [step["tok_s_p50"] for step in steps], "-", label=label)[0]
         for step in steps:

@@ -148,3 +148,8 @@ def load_config(config_file: str | Path | None = None, **overrides: Any) -> KvSe
                 del os.environ["KVSERVE_CONFIG"]
             else:
                 os.environ["KVSERVE_CONFIG"] = previous
+
+
+# The documented defaults, for code that needs them without a file or the environment (the simulator's node,
+# the router's scoring policy when built without a config).
+DEFAULTS = KvServeConfig.model_construct()

@@ -45,8 +45,15 @@ def rank_load(message: pb.RankLoad) -> RankLoad:
         total_blocks=message.total_blocks,
         waiting_warm_prefill_tokens=message.waiting_warm_prefill_tokens,
     )
-    counts = (load.running, load.waiting, load.waiting_prefill_tokens, load.free_blocks, load.total_blocks)
-    if min(*counts, load.waiting_warm_prefill_tokens) < 0:
+    counts = (
+        load.running,
+        load.waiting,
+        load.waiting_prefill_tokens,
+        load.waiting_warm_prefill_tokens,
+        load.free_blocks,
+        load.total_blocks,
+    )
+    if min(counts) < 0:
         raise InvalidMessageError("load counts must not be negative")
     if load.waiting_warm_prefill_tokens > load.waiting_prefill_tokens:
         raise InvalidMessageError("waiting_warm_prefill_tokens must not exceed waiting_prefill_tokens")

@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from contracts.config import KvServeConfig, load_config
+from contracts.config import DEFAULTS, load_config
 from loadgen.agent import ThinkTime
 from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
@@ -38,7 +38,6 @@ from simulator.step_time import fit_report, fit_step_time, load_engine_results
 
 RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
 PROBE_DIR = Path(__file__).resolve().parent / "results"
-DEFAULTS = KvServeConfig.model_construct()  # the config's defaults (no file, no environment)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from contracts.block_hash import hash_namespace
+from contracts.config import DEFAULTS
 from loadgen.agent import WARM_REUSE, RequestRecord, ThinkTime
 from loadgen.reuse import SentPrefixes
 from loadgen.runner import assigned_sessions
@@ -52,7 +53,10 @@ class NodeSettings:
     rank: RankSettings
     l1_blocks: int = 0  # the node's host cache in blocks; 0 = no L1
     route: RoutePolicy = field(
-        default_factory=lambda: RoutePolicy(l1_restore_cost=0.05, overload_prefill_tokens=262144)
+        default_factory=lambda: RoutePolicy(
+            l1_restore_cost=DEFAULTS.l1_restore_cost,
+            overload_prefill_tokens=DEFAULTS.overload_prefill_tokens,
+        )
     )
     model_id: str = "simulated"
 

@@ -80,16 +80,22 @@ class KvCacheManager:
         """Prompt tokens the caches hold for this sequence now (the L0 run, then the run the host tier is known
         to hold), taking no block and making no call: what warm-first scheduling ranks by. Counting stops once
         `enough` tokens are found."""
+        return sum(self.peek_cached_split(seq, enough))
+
+    def peek_cached_split(self, seq: Sequence, enough: int | None = None) -> tuple[int, int]:
+        """peek_cached_tokens as (tokens in L0, tokens after them the host tier is known to hold): the rank's
+        load counts the second kind at the cost of a restore, not of a prefill."""
         if not self.pool.caching:
-            return 0
+            return 0, 0
         hashes = self.lookup_hashes(seq)
         limit = len(hashes) if enough is None else min(len(hashes), -(-enough // self.block_size))
-        found = 0
-        while found < limit and self.pool.lookup(hashes[found]) is not None:
-            found += 1
-        if found < limit and self.host_tier is not None:
-            found += self.host_tier.known_run(hashes[found:limit])
-        return found * self.block_size
+        in_l0 = 0
+        while in_l0 < limit and self.pool.lookup(hashes[in_l0]) is not None:
+            in_l0 += 1
+        in_l1 = 0
+        if in_l0 < limit and self.host_tier is not None:
+            in_l1 = self.host_tier.known_run(hashes[in_l0:limit])
+        return in_l0 * self.block_size, in_l1 * self.block_size
 
     def _restore_room(self, rest_tokens: int, restorable: int, token_budget: int | None) -> int:
         """The most blocks to restore so that they plus the blocks of the next chunk to compute still fit

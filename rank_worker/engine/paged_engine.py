@@ -45,11 +45,13 @@ class EngineSettings:
     prefix_cache: bool = True
     served_model_name: str = "model"
     model_id: str = "model"
+    weights_digest: str = ""  # part of the block-hash namespace: another checkpoint never shares its KV
     seed: int = 0
     scheduling_policy: PolicyName = "warm_first"
     warm_prefix_fraction: float = 0.5
     max_cold_prefills: int = 0
     cold_max_wait_secs: float = 30.0
+    l1_restore_cost: float = 0.05  # the router's, so the load the rank reports is in its unit
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
     cuda_graph_max_kv_tokens: int = 0  # 0: graph_kv_token_cap decides
     decode_attention: str = "auto"  # "auto" | "triton" | "sdpa"
@@ -57,7 +59,11 @@ class EngineSettings:
     @property
     def scheduling(self) -> SchedulingPolicy:
         return SchedulingPolicy(
-            self.scheduling_policy, self.warm_prefix_fraction, self.max_cold_prefills, self.cold_max_wait_secs
+            self.scheduling_policy,
+            self.warm_prefix_fraction,
+            self.max_cold_prefills,
+            self.cold_max_wait_secs,
+            self.l1_restore_cost,
         )
 
 
@@ -82,7 +88,11 @@ class PagedEngine(Engine):
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
-            settings.model_id, fingerprint, settings.block_size, str(dtype).removeprefix("torch.")
+            settings.model_id,
+            fingerprint,
+            settings.block_size,
+            str(dtype).removeprefix("torch."),
+            settings.weights_digest,
         )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
@@ -188,6 +198,12 @@ class PagedEngine(Engine):
     def has_unfinished(self) -> bool:
         # L1 copies in flight count: someone must step to commit them and let their blocks go.
         return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
+
+    def request_progress(self, request_id: str) -> tuple[int, bool] | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens), seq.status is SequenceStatus.WAITING
 
     # --- the step ---
 

@@ -17,6 +17,10 @@ Two policies:
   request that has waited cold_max_wait_secs is treated as warm from then on (ahead of newer work, not held
   back by the cap), so a steady stream of warm work cannot starve it. Preempted sequences keep their place
   at the front of the queue; when blocks run out, cold prefills are preempted first.
+
+The load the rank reports (prefill_load) is prefill still to do: for each waiting request its prompt tokens
+not in L0 (those the host tier is known to hold at l1_restore_cost each), for each running one still in
+prefill what is left of it. It is the unit of the router's own estimate and score, so the two add up.
 """
 
 from __future__ import annotations
@@ -27,12 +31,13 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
+from contracts.config import DEFAULTS
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 
 PolicyName = Literal["fifo", "warm_first"]
-# How long a computed warm part of the waiting queue is reused (a load signal, heard once a heartbeat).
-WARM_QUEUE_REFRESH_S = 0.5
+# How long a computed prefill load is reused (a load signal, heard once a heartbeat).
+LOAD_REFRESH_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,7 @@ class SchedulingPolicy:
     warm_prefix_fraction: float = 0.5  # a request is warm when its cached prefix covers this much of its prompt
     max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
     cold_max_wait_secs: float = 30.0  # a cold request waiting this long is scheduled as if warm
+    l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
 
     @property
     def warm_first(self) -> bool:
@@ -55,6 +61,14 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.entries)
+
+
+@dataclass(frozen=True)
+class PrefillLoad:
+    """Prefill still to do on the rank, in prompt tokens to compute (as the router scores a request)."""
+
+    tokens: int  # waiting requests' uncached prompt tokens, plus what partially prefilled ones have left
+    warm_tokens: int  # the part of it a newly arrived warm request waits for
 
 
 @dataclass
@@ -89,7 +103,7 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
         self.cold_admissions = 0  # requests admitted as cold prefills (warm_first only)
-        self._warm_queue: tuple[float, int] | None = None  # (when, value) of the last waiting_warm_prefill_tokens
+        self._load: tuple[float, PrefillLoad] | None = None  # (when, value) of the last prefill_load
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -106,28 +120,47 @@ class Scheduler:
         self.kv.free(seq)
 
     def waiting_prefill_tokens(self) -> int:
-        return sum(seq.num_uncomputed_tokens for seq in self.waiting)
+        return self.prefill_load().tokens
 
     def waiting_warm_prefill_tokens(self) -> int:
-        """Waiting prefill a newly arrived warm request would queue behind: under warm_first only the waiting
-        requests taken before cold ones (warm, preempted, starved), under fifo everything waiting. The
-        router compares this, not the whole queue, when a session's rank is busy with cold prefills: its warm
-        turn would not wait for them.
+        return self.prefill_load().warm_tokens
 
-        Judging a request warm walks its block hashes, and the engine loop asks after every step: the value is
-        reused for WARM_QUEUE_REFRESH_S (the router hears it once a heartbeat, and counts what it routed since)."""
-        if not self.policy.warm_first:
-            return self.waiting_prefill_tokens()
+    def prefill_load(self) -> PrefillLoad:
+        """Prefill still to do, and the part of it a newly arrived warm request would queue behind: under
+        warm_first only the requests taken before cold ones (warm, preempted, starved; running prefills that
+        are not cold), under fifo everything. The router compares the warm part, not the whole, when a
+        session's rank is busy with cold prefills: its warm turn would not wait for them.
+
+        Measuring walks every waiting request's block hashes, and the engine loop asks after every step: the
+        value is reused for LOAD_REFRESH_S (the router hears it once a heartbeat, and counts what it routed
+        since in the same unit)."""
         now = self.clock()
-        if self._warm_queue is not None and 0 <= now - self._warm_queue[0] < WARM_QUEUE_REFRESH_S:
-            return self._warm_queue[1]
-        value = sum(
-            seq.num_uncomputed_tokens
-            for seq in self.waiting
-            if seq.num_cached_tokens is not None or self._waited_too_long(seq, now) or self._is_warm(seq)
-        )
-        self._warm_queue = (now, value)
-        return value
+        if self._load is not None and 0 <= now - self._load[0] < LOAD_REFRESH_S:
+            return self._load[1]
+        load = self._measure_load(now)
+        self._load = (now, load)
+        return load
+
+    def _measure_load(self, now: float) -> PrefillLoad:
+        total = warm = 0
+        for seq in self.waiting:
+            in_l0, in_l1 = self.kv.peek_cached_split(seq)
+            work = seq.num_tokens - in_l0 - in_l1 + round(in_l1 * self.policy.l1_restore_cost)
+            total += work
+            taken_first = (
+                seq.num_cached_tokens is not None
+                or self._waited_too_long(seq, now)
+                or in_l0 + in_l1 >= self.policy.warm_prefix_fraction * seq.num_prompt_tokens
+            )
+            warm += work if taken_first or not self.policy.warm_first else 0
+        for seq in self.running:
+            left = seq.num_uncomputed_tokens
+            if left <= 1:
+                continue  # decoding: its share of the GPU is the router's per-running-sequence cost
+            total += left
+            in_cold_prefill = seq.num_computed_tokens < seq.cold_until and not self._waited_too_long(seq, now)
+            warm += left if not in_cold_prefill or not self.policy.warm_first else 0
+        return PrefillLoad(total, warm)
 
     def cold_prefills(self) -> int:
         """Running sequences admitted cold whose prefill has not completed yet."""

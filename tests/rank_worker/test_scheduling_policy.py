@@ -9,9 +9,11 @@ from collections.abc import Callable
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
 from l1_fixtures import tiny_model
 
+from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
+from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.paged_engine import PagedEngine
-from rank_worker.engine.scheduler import WARM_QUEUE_REFRESH_S, ScheduledBatch
+from rank_worker.engine.scheduler import LOAD_REFRESH_S, ScheduledBatch, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence
 
 VOCAB = 128
@@ -236,17 +238,70 @@ def test_the_warm_part_of_the_waiting_queue_is_what_a_warm_turn_waits_for() -> N
     warm_prompt = [*HISTORY, 5, 6, 7, 8]
     _submit(warm_first, "warm", warm_prompt, 4, at=clock.now)
     sched = warm_first.scheduler
-    assert sched.waiting_prefill_tokens() == 2 * 150 + len(warm_prompt)
-    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt), "the cold requests are not ahead of it"
-    assert warm_first.stats().waiting_warm_prefill_tokens == len(warm_prompt)
+    # In prefill still to do: the cold prompts whole, the warm one's 4 tokens after its 160 cached ones.
+    assert sched.waiting_prefill_tokens() == 2 * 150 + 4
+    assert sched.waiting_warm_prefill_tokens() == 4, "the cold requests are not ahead of it"
+    assert warm_first.stats().waiting_warm_prefill_tokens == 4
     _submit(warm_first, "warm2", [*HISTORY, 9, 10], 4, at=clock.now)
-    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt), "reused within WARM_QUEUE_REFRESH_S"
-    clock.now += WARM_QUEUE_REFRESH_S
-    assert sched.waiting_warm_prefill_tokens() == len(warm_prompt) + len(HISTORY) + 2
+    assert sched.waiting_warm_prefill_tokens() == 4, "reused within LOAD_REFRESH_S"
+    assert sched.waiting_prefill_tokens() == 2 * 150 + 4, "both parts come from one measurement"
+    clock.now += LOAD_REFRESH_S
+    assert sched.waiting_warm_prefill_tokens() == 4 + 2
     clock.now += sched.policy.cold_max_wait_secs
-    assert sched.waiting_warm_prefill_tokens() == sched.waiting_prefill_tokens(), "starved cold ones go first"
+    assert sched.waiting_warm_prefill_tokens() == sched.waiting_prefill_tokens() == 306, "starved cold ones go first"
 
     fifo = _engine("fifo")
     for i, prompt in enumerate(_cold(2)):
         _submit(fifo, f"cold{i}", prompt, 4)
     assert fifo.scheduler.waiting_warm_prefill_tokens() == fifo.scheduler.waiting_prefill_tokens() == 300
+
+
+def _bare_scheduler(
+    cached: list[list[int]], num_blocks: int, policy: SchedulingPolicy | None = None, **limits: int
+) -> tuple[Scheduler, Clock]:
+    """A scheduler over a real pool and cache manager, no model: each of `cached` is a finished first turn
+    whose blocks are cache entries (computed, registered, released, as the engine leaves them)."""
+    kv = KvCacheManager(BlockPool(num_blocks, caching=True), 16, b"load-test-namespace")
+    clock = Clock()
+    sched = Scheduler(kv, limits.get("max_num_seqs", 64), limits.get("max_num_batched_tokens", 4096), policy, clock)
+    for i, tokens in enumerate(cached):
+        seq = Sequence(f"first-turn{i}", list(tokens), len(tokens), greedy(1), arrival_time=clock.now)
+        assert kv.allocate(seq, len(tokens))
+        seq.num_computed_tokens = len(tokens)
+        kv.register_full_blocks(seq)
+        kv.free(seq)
+    return sched, clock
+
+
+def test_the_reported_load_counts_warm_turns_by_their_uncached_tokens_not_their_whole_prompts() -> None:
+    # Ten sessions' next turns: 4,000 cached tokens each and 3 new ones. Prefill still to do is 30 tokens;
+    # counting whole prompts said 40,030, which the router then added its own uncached estimate to.
+    histories = [random_prompt(4000, VOCAB, seed=700 + i) for i in range(10)]
+    sched, clock = _bare_scheduler(histories, num_blocks=2600)
+    for i, history in enumerate(histories):
+        sched.add(Sequence(f"turn{i}", [*history, 1, 2, 3], 4003, greedy(1), arrival_time=clock.now))
+    assert sched.waiting_prefill_tokens() == 30
+    assert sched.waiting_warm_prefill_tokens() == 30
+    assert all(block.ref_count == 0 for block in sched.kv.pool.blocks), "measuring takes no block"
+
+
+def test_the_reported_load_counts_host_tier_hits_at_the_restore_cost_and_chunked_prefills_by_what_is_left() -> None:
+    history = random_prompt(4000, VOCAB, seed=800)
+    sched, clock = _bare_scheduler([], num_blocks=600, max_num_batched_tokens=1024)
+    turn = Sequence("restorable", [*history, 1, 2, 3], 4003, greedy(1), arrival_time=clock.now)
+    sched.kv.host_tier = _KnownHostTier(set(sched.kv.lookup_hashes(turn)))
+    sched.add(turn)
+    # Its 4,000 tokens are restorable from L1: 3 to compute plus 4,000 x l1_restore_cost (0.05), not 4,003.
+    assert sched.policy.l1_restore_cost == 0.05
+    assert sched.waiting_prefill_tokens() == sched.waiting_warm_prefill_tokens() == 3 + 200
+
+    sched.kv.host_tier = None
+    sched.waiting.clear()
+    cold = Sequence("cold", random_prompt(3000, VOCAB, seed=801), 3000, greedy(1), arrival_time=clock.now)
+    sched.add(cold)
+    (entry,) = sched.schedule().entries
+    assert entry == (cold, 1024)
+    cold.num_computed_tokens += 1024  # the step ran, as PagedEngine.step advances it
+    clock.now += LOAD_REFRESH_S
+    assert sched.waiting_prefill_tokens() == 3000 - 1024, "a chunked prefill counts only what is left"
+    assert sched.waiting_warm_prefill_tokens() == 0, "a warm turn goes ahead of a running cold prefill"

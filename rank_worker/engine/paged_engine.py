@@ -45,7 +45,6 @@ class EngineSettings:
     prefix_cache: bool = True
     served_model_name: str = "model"
     model_id: str = "model"
-    weights_digest: str = ""  # part of the block-hash namespace: another checkpoint never shares its KV
     seed: int = 0
     scheduling_policy: PolicyName = "warm_first"
     warm_prefix_fraction: float = 0.5
@@ -88,11 +87,7 @@ class PagedEngine(Engine):
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
-            settings.model_id,
-            fingerprint,
-            settings.block_size,
-            str(dtype).removeprefix("torch."),
-            settings.weights_digest,
+            settings.model_id, fingerprint, settings.block_size, str(dtype).removeprefix("torch.")
         )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
@@ -198,12 +193,6 @@ class PagedEngine(Engine):
     def has_unfinished(self) -> bool:
         # L1 copies in flight count: someone must step to commit them and let their blocks go.
         return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
-
-    def request_progress(self, request_id: str) -> tuple[int, bool] | None:
-        seq = self.requests.get(request_id)
-        if seq is None:
-            return None
-        return min(seq.num_computed_tokens, seq.num_prompt_tokens), seq.status is SequenceStatus.WAITING
 
     # --- the step ---
 

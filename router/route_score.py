@@ -4,6 +4,10 @@ score = new prefill work on that rank + work queued there ahead of it (lower is 
 in L0 costs nothing, a token restored from L1 costs l1_restore_cost of a prefilled one, and each running
 sequence adds a fixed amount because decode steps share the GPU with the prefill.
 
+Queued work is in the same unit: ranks report the prefill still to do on them (prompt tokens not in L0, those
+restorable from L1 at l1_restore_cost), and the router adds each request it routed there since the last
+heartbeat at its own new_prefill. A cached prefix is never counted as work, here or on the rank.
+
 "Ahead of it" follows the rank's warm_first scheduler: a request the rank will find warm (at least
 warm_prefix_fraction of its prompt cached in L0 or L1) is taken before waiting cold prefills, so it queues
 only behind the warm part of the queue. A session's rank busy with new sessions' cold prefills is therefore
@@ -75,7 +79,7 @@ class RouteChoice:
     expected_l0_tokens: int
     expected_l1_tokens: int
     score: float
-    new_prefill_tokens: int  # prompt tokens the rank will compute (for the optimistic load estimate)
+    new_prefill_tokens: int  # its new_prefill, in the unit ranks report their queue in (the optimistic estimate)
     warm: bool = False  # expected warm on that rank (its prefill joins the warm part of the queue)
 
 
@@ -134,6 +138,6 @@ def _choice(item: ScoredCandidate, reason: str) -> RouteChoice:
         expected_l0_tokens=item.l0_tokens,
         expected_l1_tokens=item.l1_tokens,
         score=item.score,
-        new_prefill_tokens=item.uncached_tokens,
+        new_prefill_tokens=round(item.new_prefill),
         warm=item.warm,
     )

@@ -52,6 +52,15 @@ def test_l1_restore_is_cheap_but_not_free() -> None:
     assert choose_rank([rank("l1-only", l1=10)], 200, None, POLICY).expected_l1_tokens == 160  # type: ignore[union-attr]
 
 
+def test_the_load_estimate_of_a_routed_request_is_its_new_prefill_in_the_ranks_unit() -> None:
+    # Ranks report queued work as tokens to compute, L1 hits at l1_restore_cost: the router's estimate of a
+    # request it sends them must be the same number, or the queue it adds to is in another unit.
+    choice = choose_rank([rank("a", l0=5, l1=10, queued=30)], 250, None, POLICY)
+    assert choice is not None and (choice.expected_l0_tokens, choice.expected_l1_tokens) == (80, 160)
+    assert choice.new_prefill_tokens == 10 + round(160 * 0.05)
+    assert choice.score == choice.new_prefill_tokens + 30, "the queue is added once, as reported"
+
+
 def test_expected_tokens_never_exceed_the_prompt() -> None:
     scored = score_candidate(rank("a", l0=100, l1=100), 50, POLICY)
     assert (scored.l0_tokens, scored.l1_tokens, scored.uncached_tokens) == (50, 0, 0)

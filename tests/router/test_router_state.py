@@ -200,3 +200,26 @@ def test_route_logs_one_debug_line_per_decision(state: RouterState, caplog: pyte
         state.route(query(prompt_tokens(1, 50), session="s"))
     lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("route ")]
     assert len(lines) == 1 and "rank=a reason=only-rank" in lines[0]
+
+
+def test_queued_work_is_the_ranks_uncached_report_plus_what_was_routed_since_counted_once(
+    state: RouterState, clock: Clock
+) -> None:
+    register(state, "a")
+    in_l0, in_l1 = prompt_tokens(1, 4000), prompt_tokens(2, 4000)  # 250 blocks each, cached by earlier turns
+    state.apply_rank_events("a", "i1", [KvEvent(KvEventKind.STORED, tuple(lookup_hashes([*in_l0, 0])))])
+    state.index.apply_l1([KvEvent(KvEventKind.STORED, tuple(lookup_hashes([*in_l1, 0])))])
+    # The rank's report for ten waiting warm turns of 4,000 cached + 3 new tokens: 30 tokens to compute.
+    state.heartbeat("a", "i1", RankLoad(waiting=10, waiting_prefill_tokens=30, waiting_warm_prefill_tokens=30))
+    warm = state.route(query([*in_l0, 1, 2, 3], session="s1")).choice
+    assert warm.score == 3 + 30, "3 new tokens over a 30-token queue; neither counts a cached prefix"
+    restorable = state.route(query([*in_l1, 1, 2, 3], session="s2")).choice
+    assert restorable.expected_l1_tokens == 4000 and restorable.new_prefill_tokens == 3 + 200  # 4,000 x 0.05
+    assert restorable.score == restorable.new_prefill_tokens + 30 + 3
+    entry = state.registry.get("a")
+    assert entry is not None
+    assert entry.queued_prefill_tokens == entry.queued_warm_prefill_tokens == 30 + 3 + 203
+    # The rank now reports both turns in the same unit; what the router had added for them is dropped.
+    clock.now += 1
+    state.heartbeat("a", "i1", RankLoad(waiting=12, waiting_prefill_tokens=236, waiting_warm_prefill_tokens=236))
+    assert entry.queued_prefill_tokens == entry.queued_warm_prefill_tokens == 236

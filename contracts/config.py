@@ -76,7 +76,9 @@ class KvServeConfig(BaseSettings):
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the router's durable state")
     session_ttl_secs: float = Field(3600.0, gt=0.0, description="a session forgets its rank after this idle time")
     heartbeat_interval_secs: float = Field(1.0, gt=0.0)
-    rank_down_after_secs: float = Field(5.0, gt=0.0, description="no heartbeat for this long: the rank is down")
+    rank_down_after_secs: float = Field(
+        3.0, gt=0.0, description="no heartbeat for this long (3 missed at the default interval): the rank is down"
+    )
     l1_restore_cost: float = Field(
         0.05, ge=0.0, le=1.0, description="router score: cost of restoring a token from L1 relative to prefill"
     )
@@ -92,6 +94,12 @@ class KvServeConfig(BaseSettings):
     rank_worker_port: int = Field(50151, ge=0, le=65535)
     rank_id: str = Field("", description="this rank's name; empty = rank-<port>")
     rank_advertise_address: str = Field("", description="host:port others use to reach this rank; empty = host:port")
+    rank_max_step_secs: float = Field(
+        300.0,
+        gt=0.0,
+        description="an engine iteration running longer is a stuck engine thread: its streams stop reporting "
+        "progress, so gateways move them elsewhere (a CPU prefill chunk can take a minute)",
+    )
     rank_workers: list[str] = Field(
         default_factory=list, description="static rank list host:port (without a router); empty = rank_worker_*"
     )
@@ -103,6 +111,12 @@ class KvServeConfig(BaseSettings):
     api_keys_file: str = Field("", description="hashed API keys; empty = no auth, allowed on loopback only")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
     ping_interval_secs: float = Field(5.0, gt=0.0, description="SSE ping cadence while a long prefill runs")
+    rank_stall_secs: float = Field(
+        5.0,
+        gt=0.0,
+        description="a rank that sends nothing (no token, no progress) for this long, or does not accept a request "
+        "within it, is hung: the request continues on another rank",
+    )
     log_prompts: bool = Field(False, description="put prompt text in logs (off: privacy)")
     default_temperature: float | None = Field(
         None, ge=0.0, le=2.0, description="for requests that send none (Claude Code does not); None = 1.0"

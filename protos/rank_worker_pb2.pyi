@@ -91,13 +91,23 @@ class Finished(_message.Message):
     stop_token_id: int
     def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., stop_token_id: _Optional[int] = ...) -> None: ...
 
+class Progress(_message.Message):
+    __slots__ = ("computed_prompt_tokens", "queued")
+    COMPUTED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    computed_prompt_tokens: int
+    queued: bool
+    def __init__(self, computed_prompt_tokens: _Optional[int] = ..., queued: _Optional[bool] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("tokens", "finished")
+    __slots__ = ("tokens", "finished", "progress")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_FIELD_NUMBER: _ClassVar[int]
     tokens: TokenChunk
     finished: Finished
-    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ...) -> None: ...
+    progress: Progress
+    def __init__(self, tokens: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

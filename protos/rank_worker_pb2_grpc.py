@@ -61,7 +61,7 @@ class RankWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Generate(self, request, context):
-        """Server streaming: token ids as they are produced, then one Finished message.
+        """Server streaming: token ids as they are produced (Progress while none is due), then one Finished message.
         Cancelling the call aborts the request and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

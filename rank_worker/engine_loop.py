@@ -11,10 +11,12 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
 from rank_worker.engine.interface import (
@@ -24,12 +26,26 @@ from rank_worker.engine.interface import (
     FinishReason,
     InvalidRequestError,
     RequestOutput,
+    RequestsFailedError,
 )
 from rank_worker.step_timing import StepTiming, StepTimingSummary
 
 log = logging.getLogger(__name__)
 
 DEFAULT_KV_EVENT_QUEUE = 10_000
+# How often the per-request progress the Generate streams report is refreshed (on the engine thread).
+PROGRESS_REFRESH_S = 0.5
+
+
+@dataclass(frozen=True)
+class RequestProgress:
+    """Where a request stands, for a client that has had no token for a while (a long prefill, a queue)."""
+
+    computed_prompt_tokens: int = 0
+    queued: bool = True  # not yet admitted (or preempted back into the queue)
+
+
+_QUEUED = RequestProgress()
 
 
 class EngineFailedError(RuntimeError):
@@ -134,8 +150,21 @@ class KvEventSubscription:
 class EngineLoop:
     """Owns an Engine on a dedicated thread; every public method is safe to call from any thread."""
 
-    def __init__(self, engine: Engine, *, failure_backoff_s: float = 0.05, timing_log_interval_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        engine: Engine,
+        *,
+        failure_backoff_s: float = 0.05,
+        timing_log_interval_s: float = 10.0,
+        max_step_s: float = math.inf,
+    ) -> None:
         self._engine = engine
+        # An iteration running longer than this is a stuck engine thread: progress() stops answering, so the
+        # clients' streams go quiet and fail over (a step may legitimately be long: a CPU prefill chunk).
+        self._max_step_s = max_step_s
+        self._iteration_started: float | None = None  # monotonic; set while an iteration does work
+        self._progress: dict[str, RequestProgress] = {}  # replaced, never mutated, by the engine thread
+        self._progress_at = 0.0
         self._timing = StepTiming()
         self._timing_log_interval_s = timing_log_interval_s
         self.last_step_timing: StepTimingSummary | None = None
@@ -149,10 +178,12 @@ class EngineLoop:
         self._joining: list[KvEventSubscription] = []  # get a snapshot of the cache first, on the engine thread
         self._stopping = False
         self._kv_events_ended = False
+        self._woken = False  # the engine asked to be stepped although idle (Engine.set_wakeup)
         # Engine thread only: requests the engine currently holds.
         self._in_engine: set[str] = set()
         self._stats = engine.stats()  # replaced (never mutated) by the engine thread after each iteration
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        engine.set_wakeup(self._wake)
 
     # ---- public, any thread ----
 
@@ -194,6 +225,14 @@ class EngineLoop:
     def stats(self) -> EngineStats:
         """The engine's counters as of the end of the last loop iteration."""
         return dataclasses.replace(self._stats)
+
+    def progress(self, request_id: str) -> RequestProgress | None:
+        """The request's progress as of the last refresh; None while the engine thread is not making progress
+        (an iteration stuck past max_step_s, or the thread gone), so a hang never looks like a long prefill."""
+        started = self._iteration_started
+        if not self._thread.is_alive() or (started is not None and time.monotonic() - started > self._max_step_s):
+            return None
+        return self._progress.get(request_id, _QUEUED)
 
     def in_flight(self) -> int:
         with self._cond:
@@ -239,17 +278,25 @@ class EngineLoop:
             if subscription in self._joining:
                 self._joining.remove(subscription)
 
+    def _wake(self) -> None:
+        """Any thread: the engine has something to poll although idle (an L1 answer, the kvstore gone)."""
+        with self._cond:
+            self._woken = True
+            self._cond.notify()
+
     # ---- engine thread ----
 
     def _run(self) -> None:
         busy = False  # the engine holds unfinished requests
         while True:
             with self._cond:
-                while not (self._stopping or self._new or self._aborts or self._joining or busy):
+                while not (self._stopping or self._new or self._aborts or self._joining or busy or self._woken):
                     self._cond.wait()
+                self._woken = False
                 if self._stopping:
                     break
                 iteration_started = time.perf_counter()
+                self._iteration_started = time.monotonic()
                 new = list(self._new)
                 self._new.clear()
                 aborts = list(self._aborts)
@@ -261,14 +308,35 @@ class EngineLoop:
                 self._publish_kv_events()
                 self._stats = self._engine.stats()
                 busy = self._engine.has_unfinished()
+                self._refresh_progress()
                 if step_s is not None:
                     self._record_timing(step_s, time.perf_counter() - iteration_started)
+            except RequestsFailedError as exc:
+                # One request's own failure (its sampling, its data) is that request's alone.
+                log.error("engine step failed for %s; the other requests go on", exc.request_ids, exc_info=exc.cause)
+                if not self._fail_requests(exc.request_ids, exc):
+                    self._fail_in_engine(exc)  # named nobody we hold: it would recur on every step
+                busy = self._safe_has_unfinished()
             except Exception as exc:
                 log.exception("engine loop iteration failed; failing %d in-flight requests", len(self._in_engine))
                 self._fail_in_engine(exc)
                 busy = self._safe_has_unfinished()
                 time.sleep(self._failure_backoff_s)  # a persistently broken engine must not spin and flood logs
+            finally:
+                self._iteration_started = None
         self._shutdown()
+
+    def _refresh_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._progress_at < PROGRESS_REFRESH_S:
+            return
+        self._progress_at = now
+        progress: dict[str, RequestProgress] = {}
+        for request_id in self._in_engine:
+            state = self._engine.request_progress(request_id)
+            if state is not None:
+                progress[request_id] = RequestProgress(*state)
+        self._progress = progress
 
     def _add(self, new: list[tuple[EngineRequest, RequestStream]]) -> None:
         for request, stream in new:
@@ -357,6 +425,26 @@ class EngineLoop:
             )
             for subscription in joining:
                 subscription._publish(snapshot)
+
+    def _fail_requests(self, request_ids: list[str], cause: RequestsFailedError) -> bool:
+        """Abort and fail just these requests; False if none of them was in the engine."""
+        failed = [request_id for request_id in request_ids if request_id in self._in_engine]
+        for request_id in failed:
+            try:
+                self._engine.abort_request(request_id)
+            except Exception:
+                log.exception("engine.abort_request(%s) failed after its own failure", request_id)
+            with self._cond:
+                stream = self._streams.get(request_id)
+            if stream is not None:
+                self._end(request_id, stream, EngineFailedError(f"the request failed: {cause.cause!r}"))
+            self._in_engine.discard(request_id)
+        try:
+            self._publish_kv_events()
+            self._stats = self._engine.stats()
+        except Exception:
+            log.exception("engine bookkeeping failed after a request's failure")
+        return bool(failed)
 
     def _fail_in_engine(self, cause: Exception) -> None:
         for request_id in list(self._in_engine):

@@ -122,7 +122,7 @@ async def serve(config: KvServeConfig) -> int:
         return 1
 
     engine: Engine = load.result()
-    engine_loop = EngineLoop(engine)
+    engine_loop = EngineLoop(engine, max_step_s=config.rank_max_step_secs)
     engine_loop.start()
     servicer.attach(engine_loop, engine.model_info, rank_id)
     for service in ("", SERVICE_NAME):

@@ -6,6 +6,7 @@ this worker refuses bad input the same way: INVALID_ARGUMENT with the engine's m
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import uuid
@@ -30,6 +31,10 @@ from rank_worker.engine.interface import (
 from rank_worker.engine_loop import EngineFailedError, EngineLoop, EngineLoopStoppedError, RequestStream
 
 log = logging.getLogger(__name__)
+
+# A stream with no token for this long gets a Progress message, so its client can tell a long prefill or a
+# queue from a hung rank.
+PROGRESS_INTERVAL_S = 1.0
 
 _FINISH_REASONS = {
     FinishReason.STOP: pb.FINISH_REASON_STOP,
@@ -95,8 +100,9 @@ def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:
 class RankWorkerServicer(pb_grpc.RankWorkerServicer):
     """Serves one engine loop. Until attach() is called (the model is loading) every RPC is UNAVAILABLE."""
 
-    def __init__(self, max_waiting_requests: int = 256) -> None:
+    def __init__(self, max_waiting_requests: int = 256, progress_interval_s: float = PROGRESS_INTERVAL_S) -> None:
         self._max_waiting = max_waiting_requests
+        self._progress_interval_s = progress_interval_s
         self._rank_id = ""
         self._engine_loop: EngineLoop | None = None
         self._model_info: pb.ModelInfoResponse | None = None
@@ -131,7 +137,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         # (a refusal above arrives instead as an error status).
         await context.send_initial_metadata((("kvserve-accepted", engine_req.request_id),))
         try:
-            async for message in _responses(stream):
+            async for message in _responses(stream, engine_loop, self._progress_interval_s):
                 yield message
         except InvalidRequestError as exc:  # refused at add_request time (validate() could not know)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -168,11 +174,24 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         return self._model_info
 
 
-async def _responses(stream: RequestStream) -> AsyncIterator[pb.GenerateResponse]:
+async def _responses(
+    stream: RequestStream, engine_loop: EngineLoop, progress_interval_s: float
+) -> AsyncIterator[pb.GenerateResponse]:
     """TokenChunks as tokens come (outputs that queued up while we were sending go out as one chunk),
-    then one Finished."""
+    Progress while none comes for a while and the engine loop is making progress, then one Finished."""
     sent_first = False
-    async for first in stream:
+    while not stream.finished:
+        try:
+            first = await asyncio.wait_for(anext(stream), progress_interval_s)
+        except TimeoutError:
+            progress = engine_loop.progress(stream.request_id)
+            if progress is not None:  # a stuck engine thread sends nothing: the client may fail over
+                yield pb.GenerateResponse(
+                    progress=pb.Progress(computed_prompt_tokens=progress.computed_prompt_tokens, queued=progress.queued)
+                )
+            continue
+        except StopAsyncIteration:
+            return
         outputs = [first, *stream.ready()]
         token_ids = [token for output in outputs for token in output.new_token_ids]
         if token_ids:

@@ -19,6 +19,16 @@ class InvalidRequestError(ValueError):
     """A request the engine refuses as given (maps to INVALID_ARGUMENT / HTTP 400)."""
 
 
+class RequestsFailedError(RuntimeError):
+    """step() could not serve these requests (their own parameters or data). The engine is intact and the
+    step's tokens were not applied: the worker aborts these requests alone and steps again for the others."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"request(s) {request_ids} failed: {cause!r}")
+        self.request_ids = request_ids
+        self.cause = cause
+
+
 class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
@@ -156,6 +166,10 @@ class Engine(ABC):
     @abstractmethod
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         """Write blocks exported by export_blocks (same model, same layout) into these physical blocks."""
+
+    def request_progress(self, request_id: str) -> tuple[int, bool] | None:
+        """(prompt tokens computed, still queued) of a request the engine holds; None if unknown."""
+        return None  # an engine that cannot tell: its requests are reported queued
 
     def last_step_tokens(self) -> tuple[int, int]:
         """(tokens computed, of which prefill tokens) in the last step, for step timing; (0, 0) if unknown."""

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from rank_worker.engine.decode_graphs import DecodeGraphs
-from rank_worker.engine.sampler import sample_tokens
+from rank_worker.engine.interface import RequestsFailedError
+from rank_worker.engine.sampler import SamplingError, sample_tokens
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSlice
@@ -58,7 +59,10 @@ class ModelRunner:
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, int]:
         if not seqs:
             return {}
-        tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        try:
+            tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
+        except SamplingError as exc:  # raised before the step changed anything: those requests fail alone
+            raise RequestsFailedError([seqs[row].request_id for row in exc.rows], exc.cause) from exc
         return dict(zip(seqs, tokens, strict=True))
 
     def build_forward_batch(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:

@@ -194,6 +194,12 @@ class PagedEngine(Engine):
         # L1 copies in flight count: someone must step to commit them and let their blocks go.
         return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
 
+    def request_progress(self, request_id: str) -> tuple[int, bool] | None:
+        seq = self.requests.get(request_id)
+        if seq is None:
+            return None
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens), seq.status is SequenceStatus.WAITING
+
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 from collections.abc import Iterator
 
@@ -279,3 +280,81 @@ def test_step_timing_is_logged_with_prefill_and_decode_steps_apart(
     assert "with prefill 1 at" in lines[0] and "decode-only 0" in lines[0]
     assert any("decode-only 1 at" in line for line in lines[1:])
     assert loop.last_step_timing is not None and loop.last_step_timing.steps == 1
+
+
+def sampled_request(request_id: str, prompt: list[int], temperature: float, top_k: int = 0) -> EngineRequest:
+    params = SamplingParams(temperature=temperature, top_k=top_k, seed=3, max_tokens=6, ignore_eos=True)
+    return EngineRequest(request_id, prompt, params)
+
+
+def test_a_tiny_temperature_is_served_greedy_beside_other_requests(engine_loop: EngineLoop) -> None:
+    # 1e-40 is a valid float the APIs accept: logits / 1e-40 overflowed and failed every request of the step
+    async def run() -> None:
+        prompts = [prompt_of(16, 40 + i) for i in range(3)]
+        greedy = [engine_loop.submit(request(f"g{i}", p, max_tokens=6)) for i, p in enumerate(prompts)]
+        tiny = engine_loop.submit(sampled_request("tiny", prompts[0], temperature=1e-40))
+        results = await asyncio.gather(*(collect(s) for s in [*greedy, tiny]))
+        assert all(len(tokens) == 6 for tokens, _ in results)
+        assert results[3][0] == results[0][0]  # greedy: the same tokens as the greedy request on its prompt
+
+    asyncio.run(run())
+
+
+def test_a_requests_own_sampling_failure_fails_it_alone(
+    engine: Engine, engine_loop: EngineLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from rank_worker.engine import sampler
+
+    real_sample_row = sampler._sample_row
+
+    def failing_for_top_k_7(logits, params, generator):  # type: ignore[no-untyped-def]
+        if params.top_k == 7:
+            raise RuntimeError("injected sampling fault")
+        return real_sample_row(logits, params, generator)
+
+    monkeypatch.setattr(sampler, "_sample_row", failing_for_top_k_7)  # fault injection into the real engine
+
+    async def run() -> None:
+        others = [
+            engine_loop.submit(request("greedy", prompt_of(16, 50), max_tokens=6)),
+            engine_loop.submit(sampled_request("sampled", prompt_of(16, 51), temperature=0.8)),
+        ]
+        victim = engine_loop.submit(sampled_request("victim", prompt_of(16, 52), temperature=0.8, top_k=7))
+        with pytest.raises(EngineFailedError, match="injected sampling fault"):
+            await collect(victim)
+        results = await asyncio.gather(*(collect(s) for s in others))
+        assert [len(tokens) for tokens, _ in results] == [6, 6]
+        assert all(final.finish_reason is FinishReason.LENGTH for _, final in results)
+        await wait_for(lambda: engine_loop.stats().used_blocks == 0 and engine_loop.in_flight() == 0)
+
+    asyncio.run(run())
+
+
+def test_progress_is_reported_only_while_the_engine_thread_makes_progress(engine: Engine) -> None:
+    loop = EngineLoop(engine, max_step_s=0.3)
+    loop.start()
+    release = threading.Event()
+    real_step = engine.step
+
+    def stuck_step() -> list[RequestOutput]:
+        release.wait(10)  # a hung kernel: the engine thread is inside a step and does not come back
+        return real_step()
+
+    async def run() -> None:
+        stream = loop.submit(request("p", prompt_of(20, 60), max_tokens=400))
+        await wait_for(lambda: loop.progress("p") is not None and not loop.progress("p").queued)  # type: ignore[union-attr]
+        progress = loop.progress("p")
+        assert progress is not None and progress.computed_prompt_tokens == 20
+        engine.step = stuck_step  # type: ignore[method-assign]
+        await wait_for(lambda: loop.progress("p") is None)  # stuck past max_step_s: no progress to report
+        release.set()
+        await wait_for(lambda: loop.progress("p") is not None)  # iterating again
+        loop.abort("p")
+        await collect(stream)
+
+    try:
+        asyncio.run(run())
+    finally:
+        release.set()
+        del engine.step  # the instance attribute; the class's step again
+        loop.stop()

@@ -1,11 +1,13 @@
-"""Sampling: greedy, temperature with a seed, top-k and top-p filtering."""
+"""Sampling: greedy, temperature with a seed, top-k and top-p filtering; numerically safe for any accepted
+temperature and for non-finite logits; a failing row is named, not the whole batch."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from rank_worker.engine.interface import SamplingParams
-from rank_worker.engine.sampler import sample_tokens
+from rank_worker.engine.sampler import SamplingError, sample_tokens
 
 
 def _logits() -> torch.Tensor:
@@ -39,3 +41,27 @@ def test_top_k_and_top_p_restrict_the_candidates() -> None:
 def test_low_temperature_concentrates_on_the_best_token() -> None:
     draws = _draws(SamplingParams(temperature=0.05), seed=7)
     assert draws.count(1) >= 195
+
+
+def test_tiny_temperatures_are_greedy_and_never_overflow() -> None:
+    # logits / 1e-40 overflows float32: the sampler raised, and the engine failed every request of the step
+    for temperature in (1e-45, 1e-40, 1e-38, 1e-30, 5e-6):
+        params = SamplingParams(temperature=temperature, top_p=0.9, top_k=3)
+        gen = torch.Generator().manual_seed(1)
+        assert sample_tokens(_logits(), [params, params], [gen, None]) == [1, 0], temperature
+
+
+def test_extreme_and_non_finite_logits_sample_an_allowed_token() -> None:
+    logits = torch.tensor([[1e30, -1e30, float("inf"), float("nan"), 0.0], [float("nan")] * 5])
+    params = SamplingParams(temperature=0.7, top_k=2)
+    for seed in range(50):
+        tokens = sample_tokens(logits, [params, params], [torch.Generator().manual_seed(seed), None])
+        assert tokens[0] in (0, 2) and 0 <= tokens[1] < 5
+
+
+def test_a_row_that_fails_is_named_and_the_others_are_not() -> None:
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0), SamplingParams()]
+    bogus = "not a generator"  # the one row's sampling state is broken
+    with pytest.raises(SamplingError) as failed:
+        sample_tokens(_logits()[[0, 1, 0]], params, [None, bogus, None])  # type: ignore[list-item]
+    assert failed.value.rows == [1]

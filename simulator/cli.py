@@ -267,7 +267,9 @@ def main(argv: list[str]) -> int:
     runs: dict[str, list[dict[str, Any]]] = {}
     started = time.monotonic()
     for name in policies:
-        policy = SchedulingPolicy(name, args.warm_prefix_fraction, args.max_cold_prefills, args.cold_max_wait)
+        policy = SchedulingPolicy(
+            name, args.warm_prefix_fraction, args.max_cold_prefills, args.cold_max_wait, args.l1_restore_cost
+        )
         node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
         runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
         _print_table(f"predicted steps ({name})", runs[name])
@@ -293,6 +295,8 @@ def main(argv: list[str]) -> int:
             "cold_max_wait_secs": args.cold_max_wait,
         },
         "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
+        "route": dataclasses.asdict(route),
+        "heartbeat_interval_s": NodeSettings.heartbeat_interval_s,
         "workload": {
             "trace": None if args.synthetic else (args.trace or "claude_code"),
             "trace_path": args.trace_path,
@@ -303,6 +307,7 @@ def main(argv: list[str]) -> int:
         "think_time": args.think_time or "3",
         "duration_s": duration,
         "turns": args.turns,
+        "max_output_tokens": args.max_output_tokens,
         "seed": args.seed or 0,
         "thresholds": dataclasses.asdict(thresholds),
         "step_time_model": step_time.to_json(),

@@ -3,8 +3,9 @@ think times, turn budget and deadline, warm/cold judgement and request records),
 rank, and R simulated ranks running the real scheduler and cache code on a simulated clock.
 
 A discrete-event loop: the next thing to happen is either an agent's call (at its start, or after its
-think time) or the end of a busy rank's current step, whichever is earliest (calls first on a tie, so a
-call that arrives as a step ends joins the next step). A rank steps back to back while it has work.
+think time), the end of a busy rank's current step, or (with several ranks) the ranks' heartbeats to the
+router, whichever is earliest (heartbeats, then calls, on a tie, so a call that arrives as a step ends joins
+the next step). A rank steps back to back while it has work.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class NodeSettings:
         )
     )
     model_id: str = "simulated"
+    heartbeat_interval_s: float = DEFAULTS.heartbeat_interval_secs  # how often ranks report their load
 
 
 @dataclass
@@ -126,7 +128,8 @@ class Replay:
                 return SimulatedRank(f"rank-{index}", node.rank, self.namespace, step_time, clock, self.node_cache)
 
         self.ranks = [make_rank(i, self.clock) for i in range(node.ranks)]  # the schedulers' clock is the replay's
-        self.router = SimulatedRouter(self.ranks, node.route, self.node_cache)
+        self.router = SimulatedRouter(self.ranks, node.route, self.node_cache, self.clock)
+        self._next_heartbeat = 0.0 if self.router.needed else math.inf
         self.prompts = PromptTokens(workload.context_scale)
         self.sent = SentPrefixes()
         self.records: list[RequestRecord] = []
@@ -152,6 +155,11 @@ class Replay:
             next_step = rank.busy_until if rank is not None else math.inf
             if next_call == math.inf and next_step == math.inf:
                 break
+            if self._next_heartbeat <= min(next_call, next_step):
+                self.now = self._next_heartbeat
+                self.router.heartbeat()
+                self._next_heartbeat += self.node.heartbeat_interval_s
+                continue
             if next_call <= next_step:
                 self.now, _, agent = heapq.heappop(self._events)
                 self._call(agent)

@@ -12,7 +12,9 @@ from sim_workloads import cold_session, growing_session, h200_step_time, node, s
 from loadgen.agent import ThinkTime
 from loadgen.report import step_stats
 from simulator.capacity import capacity_summary, simulate_steps
-from simulator.replay import WorkloadSettings, replay
+from simulator.replay import Replay, WorkloadSettings, replay
+from simulator.routing import rank_load
+from simulator.sim_rank import ReplayRank
 
 STEP_TIME = h200_step_time()
 THINK = ThinkTime(fixed=3.0)
@@ -84,6 +86,34 @@ def test_two_ranks_share_the_agents_and_keep_each_session_on_its_rank() -> None:
     assert result.route_reasons.get("session") == 8 * 3  # every later turn followed its session
     stats = step_stats(result.records, 8, result.cached_by_tier)
     assert stats["cache_hit"] > stats["expected_cache_hit"] - 0.02  # routing kept every prefix where it was
+
+
+def test_the_router_sees_heartbeats_and_counts_what_it_routed_since() -> None:
+    # Eight sessions start at once, before any heartbeat shows them: the router's own estimate of what it
+    # sent spreads them; each heartbeat then replaces that estimate with the ranks' report.
+    work = sessions(8, base_blocks=100, turns=2, output=8)
+    run = Replay(work, WorkloadSettings(agents=8, turns=2, think=THINK), node(2), STEP_TIME)
+    first_turns = []
+    route = run.router.route
+
+    def recording_route(session_id: str, lookup_hashes: list[bytes], prompt_tokens: int) -> ReplayRank:
+        rank = route(session_id, lookup_hashes, prompt_tokens)
+        entry = run.router.registry.get(rank.rank_id)
+        assert entry is not None
+        first_turns.append((rank.rank_id, entry.pending_prefill_tokens, entry.load.waiting))
+        return rank
+
+    run.router.route = recording_route  # type: ignore[method-assign]
+    run.run()
+    assert sorted(rank_id for rank_id, _, _ in first_turns[:8]) == ["rank-0"] * 4 + ["rank-1"] * 4
+    assert all(waiting == 0 for _, _, waiting in first_turns[:8]), "no heartbeat had reported them yet"
+    assert [pending for rank_id, pending, _ in first_turns[:8] if rank_id == "rank-0"] == [
+        6400 * n for n in (1, 2, 3, 4)
+    ]
+    run.router.heartbeat()  # the ranks are idle now: their report replaces the estimate
+    for rank in run.ranks:
+        entry = run.router.registry.get(rank.rank_id)
+        assert entry is not None and entry.queued_prefill_tokens == 0 and entry.load == rank_load(rank)
 
 
 def test_the_largest_passing_n_grows_with_ranks() -> None:

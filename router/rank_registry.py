@@ -46,7 +46,8 @@ class RankEntry:
     health: RankHealth
     last_heartbeat: float  # monotonic seconds; for UNCONFIRMED ranks: when they were loaded
     load: RankLoad = field(default_factory=RankLoad)
-    # Prompt tokens routed here since the last heartbeat: the rank's queue will hold them before it says so.
+    # Prefill routed here since the last heartbeat (each request's new_prefill: uncached tokens, the unit of the
+    # rank's report): the rank's queue will hold it before it says so.
     pending_prefill_tokens: int = 0
     pending_warm_prefill_tokens: int = 0  # the part of it routed as warm requests
     down_since: float | None = None

@@ -118,6 +118,10 @@ class KvServeConfig(BaseSettings):
         "within it, is hung: the request continues on another rank",
     )
     log_prompts: bool = Field(False, description="put prompt text in logs (off: privacy)")
+    request_read_timeout_secs: float = Field(
+        30.0, gt=0.0, description="a request's headers, and then its body, must arrive within this; else 408"
+    )
+    metrics_public: bool = Field(False, description="serve /metrics without an API key when keys are on")
     default_temperature: float | None = Field(
         None, ge=0.0, le=2.0, description="for requests that send none (Claude Code does not); None = 1.0"
     )

@@ -14,10 +14,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.config import KvServeConfig
 from gateway.anthropic_api import routes as anthropic_routes
+from gateway.body_deadline import BodyDeadlineMiddleware
 from gateway.body_limit import BodyLimitMiddleware
+from gateway.error_boundary import ErrorBoundary
+from gateway.error_shape import error_body, render_error
 from gateway.openai_api import routes as openai_routes
+from gateway.path_normalise import TrailingSlashMiddleware
 from gateway.request_flow import ApiError
+from gateway.route_support import authenticate
 from gateway.state import GatewayState
+
+# Answers after which the connection cannot carry another request: the body was not (all) read.
+CLOSE_AFTER = (408, 413)
 
 
 def create_app(config: KvServeConfig) -> FastAPI:
@@ -32,9 +40,22 @@ def create_app(config: KvServeConfig) -> FastAPI:
             connecting.cancel()
             await state.close()
 
-    app = FastAPI(title="kvserve gateway", lifespan=lifespan)
+    # The API description only where anyone may call the API anyway (open loopback mode).
+    docs = state.keys is None
+    app = FastAPI(
+        title="kvserve gateway",
+        lifespan=lifespan,
+        redirect_slashes=False,  # TrailingSlashMiddleware answers such paths directly
+        docs_url="/docs" if docs else None,
+        redoc_url="/redoc" if docs else None,
+        openapi_url="/openapi.json" if docs else None,
+    )
     app.state.gateway = state
+    # Added innermost first: ErrorBoundary ends up outermost, so it sees what every other layer sent.
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
+    app.add_middleware(BodyDeadlineMiddleware, timeout_s=config.request_read_timeout_secs)
+    app.add_middleware(TrailingSlashMiddleware)
+    app.add_middleware(ErrorBoundary, metrics=state.metrics)
     app.include_router(anthropic_routes.router)
     app.include_router(openai_routes.router)
 
@@ -49,33 +70,35 @@ def create_app(config: KvServeConfig) -> FastAPI:
         return JSONResponse({"status": "ready", "model": state.model.name})
 
     @app.get("/metrics")
-    async def metrics() -> Response:
+    async def metrics(request: Request) -> Response:
+        if not config.metrics_public:
+            authenticate(request)  # open in open loopback mode; with keys, any valid key
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
     @app.exception_handler(ApiError)
-    async def on_api_error(request: Request, exc: ApiError) -> JSONResponse:
+    async def on_api_error(request: Request, exc: ApiError) -> Response:
         return error_response(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> Response:
         return error_response(request, ApiError(400, "invalid_request_error", str(exc)))
 
     @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> Response:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "api_error")
-        return error_response(request, ApiError(exc.status_code, kind, str(exc.detail)))
+        # exc.headers carries the 405's Allow
+        return error_response(request, ApiError(exc.status_code, kind, str(exc.detail)), exc.headers)
 
     return app
 
 
-def error_response(request: Request, error: ApiError) -> JSONResponse:
+def error_response(request: Request, error: ApiError, extra_headers: dict[str, str] | None = None) -> Response:
     """Anthropic shape under /v1/messages (and anything not OpenAI), OpenAI shape under /v1/chat."""
-    headers = {"retry-after": str(error.retry_after_s)} if error.retry_after_s else None
-    body: dict[str, Any]
-    if request.url.path.startswith("/v1/chat/"):
-        code = "overloaded" if error.status == 529 else None
-        body = {"error": {"message": error.message, "type": error.kind, "param": None, "code": code}}
-    else:
-        body = {"type": "error", "error": {"type": error.kind, "message": error.message}}
-    return JSONResponse(body, status_code=error.status, headers=headers)
+    headers: dict[str, Any] = dict(extra_headers or {})
+    if error.retry_after_s:
+        headers["retry-after"] = str(error.retry_after_s)
+    if error.status in CLOSE_AFTER:
+        headers["connection"] = "close"
+    body = render_error(error_body(request.url.path, error.status, error.kind, error.message))
+    return Response(body, status_code=error.status, headers=headers, media_type="application/json")

@@ -144,6 +144,25 @@ def create_key(path: str | Path, name: str, models: Sequence[str]) -> str:
     return secret
 
 
+def revoke_key(path: str | Path, key: str) -> KeyEntry:
+    """Remove the key whose id is `key` (or whose name is, when one key has it) from the file and return it.
+    A running gateway refuses it from its next request (it re-reads the file when it changes)."""
+    path = Path(path)
+    store = KeyStore.load(path)
+    matches = [entry for entry in store.entries if entry.id == key]
+    if not matches:
+        matches = [entry for entry in store.entries if entry.name == key]
+    if not matches:
+        raise KeyFileError(f"no key with id or name {key!r} in {path}")
+    if len(matches) > 1:
+        ids = ", ".join(entry.id for entry in matches)
+        raise KeyFileError(f"{len(matches)} keys are named {key!r} in {path} ({ids}): revoke one by its id")
+    revoked = matches[0]
+    document = {"keys": [entry.to_json() for entry in store.entries if entry is not revoked]}
+    _write_atomically(path, _dump(path, document))
+    return revoked
+
+
 def auth_mode(config: KvServeConfig) -> AuthMode:
     """'keys' when an api_keys_file is set; without one, 'open-local' if the gateway binds to loopback only,
     else AuthConfigError: an open gateway on a reachable address would serve anyone."""

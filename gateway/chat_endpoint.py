@@ -70,7 +70,7 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         raise error from exc
 
     def finished(finish: Finish | None, failure: ApiError | None) -> None:
-        record_end(state, record, finish, failure, api.finish_reason(finish) if finish else "")
+        record_end(state, record, finish, failure, api.finish_reason(finish) if finish else "", opened)
 
     if not body.stream:  # type: ignore[attr-defined]
         try:

@@ -10,6 +10,7 @@ import uvicorn
 
 from contracts.config import load_config
 from gateway.auth import AuthConfigError
+from gateway.header_deadline import header_deadline_protocol
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
         log_level="warning",
         access_log=False,
         timeout_keep_alive=75,
+        # h11 with a deadline for request headers (uvicorn has none); the body's is the app's own
+        http=header_deadline_protocol(config.request_read_timeout_secs),
     )
     return 0
 

@@ -8,7 +8,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
 from gateway.generation import (
     BadRequest,
@@ -20,6 +20,7 @@ from gateway.generation import (
     StreamBroken,
     Unavailable,
 )
+from gateway.prompt.chat_template import ChatTemplateError
 from gateway.served_model import ModelNotAvailable
 
 log = logging.getLogger(__name__)
@@ -39,19 +40,36 @@ class ApiError(Exception):
 
 
 def api_error_for(exc: BaseException) -> ApiError:
-    """Map what the generation layer raises to an HTTP status and error type."""
+    """Map what the generation layer raises to an HTTP status and error type. Only the gateway's own
+    validation errors are 4xx; the rest is a 500 whose message names no internal address or exception text
+    (those go to the log)."""
     if isinstance(exc, ApiError):
         return exc
-    if isinstance(exc, (ModelNotAvailable, PromptTooLong, BadRequest, ValueError)):
+    if isinstance(exc, (ModelNotAvailable, PromptTooLong, BadRequest, ChatTemplateError)) or _own_value_error(exc):
         return ApiError(400, "invalid_request_error", str(exc))
+    if isinstance(exc, ClientDisconnect):
+        return ApiError(499, "client_disconnected", "client went away")
     if isinstance(exc, Overloaded):
         return ApiError(529, "overloaded_error", f"{exc}; retry later", exc.retry_after_s)
     if isinstance(exc, Unavailable):
-        return ApiError(503, "api_error", f"no rank worker available: {exc}", 5)
+        log.warning("no rank worker could take a request: %s", exc)
+        return ApiError(503, "api_error", "no rank worker is available; retry later", 5)
     if isinstance(exc, StreamBroken):
-        return ApiError(500, "api_error", f"generation failed mid-stream: {exc}")
-    log.exception("unexpected error", exc_info=exc)
-    return ApiError(500, "api_error", f"internal error: {type(exc).__name__}")
+        log.warning("generation failed mid-stream: %s", exc)
+        return ApiError(500, "api_error", "generation failed mid-stream and no rank could continue it")
+    log.error("unexpected error", exc_info=exc)
+    return ApiError(500, "api_error", "internal server error; the gateway logged the details")
+
+
+def _own_value_error(exc: BaseException) -> bool:
+    """A plain ValueError raised by the gateway's own code (the converters' way of refusing a request), not
+    one from a library or a subclass such as UnicodeEncodeError, whose text is no message for a client."""
+    if type(exc) is not ValueError or exc.__traceback__ is None:
+        return False
+    innermost = exc.__traceback__
+    while innermost.tb_next is not None:
+        innermost = innermost.tb_next
+    return str(innermost.tb_frame.f_globals.get("__name__", "")).startswith("gateway.")
 
 
 async def collect(opened: OpenGeneration, request: Request) -> list[GenerationEvent]:
@@ -66,7 +84,7 @@ async def collect(opened: OpenGeneration, request: Request) -> list[GenerationEv
             done, _ = await asyncio.wait({task}, timeout=1.0)
             if not done and await request.is_disconnected():
                 task.cancel()
-                break
+                raise ClientDisconnect()  # not the CancelledError of the task: that would end this request's task
         return await task
     finally:
         if not task.done():

@@ -125,4 +125,6 @@ def _quote(value: str) -> str:
     # JSON escapes quotes and control characters; the three other line breaks some viewers honour are added,
     # so one request is always one line.
     quoted = json.dumps(value, ensure_ascii=False)
-    return quoted.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    quoted = quoted.replace("\x85", "\\u0085").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+    # A lone surrogate (a client's \ud800) cannot be written as UTF-8: escaped, so the line is not lost.
+    return quoted.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -8,8 +8,9 @@ import logging
 import time
 
 from contracts.config import KvServeConfig
-from gateway.auth import KeyStore, auth_mode, open_local_warning
+from gateway.auth import auth_mode, open_local_warning
 from gateway.generation import Generation
+from gateway.live_keys import LiveKeyStore
 from gateway.metrics import GatewayMetrics
 from gateway.prompt_format import PromptFormat
 from gateway.rank_choice import RankChooser, RouterRanks, StaticRanks
@@ -29,7 +30,7 @@ class GatewayState:
         self.config = config
         self.metrics = GatewayMetrics()
         mode = auth_mode(config)  # refuses an open gateway on a reachable address
-        self.keys: KeyStore | None = KeyStore.load(config.api_keys_file) if mode == "keys" else None
+        self.keys: LiveKeyStore | None = LiveKeyStore(config.api_keys_file) if mode == "keys" else None
         if self.keys is None:
             log.warning(open_local_warning(config))
         # made in connect(): grpc.aio channels belong to the serving loop

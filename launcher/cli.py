@@ -63,13 +63,19 @@ def build_parser() -> argparse.ArgumentParser:
     keys = commands.add_parser("keys", help="manage the gateway's API keys").add_subparsers(
         dest="keys_command", required=True, metavar="ACTION"
     )
-    for action, help_text in (("create", "create a key and print its secret once"), ("list", "list keys")):
+    for action, help_text in (
+        ("create", "create a key and print its secret once"),
+        ("list", "list keys"),
+        ("revoke", "remove a key (a running gateway refuses it from its next request)"),
+    ):
         sub = keys.add_parser(action, help=help_text)
         sub.add_argument("--file", help="key file (default: the config's api_keys_file, else ./kvserve-keys.json)")
         sub.add_argument("--config", help="YAML config file (for the default key file)")
         if action == "create":
             sub.add_argument("--name", required=True, help="who or what the key is for")
             sub.add_argument("--models", default="*", help="allowed models: m1,m2 or * for all (default: *)")
+        if action == "revoke":
+            sub.add_argument("key", help="the key's id (as `kvserve keys list` shows it), or its name if unique")
     return parser
 
 
@@ -99,10 +105,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "compose":
         return _compose(args)
     if args.command == "keys":
-        from launcher.keys import create_command, keys_file, list_command
+        from launcher.keys import create_command, keys_file, list_command, revoke_command
 
         path = keys_file(args.file, args.config)
-        return create_command(path, args.name, args.models) if args.keys_command == "create" else list_command(path)
+        if args.keys_command == "create":
+            return create_command(path, args.name, args.models)
+        return revoke_command(path, args.key) if args.keys_command == "revoke" else list_command(path)
     raise AssertionError(args.command)
 
 

@@ -1,4 +1,4 @@
-"""`kvserve keys create` and `kvserve keys list`: manage the gateway's API key file."""
+"""`kvserve keys create`, `list` and `revoke`: manage the gateway's API key file."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from gateway.auth import ALL_MODELS, KeyFileError, KeyStore, create_key
+from gateway.auth import ALL_MODELS, KeyFileError, KeyStore, create_key, revoke_key
 
 DEFAULT_KEYS_FILE = "kvserve-keys.json"
 
@@ -62,4 +62,18 @@ def list_command(path: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr)
     for row in rows:
         padded = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
         print("  ".join([*padded, row[3]]), file=out)
+    return 0
+
+
+def revoke_command(path: Path, key: str, err: TextIO = sys.stderr) -> int:
+    try:
+        revoked = revoke_key(path, key)
+    except (KeyFileError, OSError) as exc:
+        print(f"error: {exc}", file=err)
+        return 1
+    print(
+        f"revoked API key {revoked.id} ({revoked.name!r}) in {path}; a gateway using this file refuses it from "
+        "its next request",
+        file=err,
+    )
     return 0

@@ -1,5 +1,5 @@
 """API keys: the key file holds only hashes, every 401 case, model permissions, the open-local policy, and
-`kvserve keys create/list` as real subprocesses."""
+`kvserve keys create/list/revoke` as real subprocesses, and the gateway's view of the file following its changes."""
 
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ from gateway.auth import (
     hash_secret,
     is_loopback,
     open_local_warning,
+    revoke_key,
 )
+from gateway.live_keys import LiveKeyStore
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -227,3 +229,52 @@ def test_cli_errors(tmp_path: Path) -> None:
     assert mixed.returncode == 1 and "'*'" in mixed.stderr and not mixed.stdout
     no_name = kvserve("keys", "create", "--file", str(tmp_path / "k.json"))
     assert no_name.returncode == 2 and "--name" in no_name.stderr
+
+
+def test_revoke_by_id_or_unique_name(key_file: Path, secrets_by_name: dict[str, str]) -> None:
+    store = KeyStore.load(key_file)
+    two = store.authenticate(secrets_by_name["two"], None)
+    assert revoke_key(key_file, two.id) == two
+    remaining = KeyStore.load(key_file)
+    with pytest.raises(AuthError):
+        remaining.authenticate(secrets_by_name["two"], None)
+    assert remaining.authenticate(secrets_by_name["all"], None).name == "all"
+    assert revoke_key(key_file, "all").name == "all"
+    assert KeyStore.load(key_file).entries == ()
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_revoke_refuses_unknown_and_ambiguous_names(key_file: Path) -> None:
+    create_key(key_file, "twin", ["*"])
+    create_key(key_file, "twin", ["*"])
+    with pytest.raises(KeyFileError, match="no key with id or name 'nobody'"):
+        revoke_key(key_file, "nobody")
+    with pytest.raises(KeyFileError, match=r"2 keys are named 'twin'.*by its id"):
+        revoke_key(key_file, "twin")
+    assert len(KeyStore.load(key_file).entries) == 2  # nothing removed
+
+
+def test_live_key_store_follows_the_file(key_file: Path, caplog: pytest.LogCaptureFixture) -> None:
+    first = create_key(key_file, "first", ["*"])
+    live = LiveKeyStore(key_file)
+    assert live.authenticate(first, None).name == "first"
+    second = create_key(key_file, "second", ["*"])
+    assert live.authenticate(second, None).name == "second"  # created after the store was loaded
+    revoke_key(key_file, "first")
+    with pytest.raises(AuthError):
+        live.authenticate(first, None)
+    key_file.write_text("{not json")  # a hand edit gone wrong: the keys last read stay in use, loudly
+    assert live.authenticate(second, None).name == "second"
+    assert "is not valid JSON" in caplog.text and "still using the 1 keys" in caplog.text
+
+
+def test_cli_revoke(key_file: Path) -> None:
+    created = kvserve("keys", "create", "--name", "leaving", "--file", str(key_file))
+    secret = created.stdout.strip()
+    key_id = KeyStore.load(key_file).authenticate(secret, None).id
+    revoked = kvserve("keys", "revoke", key_id, "--file", str(key_file))
+    assert revoked.returncode == 0, revoked.stderr
+    assert key_id in revoked.stderr and "'leaving'" in revoked.stderr and not revoked.stdout
+    assert KeyStore.load(key_file).entries == ()
+    again = kvserve("keys", "revoke", key_id, "--file", str(key_file))
+    assert again.returncode == 1 and "no key with id or name" in again.stderr

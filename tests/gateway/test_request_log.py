@@ -134,3 +134,9 @@ def test_long_prompts_keep_head_and_tail() -> None:
     fields = parse(line)
     assert fields["chars"] == str(len(prompt)) and fields["cut_chars"] == str(len(prompt) - 200)
     assert fields["prompt"].startswith("SYSTEM-START ") and fields["prompt"].endswith("\n latest user turn")
+
+
+def test_a_lone_surrogate_from_a_client_cannot_lose_the_line() -> None:
+    line = format_request_line(full_record(model="claude\ud800", session="s\udfff"))
+    line.encode("utf-8")  # what the log handler does; a lone surrogate would raise here
+    assert parse(line)["model"] == "claude\ud800" and parse(line)["session"] == "s\udfff"

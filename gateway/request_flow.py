@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from starlette.requests import ClientDisconnect, Request
 
+from gateway.body_limit import BodyTooLarge
 from gateway.generation import (
     BadRequest,
     Finish,
@@ -49,6 +50,8 @@ def api_error_for(exc: BaseException) -> ApiError:
         return ApiError(400, "invalid_request_error", str(exc))
     if isinstance(exc, ClientDisconnect):
         return ApiError(499, "client_disconnected", "client went away")
+    if isinstance(exc, BodyTooLarge):  # BodyLimitMiddleware sends the 413 itself; nothing to log here
+        return ApiError(413, "request_too_large", "request body is too large")
     if isinstance(exc, Overloaded):
         return ApiError(529, "overloaded_error", f"{exc}; retry later", exc.retry_after_s)
     if isinstance(exc, Unavailable):
@@ -62,8 +65,11 @@ def api_error_for(exc: BaseException) -> ApiError:
 
 
 def _own_value_error(exc: BaseException) -> bool:
-    """A plain ValueError raised by the gateway's own code (the converters' way of refusing a request), not
-    one from a library or a subclass such as UnicodeEncodeError, whose text is no message for a client."""
+    """A ValueError of the gateway's own making: of a class the gateway defines (InvalidChat, PromptTooLong,
+    ...), or a plain ValueError raised by gateway code (a converter refusing a request). Not a library's,
+    such as UnicodeEncodeError or JSONDecodeError, whose text is no message for a client."""
+    if isinstance(exc, ValueError) and type(exc).__module__.startswith("gateway."):
+        return True
     if type(exc) is not ValueError or exc.__traceback__ is None:
         return False
     innermost = exc.__traceback__

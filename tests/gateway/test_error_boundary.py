@@ -6,6 +6,7 @@ status that was sent; only the gateway's own validation errors become 4xx. In-pr
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 
 import pytest
 from fastapi import FastAPI, Request
@@ -83,7 +84,7 @@ def test_the_request_log_has_the_status_that_was_sent(app: FastAPI, caplog: pyte
 def test_only_the_gateways_own_validation_errors_are_4xx(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO)
     assert api_error_for(PromptTooLong("prompt is too long: 9 tokens")).status == 400
-    with pytest.raises(ValueError) as converter_refusal:  # a plain ValueError raised by our converter
+    with pytest.raises(ValueError) as converter_refusal:  # how our converter refuses a request
         to_chat(ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "x", "content": "hi"}]}))
     refusal = api_error_for(converter_refusal.value)
     assert refusal.status == 400 and "unknown role" in refusal.message
@@ -115,3 +116,17 @@ def test_a_client_disconnect_is_a_cancellation_not_an_error(caplog: pytest.LogCa
     error = api_error_for(ClientDisconnect())
     assert (error.status, error.kind) == (499, "client_disconnected")
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_a_streamed_body_over_the_limit_is_logged_as_the_413_it_got(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    client = TestClient(create_app(KvServeConfig(max_request_bytes=1000)))
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the limit is found while reading
+        yield from [b"x" * 500] * 4
+
+    response = client.post("/v1/messages", content=chunks(), headers={"content-type": "application/json"})
+    assert response.status_code == 413
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvserve.gateway.requests"]
+    assert " status=413 " in line and line.endswith("error=request_too_large")
+    assert not [r for r in caplog.records if r.exc_info]

@@ -74,6 +74,7 @@ class KvServeConfig(BaseSettings):
     router_port: int = Field(50140, ge=0, le=65535)
     router: str = Field("", description="host:port of the router; empty = static rank list (rank_workers)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the router's durable state")
+    redis_password_file: str = Field("", description="file holding Redis's password (requirepass); empty = none")
     session_ttl_secs: float = Field(3600.0, gt=0.0, description="a session forgets its rank after this idle time")
     heartbeat_interval_secs: float = Field(1.0, gt=0.0)
     rank_down_after_secs: float = Field(
@@ -102,6 +103,14 @@ class KvServeConfig(BaseSettings):
     )
     rank_workers: list[str] = Field(
         default_factory=list, description="static rank list host:port (without a router); empty = rank_worker_*"
+    )
+
+    # --- internal plane (router, kvstore, rank workers; the gateway and tools as their clients) ---
+    internal_auth: bool = Field(
+        True, description="internal gRPC calls carry the shared secret; false is allowed on loopback binds only"
+    )
+    internal_secret_file: str = Field(
+        "", description="file holding the internal plane's shared secret (kvserve up generates one)"
     )
 
     # --- gateway ---

@@ -10,6 +10,9 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+import grpc
+
+from contracts import internal_auth
 from contracts.config import KvServeConfig, load_config
 
 # Clients keep long-lived channels and send keepalive pings to notice a dead peer; a server that refuses
@@ -21,6 +24,16 @@ SERVER_OPTIONS: list[tuple[str, Any]] = [
     ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ("grpc.http2.max_ping_strikes", 0),
 ]
+
+
+def internal_server(
+    config: KvServeConfig, bind_host: str, service: str, options: list[tuple[str, Any]]
+) -> grpc.aio.Server:
+    """A grpc.aio server for an internal service: every RPC but health checks requires the internal secret,
+    which also becomes what this process's own internal channels send. Raises internal_auth.InternalAuthError
+    (with what to do) when the config gives no secret and does not allow running without one here."""
+    secret = internal_auth.configure(config, bind_host)
+    return grpc.aio.server(options=options, interceptors=internal_auth.server_interceptors(secret, service))
 
 
 def service_arg_parser(prog: str, description: str, host_key: str, port_key: str) -> argparse.ArgumentParser:

@@ -8,6 +8,7 @@ import sys
 
 import uvicorn
 
+from contracts import internal_auth
 from contracts.config import load_config
 from gateway.auth import AuthConfigError
 from gateway.header_deadline import header_deadline_protocol
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     from gateway.app import create_app
 
     try:
+        internal_auth.configure(config)  # what its calls to the router and the ranks carry
         app = create_app(config)
-    except AuthConfigError as exc:
+    except (AuthConfigError, internal_auth.InternalAuthError) as exc:
         logging.getLogger("gateway").error("%s", exc)
         return 2
     # keep-alive well past clients' idle-pool expiry (httpx: 5 s), so a client never reuses a connection the

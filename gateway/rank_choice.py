@@ -14,6 +14,7 @@ from typing import Protocol
 
 import grpc
 
+from contracts import internal_auth
 from protos import router_pb2 as router_pb
 from protos import router_pb2_grpc as router_grpc
 
@@ -102,7 +103,7 @@ class RouterRanks:
 
     def __init__(self, router_address: str, fallback_addresses: list[str]) -> None:
         self.router_address = router_address
-        self._channel = grpc.aio.insecure_channel(router_address, options=ROUTER_CHANNEL_OPTIONS)
+        self._channel = internal_auth.aio_channel(router_address, options=ROUTER_CHANNEL_OPTIONS)
         self._stub = router_grpc.RouterStub(self._channel)
         self._fallback = [RankChoice(a, a, "fallback") for a in fallback_addresses]
         self._known: list[RankChoice] = []  # healthy ranks from the router's last ListRanks

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
@@ -78,7 +79,7 @@ class RankClient:
     def _stub(self, target: str) -> pb_grpc.RankWorkerStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            channel = internal_auth.aio_channel(target, options=CHANNEL_OPTIONS)
             self._channels[target] = channel
             stub = self._stubs[target] = pb_grpc.RankWorkerStub(channel)
         return stub

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts import service_main
 from contracts.config import KvServeConfig
+from contracts.internal_auth import InternalAuthError
 from kvstore.arena import Arena, ArenaError, create_arena, remove_stale_arenas
 from kvstore.l1_tier import ArenaInfo, L1Tier
 from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
@@ -82,7 +82,11 @@ async def serve(config: KvServeConfig) -> int:
     address = service_main.listen_address(config.kvstore_host, config.kvstore_port)
     health_servicer = health.aio.HealthServicer()
     servicer = KvStoreServicer()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:
+        server = service_main.internal_server(config, config.kvstore_host, "kvstore", SERVER_OPTIONS)
+    except InternalAuthError as exc:
+        log.error("%s", exc)
+        return 2
     kvstore_pb2_grpc.add_KvStoreServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):

@@ -1,4 +1,4 @@
-"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`, `bench`, `needle`."""
+"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`, `secret`, `bench`, `needle`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--target", help="rank worker host:port (default: from the config)")
     complete.add_argument("--config", help="YAML config file (for the default target)")
     complete.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    complete.add_argument(
+        "--secret-file",
+        help="the internal secret (default: the config's internal_secret_file, else .kvserve/run/internal-secret)",
+    )
 
     up = commands.add_parser(
         "up", help="start the local stack (redis, kvstore, router, rank workers, gateway) until Ctrl-C"
@@ -76,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
             sub.add_argument("--models", default="*", help="allowed models: m1,m2 or * for all (default: *)")
         if action == "revoke":
             sub.add_argument("key", help="the key's id (as `kvserve keys list` shows it), or its name if unique")
+
+    secret = commands.add_parser("secret", help="make the internal plane's secret files (for compose)")
+    secret_create = secret.add_subparsers(dest="secret_command", required=True, metavar="ACTION").add_parser(
+        "create", help="write a new random secret (mode 0600) unless the file exists"
+    )
+    secret_create.add_argument("--file", required=True, help="e.g. kvserve-internal-secret, kvserve-redis-password")
     return parser
 
 
@@ -111,6 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.keys_command == "create":
             return create_command(path, args.name, args.models)
         return revoke_command(path, args.key) if args.keys_command == "revoke" else list_command(path)
+    if args.command == "secret":
+        from launcher.stack_secrets import create_command as create_secret_command
+
+        return create_secret_command(Path(args.file))
     raise AssertionError(args.command)
 
 
@@ -143,16 +157,18 @@ def _compose(args: argparse.Namespace) -> int:
 
 def _complete(args: argparse.Namespace) -> int:
     from contracts.config import load_config
+    from contracts.internal_auth import InternalAuthError
     from contracts.service_main import client_target
-    from launcher.complete import CompletionArgs, complete
+    from launcher.complete import CompletionArgs, complete, secret_for_complete
 
-    target = args.target
-    if not target:
-        config = load_config(args.config)
-        target = client_target(config.rank_worker_host, config.rank_worker_port)
+    config = load_config(args.config)
+    target = args.target or client_target(config.rank_worker_host, config.rank_worker_port)
     completion = CompletionArgs(args.prompt, args.system, args.max_tokens, args.temperature, args.raw)
     try:
-        return complete(target, completion)
+        return complete(target, completion, secret=secret_for_complete(config, args.secret_file))
+    except InternalAuthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     except grpc.RpcError as exc:
         print(f"\nerror from {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
         return 1

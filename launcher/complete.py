@@ -1,20 +1,27 @@
-"""`kvserve complete`: one chat completion against a rank worker, printed as the tokens arrive."""
+"""`kvserve complete`: one chat completion against a rank worker, printed as the tokens arrive.
+
+A rank takes calls that carry the internal secret only: complete sends the one given (--secret-file), else the
+config's internal_secret_file, else the one `kvserve up` made in its default state dir.
+"""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TextIO
 
-import grpc
 from tokenizers import Tokenizer
 
+from contracts import internal_auth
+from contracts.config import KvServeConfig
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.prompt.chat_template import render_chat
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # ModelInfo carries the tokenizer json
+UP_SECRET_FILE = Path(".kvserve/run/internal-secret")  # `kvserve up`'s default state dir
 
 
 @dataclass(frozen=True)
@@ -51,9 +58,27 @@ def stats_line(finished: pb.Finished) -> str:
     )
 
 
-def complete(target: str, args: CompletionArgs, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def secret_for_complete(config: KvServeConfig, secret_file: str | None) -> internal_auth.InternalSecret | None:
+    """The secret to send: --secret-file, the config's internal_secret_file, or `kvserve up`'s; None with
+    internal_auth off, or when there is none (the rank then answers UNAUTHENTICATED)."""
+    if secret_file:
+        return internal_auth.read_secret_file(secret_file)
+    if not config.internal_auth:
+        return None
+    if config.internal_secret_file:
+        return internal_auth.read_secret_file(config.internal_secret_file)
+    return internal_auth.read_secret_file(UP_SECRET_FILE) if UP_SECRET_FILE.is_file() else None
+
+
+def complete(
+    target: str,
+    args: CompletionArgs,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+    secret: internal_auth.InternalSecret | None = None,
+) -> int:
     options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
-    with grpc.insecure_channel(target, options=options) as channel:
+    with internal_auth.channel(target, options=options, secret=secret) as channel:
         stub = pb_grpc.RankWorkerStub(channel)
         info: pb.ModelInfoResponse = stub.ModelInfo(pb.ModelInfoRequest(), timeout=30)
         if not info.tokenizer_json:

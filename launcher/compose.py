@@ -1,7 +1,8 @@
 """`kvserve compose`: docker-compose.yml rendered from the same topology `kvserve up` starts (compose mode).
 
 What compose adds to the specs: the image, the mounted config file, the shared L1 arena volume, GPU
-reservations, networks, healthchecks in compose's syntax and the API key secret for the gateway.
+reservations, networks, healthchecks in compose's syntax, and the secrets: the internal plane's shared secret
+(every kvserve service), Redis's password (Redis and the router) and the gateway's API keys.
 """
 
 from __future__ import annotations
@@ -16,7 +17,16 @@ from typing import Any
 import yaml
 
 from contracts.config import KvServeConfig, load_config
-from launcher.topology import COMPOSE_CONFIG_PATH, COMPOSE_REDIS_DIR, ServiceSpec, StackPlan, build_topology
+from launcher.topology import (
+    COMPOSE_CONFIG_PATH,
+    COMPOSE_REDIS_DIR,
+    INTERNAL_SECRET,
+    REDIS_PASSWORD,
+    ServiceSpec,
+    StackPlan,
+    build_topology,
+    compose_secret_path,
+)
 
 DEFAULT_CONFIG = Path("config/compose.yaml")
 DEFAULT_OUTPUT = Path("docker-compose.yml")
@@ -28,6 +38,11 @@ ARENA_VOLUME = "l1-arena"
 REDIS_VOLUME = "redis-data"
 API_KEYS_SECRET = "kvserve_api_keys"
 API_KEYS_FILE = "./kvserve-keys.json"
+SECRET_FILES = {
+    INTERNAL_SECRET: "./kvserve-internal-secret",
+    REDIS_PASSWORD: "./kvserve-redis-password",
+    API_KEYS_SECRET: API_KEYS_FILE,
+}
 MODELS_MOUNT = "./models:/models:ro"
 ARENA_SLACK_GB = 1  # the tmpfs holds the arena file plus whatever else the ranks put in /dev/shm
 
@@ -37,7 +52,10 @@ HEADER = """\
 # tests/launcher/test_compose.py fails when this file and the generator disagree.
 #
 # Before `docker compose up -d`: create the gateway's API key file (it listens beyond loopback, so keys are
-# required): `kvserve keys create --name ops --file kvserve-keys.json`; put models under ./models.
+# required): `kvserve keys create --name ops --file kvserve-keys.json`; the internal plane's shared secret and
+# Redis's password: `kvserve secret create --file kvserve-internal-secret` and
+# `kvserve secret create --file kvserve-redis-password` (mode 0600, readable by uid 1000, the containers'
+# user); put models under ./models.
 """
 
 SECTION_COMMENTS = {
@@ -57,7 +75,10 @@ SECTION_COMMENTS = {
         "# would tie the ranks to one kvstore container (a recreated kvstore would leave them on a dead one).\n"
         "# The tmpfs outlives a kvstore restart (the ranks still hold it); its size is l1_host_gb + slack.\n"
     ),
-    "secrets": "# The gateway's hashed API keys (kvserve keys create --file kvserve-keys.json).\n",
+    "secrets": (
+        "# The gateway's hashed API keys (kvserve keys create --file kvserve-keys.json); the internal plane's\n"
+        "# shared secret, which every internal gRPC call carries, and Redis's password (kvserve secret create).\n"
+    ),
 }
 
 
@@ -110,8 +131,13 @@ def compose_document(specs: Sequence[ServiceSpec], config: KvServeConfig, config
                 "driver_opts": {"type": "tmpfs", "device": "tmpfs", "o": f"size={arena_gb}g,mode=1777"},
             },
         },
-        "secrets": {API_KEYS_SECRET: {"file": API_KEYS_FILE}},
+        "secrets": {name: {"file": path} for name, path in SECRET_FILES.items()},
     }
+
+
+def _compose_text(word: str) -> str:
+    """A word of a command as compose must be given it: `$` is compose's interpolation, `$$` a literal `$`."""
+    return word.replace("$", "$$")
 
 
 def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
@@ -121,7 +147,9 @@ def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
     else:
         service["image"] = IMAGE
         service["build"] = {"context": ".", "dockerfile": "Dockerfile"}
-    service["command"] = _Inline(spec.argv)
+    if spec.entrypoint:
+        service["entrypoint"] = _Inline([_compose_text(word) for word in spec.entrypoint])
+    service["command"] = _Inline([_compose_text(word) for word in spec.argv])
     if spec.environment:
         service["environment"] = dict(spec.environment)
     volumes = []
@@ -134,8 +162,9 @@ def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
     if spec.role == "redis":
         volumes.append(f"{REDIS_VOLUME}:{COMPOSE_REDIS_DIR}")
     service["volumes"] = volumes
-    if spec.role == "gateway":
-        service["secrets"] = [API_KEYS_SECRET]
+    secrets = [*spec.secrets, *([API_KEYS_SECRET] if spec.role == "gateway" else [])]
+    if secrets:
+        service["secrets"] = secrets
     service["networks"] = _Inline([INTERNAL_NETWORK, EDGE_NETWORK] if spec.published else [INTERNAL_NETWORK])
     if spec.published:
         service["ports"] = [f"{spec.port}:{spec.port}"]
@@ -152,8 +181,10 @@ def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
 def _healthcheck(spec: ServiceSpec) -> dict[str, Any]:
     check = spec.health
     if check.kind == "redis":
+        # The redis image has redis-cli, not our probe; REDISCLI_AUTH keeps the password out of its argv.
         port = check.target.rpartition(":")[2]
-        test = ["CMD", "redis-cli", "-p", port, "ping"]
+        auth = f'REDISCLI_AUTH="$(cat {compose_secret_path(REDIS_PASSWORD)})" '
+        test = ["CMD-SHELL", _compose_text(f"{auth}redis-cli -p {port} ping | grep -q PONG")]
     else:
         test = ["CMD", "python", "-m", "launcher.health_check", check.kind, check.target]
     start_period = f"{spec.startup_s:.0f}s"

@@ -1,5 +1,8 @@
 """One health probe of a service: `python -m launcher.health_check grpc|http|redis TARGET` exits 0 when healthy.
 
+gRPC health checks (grpc.health.v1) need no internal secret: they are the one internal RPC left open. A Redis
+with a password is probed with AUTH from its password file.
+
 docker compose runs it as the healthcheck of our containers (the slim image has no curl or grpc_health_probe);
 `kvserve up` calls probe() in its wait loop. Only the standard library, grpcio and grpcio-health-checking,
 so it works in the runtime image without the test extras.
@@ -13,6 +16,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 ProbeKind = Literal["grpc", "http", "redis"]
@@ -25,6 +29,7 @@ class HealthCheck:
 
     kind: ProbeKind
     target: str  # host:port for grpc and redis, a URL for http; dialled from where the service runs
+    password_file: str = ""  # redis: the file holding its password (requirepass), if it has one
 
 
 def probe(check: HealthCheck, timeout_s: float = 2.0) -> str | None:
@@ -33,7 +38,7 @@ def probe(check: HealthCheck, timeout_s: float = 2.0) -> str | None:
         return _probe_grpc(check.target, timeout_s)
     if check.kind == "http":
         return _probe_http(check.target, timeout_s)
-    return _probe_redis(check.target, timeout_s)
+    return _probe_redis(check.target, timeout_s, check.password_file)
 
 
 def _probe_grpc(target: str, timeout_s: float) -> str | None:
@@ -60,24 +65,45 @@ def _probe_http(url: str, timeout_s: float) -> str | None:
         return f"no answer ({getattr(exc, 'reason', exc)})"
 
 
-def _probe_redis(target: str, timeout_s: float) -> str | None:
+def _resp_command(*words: bytes) -> bytes:
+    """A Redis command as a RESP array (a password may hold any byte)."""
+    return b"*%d\r\n" % len(words) + b"".join(b"$%d\r\n%s\r\n" % (len(word), word) for word in words)
+
+
+def _probe_redis(target: str, timeout_s: float, password_file: str = "") -> str | None:
     host, _, port = target.rpartition(":")
+    commands = [_resp_command(b"PING")]
+    if password_file:
+        try:
+            password = Path(password_file).read_bytes().strip()
+        except OSError as exc:
+            return f"cannot read the redis password file ({exc.strerror or exc})"
+        commands.insert(0, _resp_command(b"AUTH", password))
     try:
         with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
-            sock.sendall(b"PING\r\n")
-            reply = sock.recv(64)
+            sock.sendall(b"".join(commands))
+            replies = b""
+            while replies.count(b"\r\n") < len(commands):
+                chunk = sock.recv(256)
+                if not chunk:
+                    break
+                replies += chunk
     except OSError as exc:
         return f"no answer ({exc})"
-    # +PONG when ready; -LOADING while it replays the append-only file.
-    return None if reply.startswith(b"+PONG") else reply.decode(errors="replace").strip()
+    lines = replies.split(b"\r\n")[: len(commands)]
+    if len(lines) < len(commands) or not lines[-1]:
+        return f"no answer to {'AUTH' if password_file else 'PING'}"
+    # AUTH: +OK (or -WRONGPASS); PING: +PONG when ready, -LOADING while it replays the append-only file.
+    refused = next((line for line in lines if not line.startswith((b"+OK", b"+PONG"))), None)
+    return None if refused is None else refused.decode(errors="replace").removeprefix("-").strip()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] not in PROBE_KINDS:
-        print("usage: python -m launcher.health_check grpc|http|redis TARGET", file=sys.stderr)
+    if len(args) not in (2, 3) or args[0] not in PROBE_KINDS:
+        print("usage: python -m launcher.health_check grpc|http|redis TARGET [REDIS_PASSWORD_FILE]", file=sys.stderr)
         return 2
-    reason = probe(HealthCheck(args[0], args[1]))  # type: ignore[arg-type]
+    reason = probe(HealthCheck(args[0], args[1], *args[2:]))  # type: ignore[arg-type]
     if reason is not None:
         print(f"{args[0]} {args[1]}: {reason}", file=sys.stderr)
         return 1

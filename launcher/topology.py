@@ -3,7 +3,9 @@
 `kvserve up` starts these specs as local processes and `kvserve compose` renders the same specs as
 docker-compose services, so the local stack and the GPU node's compose file cannot describe different stacks.
 Only addresses differ between the modes: local binds 127.0.0.1 on the configured (or free) ports; compose binds
-0.0.0.0 inside an internal network and services find each other by their service name.
+0.0.0.0 inside an internal network and services find each other by their service name. So do the secrets'
+paths: the internal plane's shared secret (every kvserve service) and Redis's password (Redis and the router)
+are files in the state dir locally and compose secrets under /run/secrets in compose.
 """
 
 from __future__ import annotations
@@ -28,6 +30,11 @@ COMPOSE_CONFIG_PATH = "/etc/kvserve/config.yaml"
 COMPOSE_REDIS_DIR = "/data"
 COMPOSE_BIND = "0.0.0.0"
 LOCAL_BIND = "127.0.0.1"
+INTERNAL_SECRET = "kvserve_internal_secret"
+REDIS_PASSWORD = "kvserve_redis_password"
+LOCAL_SECRET_FILES = {INTERNAL_SECRET: "internal-secret", REDIS_PASSWORD: "redis-password"}  # in the state dir
+LOCAL_REDIS_CONF = "redis-auth.conf"  # in the state dir: requirepass, so the password is not in redis's argv
+COMPOSE_REDIS_CONF = "/tmp/redis-auth.conf"  # written inside the redis container at its start
 DEFAULT_REDIS_PORT = 6379
 RANK_STARTUP_S = 600.0  # a large model loads for minutes; the compose start_period and `up --ready-timeout`
 
@@ -51,6 +58,8 @@ class ServiceSpec:
     startup_s: float = 60.0  # how long it may take to become healthy
     reads_config: bool = True  # a kvserve service reading the shared config file (not redis)
     uses_arena: bool = False  # maps the kvstore's L1 arena (the kvstore and the rank workers)
+    secrets: tuple[str, ...] = ()  # the secrets it reads (INTERNAL_SECRET, REDIS_PASSWORD)
+    entrypoint: tuple[str, ...] = ()  # compose only: what runs before argv (redis: writes its password config)
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,14 @@ class StackPlan:
     state_dir: Path = Path(".kvserve/run")
     gpu_ids: Sequence[str] = ()  # local: the GPUs to pin ranks to, one each; empty = CPU
     rank_startup_s: float = RANK_STARTUP_S
+
+
+def local_secret_path(state_dir: Path, secret: str) -> Path:
+    return state_dir / LOCAL_SECRET_FILES[secret]
+
+
+def compose_secret_path(secret: str) -> str:
+    return f"/run/secrets/{secret}"
 
 
 def free_port(host: str = LOCAL_BIND) -> int:
@@ -102,10 +119,14 @@ class _Stack:
     def probe_target(self, host: str, port: int) -> str:
         return client_target(LOCAL_BIND if self.compose else host, port)  # compose: inside its own container
 
+    def secret_path(self, secret: str) -> str:
+        return compose_secret_path(secret) if self.compose else str(local_secret_path(self.plan.state_dir, secret))
+
     def environment(self, **values: str) -> dict[str, str]:
-        """KVSERVE_CONFIG (the one config file) plus the given variables."""
+        """A kvserve service's: KVSERVE_CONFIG (the one config file), the internal secret, the given variables."""
         config_file = COMPOSE_CONFIG_PATH if self.compose else self.plan.config_file
-        return ({"KVSERVE_CONFIG": config_file} if config_file else {}) | values
+        internal = {"KVSERVE_INTERNAL_SECRET_FILE": self.secret_path(INTERNAL_SECRET)}
+        return ({"KVSERVE_CONFIG": config_file} if config_file else {}) | internal | values
 
     def python_service(self, name: str, host: str, port: int) -> tuple[str, ...]:
         module = name.replace("-", "_")
@@ -131,9 +152,11 @@ def _redis(stack: _Stack) -> ServiceSpec:
     url = urlsplit(stack.config.redis_url)
     host, port = stack.internal_host, stack.port(url.port if url.port is not None else DEFAULT_REDIS_PORT)
     data_dir = COMPOSE_REDIS_DIR if stack.compose else str(stack.plan.state_dir / "redis")
-    argv = ["redis-server", "--port", str(port), "--bind", host, "--dir", data_dir, "--appendonly", "yes"]
-    if stack.compose:
-        argv += ["--protected-mode", "no"]  # no password; only the internal network reaches it
+    # The password (requirepass) comes in a config file, the first argument, so `ps` does not show it:
+    # locally `kvserve up` writes it into the state dir; in compose the entrypoint writes it from the secret.
+    conf = COMPOSE_REDIS_CONF if stack.compose else str(stack.plan.state_dir / LOCAL_REDIS_CONF)
+    argv = ["redis-server", conf, "--port", str(port), "--bind", host, "--dir", data_dir, "--appendonly", "yes"]
+    password_file = stack.secret_path(REDIS_PASSWORD)
     return ServiceSpec(
         name="redis",
         role="redis",
@@ -141,10 +164,23 @@ def _redis(stack: _Stack) -> ServiceSpec:
         host=host,
         port=port,
         address=stack.address("redis", host, port),
-        health=HealthCheck("redis", stack.probe_target(host, port)),
+        health=HealthCheck("redis", stack.probe_target(host, port), password_file=password_file),
         startup_s=30.0,
         reads_config=False,
+        secrets=(REDIS_PASSWORD,),
+        entrypoint=_compose_redis_entrypoint(password_file) if stack.compose else (),
     )
+
+
+def _compose_redis_entrypoint(password_file: str) -> tuple[str, ...]:
+    """sh -c: write requirepass from the secret into a file only redis can read, then the image's own
+    entrypoint with the command (it drops to the redis user)."""
+    script = (
+        "umask 077 && printf 'requirepass \"%s\"\\n' "
+        f'"$(cat {password_file})" > {COMPOSE_REDIS_CONF} && chown redis {COMPOSE_REDIS_CONF} && '
+        'exec docker-entrypoint.sh "$@"'
+    )
+    return ("sh", "-c", script, "redis-entrypoint")
 
 
 def _kvstore(stack: _Stack) -> ServiceSpec:
@@ -165,6 +201,7 @@ def _kvstore(stack: _Stack) -> ServiceSpec:
         health=HealthCheck("grpc", stack.probe_target(host, port)),
         environment=environment,
         uses_arena=True,
+        secrets=(INTERNAL_SECRET,),
     )
 
 
@@ -180,8 +217,13 @@ def _router(stack: _Stack, redis: ServiceSpec, kvstore: ServiceSpec) -> ServiceS
         port=port,
         address=stack.address("router", host, port),
         health=HealthCheck("grpc", stack.probe_target(host, port)),
-        environment=stack.environment(KVSERVE_REDIS_URL=redis_url, KVSERVE_KVSTORE=kvstore.address),
+        environment=stack.environment(
+            KVSERVE_REDIS_URL=redis_url,
+            KVSERVE_REDIS_PASSWORD_FILE=stack.secret_path(REDIS_PASSWORD),
+            KVSERVE_KVSTORE=kvstore.address,
+        ),
         depends_on=("redis", "kvstore"),
+        secrets=(INTERNAL_SECRET, REDIS_PASSWORD),
     )
 
 
@@ -219,6 +261,7 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
         gpu=gpu,
         startup_s=stack.plan.rank_startup_s,
         uses_arena=True,
+        secrets=(INTERNAL_SECRET,),
     )
 
 
@@ -238,6 +281,7 @@ def _gateway(stack: _Stack, router: ServiceSpec, rank_workers: list[ServiceSpec]
         environment=stack.environment(KVSERVE_ROUTER=router.address, KVSERVE_RANK_WORKERS=rank_list),
         depends_on=("router", *(rank.name for rank in rank_workers)),
         published=True,
+        secrets=(INTERNAL_SECRET,),
     )
 
 

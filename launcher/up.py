@@ -2,7 +2,8 @@
 
 The stack is the topology (launcher/topology.py) in local mode: redis-server, the kvstore, the router, N rank
 workers and the gateway, started tier by tier in dependency order, each waited on until healthy. Logs, the
-redis data and services.json (names, pids, addresses) go to the state dir (default .kvserve/run). SIGINT or
+redis data, services.json (names, pids, addresses) and the secrets (the internal plane's shared secret and
+Redis's password, mode 0600, made on the first start) go to the state dir (default .kvserve/run). SIGINT or
 SIGTERM stops everything in reverse order. A service that exits once the stack is up is restarted, as
 compose's `restart: unless-stopped` would; one that keeps crashing stops the stack.
 """
@@ -25,9 +26,19 @@ from typing import TextIO
 
 import grpc
 
+from contracts import internal_auth
 from contracts.config import KvServeConfig, load_config
+from launcher.stack_secrets import prepare_local_secrets
 from launcher.supervisor import ServiceFailedError, Supervisor
-from launcher.topology import ServiceSpec, StackPlan, build_topology, cpu_kv_cache_gb, start_tiers
+from launcher.topology import (
+    INTERNAL_SECRET,
+    ServiceSpec,
+    StackPlan,
+    build_topology,
+    cpu_kv_cache_gb,
+    local_secret_path,
+    start_tiers,
+)
 
 DEFAULT_STATE_DIR = Path(".kvserve/run")
 WATCH_INTERVAL_S = 0.5
@@ -157,6 +168,9 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
         say(f"error: {exc}\n")
         return 1
     _prepare_state_dir(options.state_dir)
+    prepare_local_secrets(options.state_dir)
+    # Its own calls to the stack (the rank's ModelInfo) carry the secret the services check.
+    internal_auth.use_secret(internal_auth.read_secret_file(local_secret_path(options.state_dir, INTERNAL_SECRET)))
     tiers = start_tiers(specs)
     supervisor = Supervisor(options.state_dir / "logs", say)
     services_file = options.state_dir / "services.json"
@@ -204,7 +218,7 @@ def _max_model_len(rank_target: str) -> int:
     from protos import rank_worker_pb2_grpc as pb_grpc
 
     options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    with grpc.insecure_channel(rank_target, options=options) as channel:
+    with internal_auth.channel(rank_target, options=options) as channel:
         return pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10).max_model_len
 
 
@@ -251,10 +265,18 @@ def _print_ready(
     out.write(
         "  claude\n"
         "\nOr from the command line:\n"
-        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].address}\n'
+        f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].address}'
+        f"{_secret_flag(options.state_dir)}\n"
         "\nCtrl-C stops everything.\n"
     )
     out.flush()
+
+
+def _secret_flag(state_dir: Path) -> str:
+    """`kvserve complete` finds the default state dir's secret itself; another one it must be told."""
+    if state_dir.resolve() == DEFAULT_STATE_DIR.resolve():
+        return ""
+    return f" --secret-file {local_secret_path(state_dir, INTERNAL_SECRET).resolve()}"
 
 
 def _kvserve_command() -> str:

@@ -16,11 +16,11 @@ import sys
 import uuid
 from collections.abc import Sequence
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts import service_main
 from contracts.config import KvServeConfig
+from contracts.internal_auth import InternalAuthError
 from protos import rank_worker_pb2, rank_worker_pb2_grpc
 from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
 from rank_worker.engine_loop import EngineLoop
@@ -78,7 +78,11 @@ async def serve(config: KvServeConfig) -> int:
     address = service_main.listen_address(config.rank_worker_host, config.rank_worker_port)
     health_servicer = health.aio.HealthServicer()
     servicer = RankWorkerServicer(config.max_waiting_requests)
-    server = grpc.aio.server(options=SERVER_OPTIONS)
+    try:
+        server = service_main.internal_server(config, config.rank_worker_host, "rank worker", SERVER_OPTIONS)
+    except InternalAuthError as exc:
+        log.error("%s", exc)
+        return 2
     rank_worker_pb2_grpc.add_RankWorkerServicer_to_server(servicer, server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from contracts import internal_auth
 from contracts.service_main import client_target
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
@@ -89,7 +90,7 @@ class RouterLink:
             self._task = None
 
     async def run(self) -> None:
-        async with grpc.aio.insecure_channel(self.router_address, options=CHANNEL_OPTIONS) as channel:
+        async with internal_auth.aio_channel(self.router_address, options=CHANNEL_OPTIONS) as channel:
             stub = pb_grpc.RouterStub(channel)
             while True:
                 await self.beat(stub)

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 import grpc
 
+from contracts import internal_auth
 from contracts.kv_events import KvEvent, kind_of_wire
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2_grpc, rank_worker_pb2_grpc
@@ -182,7 +183,7 @@ class _Feed:
     async def _subscribe_once(self) -> str:
         """One subscription until it breaks; returns why it ended."""
         try:
-            async with grpc.aio.insecure_channel(self._address, options=self._options) as channel:
+            async with internal_auth.aio_channel(self._address, options=self._options) as channel:
                 expected = 1
                 async for batch in self._open_stream(channel):
                     if batch.sequence != expected:

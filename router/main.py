@@ -15,14 +15,15 @@ import signal
 import sys
 from collections.abc import Sequence
 
-import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts import service_main
 from contracts.config import KvServeConfig
+from contracts.internal_auth import InternalAuthError
 from protos import router_pb2, router_pb2_grpc
 from router.durable_state import DurableState
 from router.event_feeds import EventFeeds
+from router.redis_password import RedisPasswordError, redis_url_with_password
 from router.route_score import RoutePolicy
 from router.router_state import RouterState
 from router.servicer import RouterServicer
@@ -66,11 +67,16 @@ async def serve(config: KvServeConfig) -> int:
     address = service_main.listen_address(config.router_host, config.router_port)
     state = build_state(config)
     feeds = EventFeeds(state, config.rank_down_after_secs)
-    durable = DurableState(state, config.redis_url)
+    try:
+        server = service_main.internal_server(config, config.router_host, "router", SERVER_OPTIONS)
+        redis_url = redis_url_with_password(config.redis_url, config.redis_password_file)
+    except (InternalAuthError, RedisPasswordError) as exc:
+        log.error("%s", exc)
+        return 2
+    durable = DurableState(state, redis_url)
     state.follower, state.durable = feeds, durable
 
     health_servicer = health.aio.HealthServicer()
-    server = grpc.aio.server(options=SERVER_OPTIONS)
     router_pb2_grpc.add_RouterServicer_to_server(RouterServicer(state, durable), server)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for service in ("", SERVICE_NAME):

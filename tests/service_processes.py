@@ -1,18 +1,74 @@
 """Starting our services as real processes in tests: free ports, a clean environment, health waits and a
-clean stop. Every service test goes through here so they all share cores and deadlines the same way."""
+clean stop. Every service test goes through here so they all share cores and deadlines the same way.
+
+Every test process has one internal secret and one Redis password (files, mode 0600, made on import): each
+service started here gets both, as `kvserve up` gives them, and this process's internal channels
+(contracts.internal_auth.channel / aio_channel) send the secret, so every test runs with auth on.
+"""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+SECRET_ENV = ("KVSERVE_INTERNAL_SECRET_FILE", "KVSERVE_REDIS_PASSWORD_FILE")
+
+
+def export_test_secrets() -> None:
+    """Make this process's internal secret and Redis password files once and name them in its environment
+    (where the services' environments and this process's internal channels take them from). Through the
+    environment, so the module imported under two names (service_processes, tests.service_processes) shares
+    them, and so an xdist worker has its own."""
+    if all(os.environ.get(name) for name in SECRET_ENV):
+        return
+    from contracts.internal_auth import create_secret_file
+
+    directory = Path(tempfile.mkdtemp(prefix="kvserve-test-secrets-"))
+    atexit.register(shutil.rmtree, directory, True)
+    for name, file_name in zip(SECRET_ENV, ("internal-secret", "redis-password"), strict=True):
+        create_secret_file(directory / file_name)
+        os.environ[name] = str(directory / file_name)
+
+
+export_test_secrets()
+
+
+def redis_password() -> str:
+    return Path(os.environ["KVSERVE_REDIS_PASSWORD_FILE"]).read_text().strip()
+
+
+def redis_client(port: int, **options: Any) -> Any:
+    """A redis-py client of a test's redis-server, with its password."""
+    import redis
+
+    return redis.Redis(host="127.0.0.1", port=port, password=redis_password(), **options)
+
+
+def redis_url(port: int, db: int = 0) -> str:
+    """The URL, password included, for in-process clients (DurableState); services get the password file."""
+    return f"redis://:{redis_password()}@127.0.0.1:{port}/{db}"
+
+
+def redis_server_args(port: int, data_dir: Path) -> list[str]:
+    """redis-server on loopback with the test password (requirepass in a 0600 config file, as `kvserve up`
+    does, not in argv), persisting append-only into data_dir."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    conf = data_dir / "redis-auth.conf"
+    conf.touch(mode=0o600)
+    conf.write_text(f'requirepass "{redis_password()}"\n')
+    args = ["redis-server", str(conf), "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
+    return [*args, "--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
 
 
 def free_port() -> int:
@@ -22,9 +78,10 @@ def free_port() -> int:
 
 
 def service_env(**settings: str) -> dict[str, str]:
-    """The environment minus any KVSERVE_* of the caller, plus `settings`; torch threads split between
-    xdist workers as tests/conftest.py does in-process."""
+    """The environment minus any KVSERVE_* of the caller, plus the test secrets and `settings`; torch threads
+    split between xdist workers as tests/conftest.py does in-process."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("KVSERVE_")}
+    env.update({name: os.environ[name] for name in SECRET_ENV})
     env.update(settings)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
@@ -130,7 +187,7 @@ def wait_redis_ready(port: int, process: subprocess.Popen[bytes], timeout_s: flo
     import redis
 
     deadline = time.monotonic() + timeout_s
-    client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=1)
+    client = redis_client(port, socket_timeout=1)
     while time.monotonic() < deadline:
         if process.poll() is not None:
             raise RuntimeError(f"redis-server exited with {process.returncode}")
@@ -146,10 +203,9 @@ def wait_redis_ready(port: int, process: subprocess.Popen[bytes], timeout_s: flo
 def start_redis(
     log_path: Path, port: int, data_dir: Path
 ) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
-    """A real redis-server on loopback, persisting (append-only) into data_dir so a restart keeps state."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    args = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(data_dir)]
-    args += ["--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
+    """A real redis-server on loopback with the test password, persisting (append-only) into data_dir so a
+    restart keeps state."""
+    args = redis_server_args(port, data_dir)
     return running_process(args, service_env(), log_path, lambda process: wait_redis_ready(port, process))
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from contracts import internal_auth
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from rank_worker.l1.arena import ArenaLayout
@@ -56,7 +57,7 @@ class KvStoreLink(KvStoreClient):
 
     def _connect(self) -> pb_grpc.KvStoreStub:
         if self._stub is None:
-            self._channel = grpc.insecure_channel(self._address, options=CHANNEL_OPTIONS)
+            self._channel = internal_auth.channel(self._address, options=CHANNEL_OPTIONS)
             self._stub = pb_grpc.KvStoreStub(self._channel)
         return self._stub
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import grpc
 import pytest
 from whole_stack import (
     Stack,
@@ -17,6 +16,7 @@ from whole_stack import (
     whole_stack,
 )
 
+from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
@@ -57,7 +57,7 @@ def test_a_new_session_goes_to_the_less_loaded_rank(stack: Stack) -> None:
         prompt_token_ids=list(range(100, 160)),
         sampling=pb.SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
     )
-    channel = grpc.insecure_channel(stack[busy].address)
+    channel = internal_auth.channel(stack[busy].address)
     calls = [pb_grpc.RankWorkerStub(channel).Generate(request, timeout=300) for _ in range(3)]
     try:
         stack.wait_until("the rank running all three", lambda: stack.rank_stats(busy).running == len(calls))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
+from service_processes import redis_client
 from whole_stack import (
     Stack,
     cached_tokens_metric,
@@ -170,7 +170,7 @@ def test_kvstore_restart_serves_l0_only_then_l1_again(stack: Stack) -> None:
 
 
 def test_redis_restart_router_survives_and_resyncs(stack: Stack) -> None:
-    client = redis.Redis(host="127.0.0.1", port=stack["redis"].port, socket_timeout=5)
+    client = redis_client(stack["redis"].port, socket_timeout=5)
     chat_turn(stack.url, "before-outage", [{"role": "user", "content": "hello"}], 2)
     assert client.exists("kvserve:session:before-outage")
 

@@ -17,6 +17,7 @@ import pytest
 from service_processes import ROOT
 from whole_stack import Stack, whole_stack
 
+from contracts import internal_auth
 from contracts.block_hash import lookup_block_hashes
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
@@ -47,9 +48,9 @@ class SoakClient:
 
     def __init__(self, stack: Stack, info: pb.ModelInfoResponse) -> None:
         self.info = info
-        self.router = router_pb2_grpc.RouterStub(grpc.insecure_channel(stack["router"].address))
+        self.router = router_pb2_grpc.RouterStub(internal_auth.channel(stack["router"].address))
         self.ranks = {
-            stack[name].address: pb_grpc.RankWorkerStub(grpc.insecure_channel(stack[name].address))
+            stack[name].address: pb_grpc.RankWorkerStub(internal_auth.channel(stack[name].address))
             for name in stack.rank_names()
         }
         self.lock = threading.Lock()
@@ -97,7 +98,7 @@ class SoakClient:
 
 def test_soak_ends_with_every_pool_empty(stack: Stack) -> None:
     first = stack.rank_names()[0]
-    with grpc.insecure_channel(stack[first].address) as channel:
+    with internal_auth.channel(stack[first].address) as channel:
         info = pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10)
     client = SoakClient(stack, info)
     session_prompts: list[list[int]] = [[] for _ in range(SESSIONS)]

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
-from service_processes import ROOT, free_port, service_env, wait_http_ready, wait_redis_ready
+from service_processes import ROOT, free_port, redis_server_args, service_env, wait_http_ready, wait_redis_ready
 
+from contracts import internal_auth
 from launcher.health import wait_for_serving
 from protos import kvstore_pb2, kvstore_pb2_grpc, rank_worker_pb2, rank_worker_pb2_grpc, router_pb2, router_pb2_grpc
 
@@ -88,15 +89,15 @@ class Stack:
     # --- reading state over the services' own RPCs ---
 
     def rank_stats(self, name: str) -> rank_worker_pb2.StatsResponse:
-        with grpc.insecure_channel(self.services[name].address) as channel:
+        with internal_auth.channel(self.services[name].address) as channel:
             return rank_worker_pb2_grpc.RankWorkerStub(channel).Stats(rank_worker_pb2.StatsRequest(), timeout=10)
 
     def kvstore_stats(self) -> kvstore_pb2.StatsResponse:
-        with grpc.insecure_channel(self.services["kvstore"].address) as channel:
+        with internal_auth.channel(self.services["kvstore"].address) as channel:
             return kvstore_pb2_grpc.KvStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
 
     def router_ranks(self) -> router_pb2.ListRanksResponse:
-        with grpc.insecure_channel(self.services["router"].address) as channel:
+        with internal_auth.channel(self.services["router"].address) as channel:
             return router_pb2_grpc.RouterStub(channel).ListRanks(router_pb2.ListRanksRequest(), timeout=10)
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
@@ -144,8 +145,7 @@ def whole_stack(
     def add(name: str, args: list[str], env: dict[str, str], port: int, ready) -> None:
         stack.services[name] = Service(name, args, env, port, ready, tmp / f"{name}.log")
 
-    redis_args = ["redis-server", "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--dir", str(redis_dir)]
-    redis_args += ["--appendonly", "yes", "--save", ""]
+    redis_args = redis_server_args(ports["redis"], redis_dir)
     add("redis", redis_args, service_env(), ports["redis"], lambda p: wait_redis_ready(ports["redis"], p))
     add(
         "kvstore",
@@ -267,7 +267,7 @@ def touch_ranks(stack: Stack, tokens: int = 40) -> None:
             prompt_token_ids=[random.randrange(1000, 40000) for _ in range(tokens)],
             sampling=rank_worker_pb2.SamplingParams(temperature=0, max_tokens=1),
         )
-        with grpc.insecure_channel(stack[name].address) as channel:
+        with internal_auth.channel(stack[name].address) as channel:
             for _ in rank_worker_pb2_grpc.RankWorkerStub(channel).Generate(request, timeout=120):
                 pass
 
@@ -287,6 +287,6 @@ def evict_l0(stack: Stack, seed: int, max_tokens: int = 1900) -> None:
             prompt_token_ids=[rng.randrange(1000, 40000) for _ in range(tokens)],
             sampling=rank_worker_pb2.SamplingParams(temperature=0, max_tokens=1),
         )
-        with grpc.insecure_channel(stack[name].address) as channel:
+        with internal_auth.channel(stack[name].address) as channel:
             for _ in rank_worker_pb2_grpc.RankWorkerStub(channel).Generate(request, timeout=300):
                 pass

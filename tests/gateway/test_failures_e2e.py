@@ -14,11 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
-import grpc
 import httpx
 import pytest
 from service_processes import free_port, gateway_stack, start_gateway, start_rank_worker
 
+from contracts import internal_auth
 from gateway.auth import create_key
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
@@ -28,7 +28,7 @@ LONG_PROMPT = "Tell me about the history of caches in computers, in detail. " * 
 
 
 def _stats(port: int) -> pb.StatsResponse:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with internal_auth.channel(f"127.0.0.1:{port}") as channel:
         return pb_grpc.RankWorkerStub(channel).Stats(pb.StatsRequest(), timeout=5)
 
 

@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 import pytest
 
+from contracts import internal_auth
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -48,7 +49,7 @@ def stub(tmp_path: Path) -> Iterator[pb_grpc.KvStoreStub]:
     port = free_port()
     with (
         start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)),
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        internal_auth.channel(f"127.0.0.1:{port}") as channel,
     ):
         yield pb_grpc.KvStoreStub(channel)
 
@@ -239,7 +240,7 @@ def test_restarts_void_old_arenas_and_clean_up_their_files(tmp_path: Path) -> No
     port = free_port()
     with (
         start_kvstore(tmp_path / "first.log", port, **settings) as first,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        internal_auth.channel(f"127.0.0.1:{port}") as channel,
     ):
         old = attach(pb_grpc.KvStoreStub(channel), "rank-a")
         first.kill()  # SIGKILL: no chance to remove its arena
@@ -248,7 +249,7 @@ def test_restarts_void_old_arenas_and_clean_up_their_files(tmp_path: Path) -> No
 
     with (
         start_kvstore(tmp_path / "second.log", port, **settings) as second,
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        internal_auth.channel(f"127.0.0.1:{port}") as channel,
     ):
         stub = pb_grpc.KvStoreStub(channel)
         new_arena = stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
@@ -270,7 +271,7 @@ def test_pins_nobody_releases_expire(tmp_path: Path) -> None:
     settings = {**kvstore_settings(tmp_path), "KVSERVE_L1_PIN_TTL_SECS": "0.3"}
     with (
         start_kvstore(tmp_path / "kvstore.log", port, **settings),
-        grpc.insecure_channel(f"127.0.0.1:{port}") as channel,
+        internal_auth.channel(f"127.0.0.1:{port}") as channel,
     ):
         stub = pb_grpc.KvStoreStub(channel)
         arena = attach(stub, "rank-a")

@@ -17,12 +17,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import httpx
 import pytest
 from service_processes import free_port, running_process, service_env
 from tokenizers import Tokenizer
 
+from contracts import internal_auth
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
 from launcher.health_check import HealthCheck, probe
@@ -89,6 +89,11 @@ class Stack:
     def rank_target(self) -> str:
         return self.address("rank-worker-0")
 
+    @property
+    def secret(self) -> internal_auth.InternalSecret:
+        """The internal secret `up` made in its state dir (not the test process's own)."""
+        return internal_auth.read_secret_file(self.state_dir / "internal-secret")
+
     def text(self) -> str:
         return self.output.read_text(errors="replace")
 
@@ -121,7 +126,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 @pytest.fixture(scope="module")
 def model_info(stack: Stack) -> pb.ModelInfoResponse:
     options = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-    with grpc.insecure_channel(stack.rank_target, options=options) as channel:
+    with internal_auth.channel(stack.rank_target, options=options, secret=stack.secret) as channel:
         return pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30)
 
 
@@ -146,12 +151,12 @@ def test_up_starts_every_service_and_wires_them(stack: Stack) -> None:
     services = stack.services()
     assert list(services) == SERVICES
     assert all(not gone(int(entry["pid"])) for entry in services.values())  # type: ignore[call-overload]
-    assert probe(HealthCheck("redis", stack.address("redis"))) is None
+    assert probe(HealthCheck("redis", stack.address("redis"), str(stack.state_dir / "redis-password"))) is None
     for name in ("kvstore", "router", "rank-worker-0", "rank-worker-1"):
         assert probe(HealthCheck("grpc", stack.address(name))) is None, name
     # Both ranks registered with the router under their ids and advertised addresses; Redis reached.
     deadline = time.monotonic() + 30
-    with grpc.insecure_channel(stack.address("router")) as channel:
+    with internal_auth.channel(stack.address("router"), secret=stack.secret) as channel:
         while True:
             listing = router_pb2_grpc.RouterStub(channel).ListRanks(router_pb2.ListRanksRequest(), timeout=10)
             ranks = {rank.rank_id: rank for rank in listing.ranks}
@@ -203,7 +208,8 @@ def test_real_tokenizer_streams_multibyte_text_cleanly(tokenizer: Tokenizer) -> 
 
 def test_complete_streams_text_and_stats(stack: Stack) -> None:
     out, err = io.StringIO(), io.StringIO()
-    code = complete(stack.rank_target, CompletionArgs("What is the capital of France?", max_tokens=12), out, err)
+    args = CompletionArgs("What is the capital of France?", max_tokens=12)
+    code = complete(stack.rank_target, args, out, err, secret=stack.secret)
     assert code == 0
     assert out.getvalue().strip()
     stats = err.getvalue()
@@ -211,16 +217,34 @@ def test_complete_streams_text_and_stats(stack: Stack) -> None:
 
 
 def test_kvserve_complete_command(stack: Stack) -> None:
-    result = kvserve("complete", "Say hello.", "--max-tokens", "6", "--target", stack.rank_target)
+    secret_flag = ("--secret-file", str((stack.state_dir / "internal-secret").resolve()))
+    assert " ".join(secret_flag) in stack.text()  # the printed example names the state dir's secret
+    result = kvserve("complete", "Say hello.", "--max-tokens", "6", "--target", stack.rank_target, *secret_flag)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip()
     assert "[prompt " in result.stderr
 
 
 def test_kvserve_complete_reports_bad_input(stack: Stack) -> None:
-    result = kvserve("complete", "Say hello.", "--max-tokens", "0", "--target", stack.rank_target)
+    secret_flag = ("--secret-file", str(stack.state_dir / "internal-secret"))
+    result = kvserve("complete", "Say hello.", "--max-tokens", "0", "--target", stack.rank_target, *secret_flag)
     assert result.returncode == 1
     assert "INVALID_ARGUMENT" in result.stderr and "max_tokens" in result.stderr
+
+
+def test_up_keeps_its_secrets_private_and_its_stack_closed(stack: Stack) -> None:
+    """The internal secret and Redis's password are made 0600 in the state dir; the password reaches Redis
+    through a 0600 config file, not its argv; a call without the secret, or with another one, is refused."""
+    for name in ("internal-secret", "redis-password", "redis-auth.conf"):
+        assert (stack.state_dir / name).stat().st_mode & 0o777 == 0o600, name
+    password = (stack.state_dir / "redis-password").read_text().strip()
+    redis_pid = int(stack.services()["redis"]["pid"])  # type: ignore[call-overload]
+    argv = Path(f"/proc/{redis_pid}/cmdline").read_bytes().split(b"\0")
+    assert b"redis-server" in argv[0] and not any(password.encode() in word for word in argv)
+    assert probe(HealthCheck("redis", stack.address("redis"))).startswith("NOAUTH")  # type: ignore[union-attr]
+    # the test process's own secret (service_processes) is not this stack's
+    result = kvserve("complete", "Say hello.", "--max-tokens", "2", "--target", stack.rank_target)
+    assert result.returncode == 1 and "UNAUTHENTICATED" in result.stderr
 
 
 def test_kvserve_complete_unreachable_target() -> None:

@@ -1,17 +1,22 @@
 """docker-compose.yml: the committed file is exactly what `kvserve compose --ranks 4` renders from
 config/compose.yaml (so neither can drift), it describes the same stack as `kvserve up`, and its structure
-keeps the promises of a GPU node: one GPU per rank, one published port, a shared arena, health-gated starts."""
+keeps the promises of a GPU node: one GPU per rank, one published port, a shared arena, health-gated starts,
+the internal secret and Redis's password as compose secrets (the Redis entrypoint is run here with sh and a real
+redis-server)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import redis
 import yaml
-from service_processes import service_env
+from service_processes import free_port, service_env
 
 from launcher.compose import render_compose
 from launcher.topology import COMPOSE_CONFIG_PATH, StackPlan, build_topology
@@ -64,10 +69,13 @@ def test_same_services_dependencies_and_health_checks_as_the_local_stack(documen
     for spec in local:
         service = rendered[spec.name]
         assert list(service.get("depends_on", {})) == list(spec.depends_on)
-        test = service["healthcheck"]["test"]
-        assert next(kind_of_test[word] for word in test if word in kind_of_test) == spec.health.kind
+        words = " ".join(service["healthcheck"]["test"]).split()
+        assert next(kind_of_test[word] for word in words if word in kind_of_test) == spec.health.kind
         assert service["restart"] == spec.restart
-        assert service["command"][1:3] == list(spec.argv[1:3])  # -m <the same module>, or redis's --port
+        if spec.reads_config:
+            assert service["command"][1:3] == list(spec.argv[1:3])  # -m <the same module>
+        else:  # redis: its config file (requirepass) first, then the same flags
+            assert service["command"][0] == spec.argv[0] and service["command"][2::2] == list(spec.argv[2::2])
 
 
 def yaml_config() -> Any:
@@ -106,7 +114,7 @@ def test_every_rank_has_its_own_gpu(document: dict[str, Any]) -> None:
 def test_every_dependency_waits_for_a_health_check(document: dict[str, Any]) -> None:
     rendered = services(document)
     for name, service in rendered.items():
-        assert service["healthcheck"]["test"][0] == "CMD", name
+        assert service["healthcheck"]["test"][0] == ("CMD-SHELL" if name == "redis" else "CMD"), name
         for dependency, condition in service.get("depends_on", {}).items():
             assert dependency in rendered, f"{name} depends on unknown {dependency}"
             assert "healthcheck" in rendered[dependency], dependency
@@ -151,7 +159,7 @@ def test_redis_persists_to_a_volume(document: dict[str, Any]) -> None:
 
 def test_gateway_needs_api_keys_beyond_loopback(document: dict[str, Any]) -> None:
     gateway = services(document)["gateway"]
-    assert gateway["secrets"] == ["kvserve_api_keys"]
+    assert gateway["secrets"] == ["kvserve_internal_secret", "kvserve_api_keys"]
     assert yaml_config().api_keys_file == "/run/secrets/kvserve_api_keys"
     assert document["secrets"]["kvserve_api_keys"]["file"] == "./kvserve-keys.json"
 
@@ -165,3 +173,68 @@ def test_other_rank_counts_render_as_many_ranks(tmp_path: Path) -> None:
     elsewhere = yaml.safe_load(render_compose(1, CONFIG_FILE, tmp_path / "deploy" / "docker-compose.yml"))
     mount = elsewhere["services"]["kvstore"]["volumes"][0]
     assert (tmp_path / "deploy" / mount.split(":")[0]).resolve() == CONFIG_FILE.resolve()
+
+
+def test_internal_secret_and_redis_password_are_compose_secrets(document: dict[str, Any]) -> None:
+    assert document["secrets"]["kvserve_internal_secret"] == {"file": "./kvserve-internal-secret"}
+    assert document["secrets"]["kvserve_redis_password"] == {"file": "./kvserve-redis-password"}
+    for name, service in kvserve_services(document).items():
+        assert "kvserve_internal_secret" in service["secrets"], name
+        assert service["environment"]["KVSERVE_INTERNAL_SECRET_FILE"] == "/run/secrets/kvserve_internal_secret"
+    rendered = services(document)
+    assert rendered["router"]["environment"]["KVSERVE_REDIS_PASSWORD_FILE"] == "/run/secrets/kvserve_redis_password"
+    assert rendered["router"]["secrets"] == ["kvserve_internal_secret", "kvserve_redis_password"]
+    assert rendered["redis"]["secrets"] == ["kvserve_redis_password"]
+    assert "--protected-mode" not in rendered["redis"]["command"]  # it has a password now
+    assert "kvserve secret create --file kvserve-internal-secret" in COMPOSE_FILE.read_text()
+
+
+def _unescaped(word: str, replacements: dict[str, str]) -> str:
+    """A compose command word as the container's shell gets it ($$ is compose's literal $), paths moved."""
+    word = word.replace("$$", "$")
+    for old, new in replacements.items():
+        word = word.replace(old, new)
+    return word
+
+
+def test_compose_redis_entrypoint_starts_a_redis_that_requires_the_password(
+    document: dict[str, Any], tmp_path: Path
+) -> None:
+    """The redis service's entrypoint and command as docker would run them, with sh and a real redis-server:
+    only the image's own entrypoint (which drops to the redis user) and chown are stand-ins."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in (("docker-entrypoint.sh", 'exec "$@"'), ("chown", "exit 0")):
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    password_file = tmp_path / "kvserve_redis_password"
+    password_file.write_text("s3cret-for-the-compose-test\n")
+    port = free_port()
+    replacements = {
+        "/run/secrets/kvserve_redis_password": str(password_file),
+        "/tmp/redis-auth.conf": str(tmp_path / "redis-auth.conf"),
+        "0.0.0.0": "127.0.0.1",
+    }
+    redis_service = services(document)["redis"]
+    command = [_unescaped(word, replacements) for word in redis_service["command"]]
+    command[command.index("--port") + 1] = str(port)
+    command[command.index("--dir") + 1] = str(tmp_path)
+    argv = [_unescaped(word, replacements) for word in redis_service["entrypoint"]] + command
+    env = {**service_env(), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    process = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp_path)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=port, password="s3cret-for-the-compose-test", socket_timeout=1)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                assert client.ping()
+                break
+            except redis.ConnectionError:
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.1)
+        with pytest.raises(redis.AuthenticationError):
+            redis.Redis(host="127.0.0.1", port=port, socket_timeout=1).keys("*")
+        assert (tmp_path / "redis-auth.conf").stat().st_mode & 0o777 == 0o600
+    finally:
+        process.terminate()
+        process.wait(timeout=30)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import threading
@@ -85,12 +86,20 @@ def test_http_probe_wants_a_200(http_ready: tuple[str, type[_Ready]]) -> None:
     assert probe(HealthCheck("http", f"http://127.0.0.1:{free_port()}/ready"), timeout_s=1).startswith("no answer")
 
 
-def test_redis_probe_pings_a_real_redis(tmp_path: Path) -> None:
+def test_redis_probe_authenticates_and_pings_a_real_redis(tmp_path: Path) -> None:
     port = free_port()
+    password_file = os.environ["KVSERVE_REDIS_PASSWORD_FILE"]  # the test Redis's password (service_processes)
     assert probe(HealthCheck("redis", f"127.0.0.1:{port}"), timeout_s=1).startswith("no answer")
     with start_redis(tmp_path / "redis.log", port, tmp_path / "data"):
-        assert probe(HealthCheck("redis", f"127.0.0.1:{port}")) is None
-        assert run_check("redis", f"127.0.0.1:{port}").returncode == 0
+        assert probe(HealthCheck("redis", f"127.0.0.1:{port}", password_file=password_file)) is None
+        assert run_check("redis", f"127.0.0.1:{port}", password_file).returncode == 0
+        # A Redis with a password is not healthy to a probe that cannot log in.
+        assert probe(HealthCheck("redis", f"127.0.0.1:{port}")).startswith("NOAUTH")  # type: ignore[union-attr]
+        wrong = tmp_path / "wrong-password"
+        wrong.write_text("not-it\n")
+        refused = probe(HealthCheck("redis", f"127.0.0.1:{port}", password_file=str(wrong)))
+        assert refused is not None and refused.startswith("WRONGPASS")
+        assert run_check("redis", f"127.0.0.1:{port}", str(wrong)).returncode == 1
 
 
 def test_usage_errors_exit_2() -> None:

@@ -1,5 +1,5 @@
-"""The stack's topology: the same services, dependencies and health checks in local and compose mode; local
-addresses, ports, GPU pinning and the CPU memory split; the start tiers."""
+"""The stack's topology: the same services, dependencies, health checks and secrets in local and compose mode;
+local addresses, ports, GPU pinning and the CPU memory split; the start tiers."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from contracts.config import KvServeConfig
-from launcher.topology import ServiceSpec, StackPlan, build_topology, start_tiers
+from launcher.topology import INTERNAL_SECRET, REDIS_PASSWORD, ServiceSpec, StackPlan, build_topology, start_tiers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -19,8 +19,13 @@ def config(**values: object) -> KvServeConfig:
     return KvServeConfig(**values)  # type: ignore[arg-type]
 
 
+STATE_DIR = Path("/var/kvserve/run")
+
+
 def local(ranks: int, gpu_ids: tuple[str, ...] = (), **values: object) -> list[ServiceSpec]:
-    plan = StackPlan(mode="local", config_file="/etc/kv.yaml", python="/venv/bin/python", gpu_ids=gpu_ids)
+    plan = StackPlan(
+        mode="local", config_file="/etc/kv.yaml", python="/venv/bin/python", state_dir=STATE_DIR, gpu_ids=gpu_ids
+    )
     return build_topology(config(**values), ranks, plan)
 
 
@@ -44,6 +49,7 @@ def shape(spec: ServiceSpec) -> tuple[object, ...]:
         spec.reads_config,
         spec.uses_arena,
         spec.gpu,
+        spec.secrets,
     )
 
 
@@ -52,9 +58,14 @@ def test_local_and_compose_describe_the_same_stack() -> None:
     assert [shape(spec) for spec in local(4, gpus)] == [shape(spec) for spec in compose(4)]
     names = [spec.name for spec in compose(4)]
     assert names == ["redis", "kvstore", "router", *(f"rank-worker-{i}" for i in range(4)), "gateway"]
-    # the same program and role flags in both modes; only the interpreter, binds and ports differ
+    # the same program and flags in both modes; only the interpreter, binds, ports and file paths differ
     for local_spec, compose_spec in zip(local(4, gpus), compose(4), strict=True):
-        assert local_spec.argv[1:3] == compose_spec.argv[1:3]
+        if local_spec.reads_config:
+            assert local_spec.argv[1:3] == compose_spec.argv[1:3]  # -m <module>
+        else:
+            assert local_spec.argv[0] == compose_spec.argv[0] == "redis-server"
+        flags = [[word for word in spec.argv if word.startswith("--")] for spec in (local_spec, compose_spec)]
+        assert flags[0] == flags[1], local_spec.name
         assert set(local_spec.environment) == set(compose_spec.environment)
 
 
@@ -86,7 +97,14 @@ def test_local_mode_binds_loopback_on_configured_ports_and_wires_addresses() -> 
             redis_url="redis://127.0.0.1:7379/3",
         )
     )
-    assert specs["redis"].argv[:5] == ("redis-server", "--port", "7379", "--bind", "127.0.0.1")
+    assert specs["redis"].argv[:6] == (
+        "redis-server",
+        str(STATE_DIR / "redis-auth.conf"),  # requirepass: the password is in no argv
+        "--port",
+        "7379",
+        "--bind",
+        "127.0.0.1",
+    )
     assert "--appendonly" in specs["redis"].argv
     assert specs["kvstore"].argv == ("/venv/bin/python", "-m", "kvstore", "--host", "127.0.0.1", "--port", "7001")
     router = specs["router"]
@@ -105,6 +123,28 @@ def test_local_mode_binds_loopback_on_configured_ports_and_wires_addresses() -> 
     assert gateway.health.target == "http://127.0.0.1:7080/ready"
     assert all(spec.environment.get("KVSERVE_CONFIG") == "/etc/kv.yaml" for spec in specs.values() if spec.reads_config)
     assert all(spec.host == "127.0.0.1" for spec in specs.values())
+
+
+def test_every_service_reads_its_secrets_from_files() -> None:
+    """The internal secret for every kvserve service, Redis's password for Redis and the router: paths in the
+    state dir locally, compose secrets in compose; never a value in an argv or the environment."""
+    for specs, internal, password in (
+        (local(2), str(STATE_DIR / "internal-secret"), str(STATE_DIR / "redis-password")),
+        (compose(2), "/run/secrets/kvserve_internal_secret", "/run/secrets/kvserve_redis_password"),
+    ):
+        named = by_name(specs)
+        for spec in specs:
+            if spec.reads_config:
+                assert spec.environment["KVSERVE_INTERNAL_SECRET_FILE"] == internal, spec.name
+                assert INTERNAL_SECRET in spec.secrets, spec.name
+        assert named["router"].environment["KVSERVE_REDIS_PASSWORD_FILE"] == password
+        assert named["router"].secrets == (INTERNAL_SECRET, REDIS_PASSWORD)
+        assert named["redis"].secrets == (REDIS_PASSWORD,)
+        assert named["redis"].health.password_file == password  # the probe AUTHs as the router does
+        assert not any("requirepass" in word for spec in specs for word in spec.argv)
+    assert by_name(local(1))["redis"].entrypoint == ()  # locally `kvserve up` writes the config file itself
+    entrypoint = by_name(compose(1))["redis"].entrypoint
+    assert entrypoint[:2] == ("sh", "-c") and "/run/secrets/kvserve_redis_password" in entrypoint[2]
 
 
 def test_compose_mode_uses_service_names_and_binds_all_interfaces() -> None:

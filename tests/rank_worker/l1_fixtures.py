@@ -45,12 +45,11 @@ def kvstore_settings(arena_dir: Path) -> dict[str, str]:
 
 
 def kvstore_stats(port: int) -> kvstore_pb2.StatsResponse:
-    import grpc
-
+    from contracts import internal_auth
     from protos import kvstore_pb2 as kvstore_pb
     from protos import kvstore_pb2_grpc as kvstore_grpc
 
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    with internal_auth.channel(f"127.0.0.1:{port}") as channel:
         return kvstore_grpc.KvStoreStub(channel).Stats(kvstore_pb.StatsRequest(), timeout=10)
 
 

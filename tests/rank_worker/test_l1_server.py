@@ -8,11 +8,11 @@ import signal
 import time
 from pathlib import Path
 
-import grpc
 from engine_fixtures import random_prompt
 from l1_fixtures import kvstore_settings, kvstore_stats
 from service_processes import free_port, start_kvstore, start_rank_worker, start_router
 
+from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 from protos import router_pb2 as router_pb
@@ -60,8 +60,8 @@ def test_rank_worker_process_uses_l1_and_registers_with_the_router(tmp_path: Pat
         start_kvstore(tmp_path / "kvstore.log", kvstore_port, **kvstore_settings(tmp_path)),
         start_router(tmp_path / "router.log", router_port, **router_settings),
         start_rank_worker(tmp_path / "rank.log", rank_port, **rank_settings) as worker,
-        grpc.insecure_channel(f"127.0.0.1:{rank_port}") as channel,
-        grpc.insecure_channel(f"127.0.0.1:{router_port}") as router_channel,
+        internal_auth.channel(f"127.0.0.1:{rank_port}") as channel,
+        internal_auth.channel(f"127.0.0.1:{router_port}") as router_channel,
     ):
         stub = pb_grpc.RankWorkerStub(channel)
         stats = stub.Stats(pb.StatsRequest(), timeout=10)

@@ -10,10 +10,10 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import grpc
 import pytest
 from service_processes import free_port, start_router
 
+from contracts import internal_auth
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from rank_worker.engine.interface import EngineStats
@@ -49,7 +49,7 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> No
 
 
 def ranks(router: str) -> dict[str, pb.RankStatus]:
-    with grpc.insecure_channel(router) as channel:
+    with internal_auth.channel(router) as channel:
         reply = pb_grpc.RouterStub(channel).ListRanks(pb.ListRanksRequest(), timeout=2)
     return {rank.rank_id: rank for rank in reply.ranks}
 

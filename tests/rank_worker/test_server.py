@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from service_processes import free_port, start_rank_worker
 from tokenizers import Tokenizer
 
+from contracts import internal_auth
 from contracts.block_hash import prefix_block_hashes
 from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
@@ -39,7 +40,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 @pytest.fixture(scope="module")
 def channel(worker: str) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(worker, options=CHANNEL_OPTIONS) as channel:
+    with internal_auth.channel(worker, options=CHANNEL_OPTIONS) as channel:
         yield channel
 
 
@@ -230,7 +231,7 @@ def test_cancelled_streams_free_their_blocks(worker: str, stub: pb_grpc.RankWork
         return seen
 
     async def run() -> list[int]:
-        async with grpc.aio.insecure_channel(worker) as channel:
+        async with internal_auth.aio_channel(worker) as channel:
             rank_worker = pb_grpc.RankWorkerStub(channel)
             return await asyncio.gather(*(cancel_after_tokens(rank_worker, i) for i in range(200)))
 
@@ -250,7 +251,7 @@ def test_kv_events_report_stored_blocks(
     expected = set(prefix_block_hashes(model_info.hash_namespace, prompt, BLOCK_SIZE))
 
     async def run() -> list[events_pb.KvEventBatch]:
-        async with grpc.aio.insecure_channel(worker) as channel:
+        async with internal_auth.aio_channel(worker) as channel:
             events = pb_grpc.RankWorkerStub(channel).KvEvents(events_pb.KvEventsRequest())
             await asyncio.sleep(0.5)  # the server must have subscribed before the request runs
             await asyncio.to_thread(run_generate, stub, generate_request(prompt, max_tokens=2))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 from router_prompts import lookup_hashes, prompt_tokens
-from service_processes import free_port, start_redis
+from service_processes import free_port, redis_client, redis_url, start_redis
 
 from router.durable_state import (
     RANK_PREFIX,
@@ -36,7 +36,7 @@ class RedisServer:
 
     def __init__(self, tmp: Path) -> None:
         self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.url = redis_url(self.port)
         self._tmp = tmp
         self._stack: contextlib.ExitStack | None = None
         self._starts = 0
@@ -52,7 +52,7 @@ class RedisServer:
             self._stack = None
 
     def client(self) -> redis.Redis:
-        return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=2)
+        return redis_client(self.port, socket_timeout=2)
 
 
 @pytest.fixture

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-import redis
 from router_event_source import KvEventSource
 from router_prompts import lookup_hashes, prompt_tokens
-from service_processes import free_port, start_redis, start_router
+from service_processes import free_port, redis_client, start_redis, start_router
 
+from contracts import internal_auth
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 
@@ -39,7 +39,7 @@ class RankAnnouncer:
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def __enter__(self) -> RankAnnouncer:
-        with grpc.insecure_channel(self._router) as channel:
+        with internal_auth.channel(self._router) as channel:
             stub = pb_grpc.RouterStub(channel)
             for rank_id, source in self._ranks.items():
                 self._register(stub, rank_id, source)
@@ -58,7 +58,7 @@ class RankAnnouncer:
         self.registrations += 1
 
     def _run(self) -> None:
-        with grpc.insecure_channel(self._router) as channel:
+        with internal_auth.channel(self._router) as channel:
             stub = pb_grpc.RouterStub(channel)
             while not self._stop.wait(HEARTBEAT_S):
                 for rank_id, source in self._ranks.items():
@@ -138,7 +138,7 @@ def test_routes_follow_prefixes_and_sessions_and_bad_input_is_refused(stack: Sta
         stack.start_redis(),
         stack.start_router(),
         RankAnnouncer(stack.router, stack.sources),
-        grpc.insecure_channel(stack.router) as channel,
+        internal_auth.channel(stack.router) as channel,
     ):
         stub = pb_grpc.RouterStub(channel)
         wait_until(lambda: {r.l0_blocks for r in rank_status(stub).values()} == {10, 20}, 10, "snapshots indexed")
@@ -186,12 +186,12 @@ def test_sessions_survive_a_router_kill_and_redis_outage_is_bridged(stack: Stack
         stack.start_redis() as redis_process,
         stack.start_router() as router_process,
         RankAnnouncer(stack.router, stack.sources) as announcer,
-        grpc.insecure_channel(stack.router) as channel,
+        internal_auth.channel(stack.router) as channel,
     ):
         stub = pb_grpc.RouterStub(channel)
         first = {session: route(stub, n, 200 + n, session=session).rank_id for session, n in sessions.items()}
         assert set(first.values()) == {"rank-a", "rank-b"}, "new sessions spread over both ranks"
-        client = redis.Redis(port=stack.redis_port, socket_timeout=2)
+        client = redis_client(stack.redis_port, socket_timeout=2)
         wait_until(lambda: all(client.exists(f"kvserve:session:{s}") for s in sessions), 5, "sessions saved")
         router_process.kill()
         router_process.wait(timeout=10)
@@ -225,7 +225,7 @@ def test_sessions_survive_a_router_kill_and_redis_outage_is_bridged(stack: Stack
                     10,
                     "Redis seen back",
                 )
-                client = redis.Redis(port=stack.redis_port, socket_timeout=2)
+                client = redis_client(stack.redis_port, socket_timeout=2)
                 wait_until(
                     lambda: client.get("kvserve:session:during-outage") == answer.rank_id.encode(),
                     5,
@@ -239,7 +239,7 @@ def test_router_serves_without_redis(stack: Stack) -> None:
     with (
         stack.start_router(),
         RankAnnouncer(stack.router, {"rank-a": stack.sources["rank-a"]}),
-        grpc.insecure_channel(stack.router) as channel,
+        internal_auth.channel(stack.router) as channel,
     ):
         stub = pb_grpc.RouterStub(channel)
         answer = route(stub, 1, 100, session="s")

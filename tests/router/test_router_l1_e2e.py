@@ -7,11 +7,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import grpc
 from router_event_source import KvEventSource
 from router_prompts import lookup_hashes, prompt_tokens
 from service_processes import free_port, start_kvstore, start_router
 
+from contracts import internal_auth
 from protos import kvstore_pb2 as kv_pb
 from protos import kvstore_pb2_grpc as kv_grpc
 from protos import router_pb2 as pb
@@ -44,8 +44,8 @@ def test_l1_presence_comes_from_the_kvstore(tmp_path: Path) -> None:
         with (
             start_kvstore(tmp_path / "kvstore.log", kvstore_port, **kvstore_settings) as kvstore_process,
             start_router(tmp_path / "router.log", router_port, **router_settings),
-            grpc.insecure_channel(f"127.0.0.1:{kvstore_port}") as kv_channel,
-            grpc.insecure_channel(f"127.0.0.1:{router_port}") as channel,
+            internal_auth.channel(f"127.0.0.1:{kvstore_port}") as kv_channel,
+            internal_auth.channel(f"127.0.0.1:{router_port}") as channel,
         ):
             kvstore = kv_grpc.KvStoreStub(kv_channel)
             arena = kvstore.Attach(

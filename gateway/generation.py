@@ -21,8 +21,9 @@ from gateway.chat import ChatRequest
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.parsing.events import OutputEvent, ToolCallStart
 from gateway.rank_choice import RankChoice, RankChooser, RouteQuery
-from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream
+from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream, RequestFailed, rank_at_fault
 from gateway.served_model import ServedModel
+from gateway.session_key import routing_session_id
 
 if TYPE_CHECKING:
     from gateway.prompt_format import PromptFormat
@@ -53,6 +54,9 @@ class StreamBroken(Exception):
 
 # A stream cut by a failing rank is continued on another rank this many times at most.
 MAX_RANK_SWITCHES = 2
+# A rank silent for rank_stall_s is given this much longer before it is taken for hung: after a pause of our
+# own event loop, messages the rank sent meanwhile are still on their way to the reader.
+STALL_GRACE_S = 0.5
 
 
 @dataclass
@@ -117,6 +121,7 @@ class Generation:
         request_timeout_s: float,
         default_temperature: float | None = None,
         default_top_p: float | None = None,
+        rank_stall_s: float = 5.0,
     ) -> None:
         self.default_temperature = 1.0 if default_temperature is None else default_temperature
         self.default_top_p = 1.0 if default_top_p is None else default_top_p
@@ -126,6 +131,7 @@ class Generation:
         self.prompts = prompts
         self.ping_interval_s = ping_interval_s
         self.request_timeout_s = request_timeout_s
+        self.rank_stall_s = rank_stall_s  # no token nor progress (nor acceptance) for this long: the rank is hung
 
     def prepare(self, chat: ChatRequest) -> PreparedRequest:
         """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped."""
@@ -170,29 +176,33 @@ class Generation:
         if chat.seed is not None:
             sampling.seed = chat.seed
         request_id = f"{prepared.request_id}+{len(extra)}" if extra else prepared.request_id
+        session_id = routing_session_id(chat.session_id)
         request = pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, session_id=chat.session_id
+            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, session_id=session_id
         )
         hashes = (
             lookup_block_hashes(self.model.info.hash_namespace, prompt_ids, self.model.info.block_size)
             if self.chooser.wants_block_hashes
             else []
         )
-        query = RouteQuery(request_id, chat.session_id, len(prompt_ids), hashes)
+        query = RouteQuery(request_id, session_id, len(prompt_ids), hashes)
         avoid = set(avoid)
         tried = full = 0
         last_error: RankRefused | None = None
         while (choice := await self.chooser.choose(query, avoid)) is not None:
             tried += 1
             try:
-                return await self.ranks.start(choice.address, request, self.request_timeout_s), choice
+                stream = await self.ranks.start(choice.address, request, self.request_timeout_s, self.rank_stall_s)
+                return stream, choice
             except RankRefused as exc:
                 if exc.code == grpc.StatusCode.INVALID_ARGUMENT:
                     raise BadRequest(exc.details) from exc
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full += 1
-                else:
+                elif rank_at_fault(exc.code):
                     self.chooser.report_failure(choice, str(exc))
+                else:  # the rank answered about this request: its own failure, not the rank's
+                    raise StreamBroken(str(exc)) from exc
                 last_error = exc
                 avoid.add(choice.rank_id)
         if tried and full == tried:
@@ -258,32 +268,46 @@ class OpenGeneration:
         yield self._finish(saw_tool_call, stop_sequence, first_token_at, len(detok.token_ids))
 
     async def _token_chunks(self) -> AsyncIterator[list[int] | Ping]:
-        """Token chunks from the rank, Ping when none came for a while. When the rank fails, the request
-        goes on on another rank: from the prompt if nothing was sent yet, else from the prompt plus the
-        tokens already sent (greedy output is then the same as an uninterrupted run). After
-        MAX_RANK_SWITCHES, the failure is final."""
+        """Token chunks from the rank, Ping when none came for a while. When the rank fails (or says nothing,
+        not even progress, for rank_stall_s: hung), the request goes on on another rank: from the prompt if
+        nothing was sent yet, else from the prompt plus the tokens already sent (greedy output is then the
+        same as an uninterrupted run). After MAX_RANK_SWITCHES, the failure is final. A failure of the
+        request's own (RequestFailed) ends it here."""
         avoid: set[str] = set()
+        ping_s, stall_s = self.owner.ping_interval_s, self.owner.rank_stall_s
         while True:
             queue: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
             reader = asyncio.create_task(_pump(self.stream, queue))
             failure: RankFailed | None = None
+            last_sent = time.monotonic()  # a token or a ping went to the client
             try:
                 while True:
+                    wait_s = min(ping_s - (time.monotonic() - last_sent), stall_s - self.stream.silent_for())
                     try:
-                        item = await asyncio.wait_for(queue.get(), self.owner.ping_interval_s)
+                        item = await asyncio.wait_for(queue.get(), max(wait_s, 0.01))
                     except TimeoutError:
-                        yield Ping()
+                        if self.stream.silent_for() >= stall_s and await _still_silent(self.stream, queue):
+                            failure = self._stalled()
+                            break
+                        if time.monotonic() - last_sent >= ping_s:
+                            last_sent = time.monotonic()
+                            yield Ping()
                         continue
                     if item is None:
                         return
                     if isinstance(item, RankFailed):
                         failure = item
                         break
+                    if isinstance(item, RequestFailed):
+                        if item.code == grpc.StatusCode.INVALID_ARGUMENT:
+                            raise BadRequest(item.details) from item
+                        raise StreamBroken(str(item)) from item
                     if isinstance(item, BaseException):
                         raise item
                     if self.cache_stream is None:
                         self.cache_stream = self.stream
                     self.delivered.extend(item)
+                    last_sent = time.monotonic()
                     yield item
             finally:
                 reader.cancel()
@@ -304,6 +328,12 @@ class OpenGeneration:
             except (Unavailable, Overloaded, BadRequest) as exc:
                 raise StreamBroken(f"{failure}; no other rank could continue: {exc}") from failure
             self.delivered_before_stream = len(self.delivered)
+
+    def _stalled(self) -> RankFailed:
+        stream = self.stream
+        where = "queued" if stream.progress is None or stream.progress.queued else "in prefill or decode"
+        detail = f"no token or progress for {stream.silent_for():.1f} s ({where}): the rank looks hung"
+        return RankFailed(stream.target, grpc.StatusCode.DEADLINE_EXCEEDED, detail, stream.tokens_sent)
 
     def _finish(
         self, saw_tool_call: bool, stop_sequence: str | None, first_token_at: float | None, output_tokens: int
@@ -351,6 +381,13 @@ class OpenGeneration:
     async def aclose(self) -> None:
         if not self.stream.call.done():
             self.stream.cancel()
+
+
+async def _still_silent(stream: RankStream, queue: asyncio.Queue[list[int] | BaseException | None]) -> bool:
+    """Whether the rank stays silent for STALL_GRACE_S more (a pause of our own loop is not the rank's)."""
+    heard = stream.last_heard
+    await asyncio.sleep(STALL_GRACE_S)
+    return stream.last_heard == heard and queue.empty()
 
 
 async def _pump(stream: RankStream, queue: asyncio.Queue[list[int] | BaseException | None]) -> None:

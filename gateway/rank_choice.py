@@ -1,5 +1,9 @@
 """Which rank serves a request: the router's answer, or, without a router (or while it is away), a
-session-hashed preference over the ranks we know, so a session still lands where its cache lives."""
+session-hashed preference over the ranks we know, so a session still lands where its cache lives.
+
+A router that does not answer (a timeout, a refused connection) is asked no more route questions: requests
+route by the fallback at once, and the background refresher probes it every PROBE_INTERVAL_S until it
+answers, so a hung router costs one ROUTE_TIMEOUT_S, not one per request."""
 
 from __future__ import annotations
 
@@ -22,6 +26,9 @@ log = logging.getLogger(__name__)
 
 ROUTE_TIMEOUT_S = 2.0
 RANK_LIST_REFRESH_S = 2.0
+PROBE_INTERVAL_S = 0.5  # while the router is away
+PROBE_TIMEOUT_S = 1.0
+NO_RANK_METADATA_KEY = "kvserve-no-rank"  # the router's answer "no rank is left", unlike a router that is away
 REMEMBERED_SESSIONS = 100_000  # the router's last answer per session, for routing while it is away
 # Reconnect to a restarted router within a second or two, not after gRPC's default backoff (up to minutes).
 ROUTER_CHANNEL_OPTIONS = [
@@ -72,6 +79,19 @@ def session_preference(ranks: list[RankChoice], session_id: str) -> list[RankCho
     return ranks[start:] + ranks[:start]
 
 
+def _no_rank_answer(exc: grpc.aio.AioRpcError) -> bool:
+    return any(key == NO_RANK_METADATA_KEY for key, _ in (exc.trailing_metadata() or ()))
+
+
+def router_away_error(exc: grpc.aio.AioRpcError) -> bool:
+    """Whether a failed router call means the router is away (hung, dead, unreachable) rather than an answer:
+    a refusal (INVALID_ARGUMENT) or "no rank left" says the router is there."""
+    code = exc.code()
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return not _no_rank_answer(exc)
+    return code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
 class StaticRanks:
     """A fixed list of rank addresses (no router): the address is the rank's id."""
 
@@ -116,12 +136,18 @@ class RouterRanks:
         if self._refresher is None:
             self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
 
+    @property
+    def router_away(self) -> bool:
+        return self._router_down_since is not None
+
     async def refresh(self) -> bool:
         """Read the router's rank list; False if the router did not answer."""
+        timeout_s = PROBE_TIMEOUT_S if self.router_away else ROUTE_TIMEOUT_S
         try:
-            reply = await self._stub.ListRanks(router_pb.ListRanksRequest(), timeout=ROUTE_TIMEOUT_S)
+            reply = await self._stub.ListRanks(router_pb.ListRanksRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
-            self._router_unreachable(exc)
+            if router_away_error(exc):
+                self._router_unreachable(exc)
             return False
         self._router_back()
         self._known = [RankChoice(r.rank_id, r.address, "fallback") for r in reply.ranks if r.healthy]
@@ -130,9 +156,11 @@ class RouterRanks:
     async def _refresh_forever(self) -> None:
         while True:
             await self.refresh()
-            await asyncio.sleep(RANK_LIST_REFRESH_S)
+            await asyncio.sleep(PROBE_INTERVAL_S if self.router_away else RANK_LIST_REFRESH_S)
 
     async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+        if self.router_away:  # the refresher brings it back once it answers
+            return self._choose_without_router(query, avoid)
         request = router_pb.RouteRequest(
             request_id=query.request_id,
             session_id=query.session_id,
@@ -143,9 +171,12 @@ class RouterRanks:
         try:
             reply = await self._stub.Route(request, timeout=ROUTE_TIMEOUT_S)
         except grpc.aio.AioRpcError as exc:
-            # Also when the router answers that no rank is left: the known list is then tried, and each
-            # dead rank refuses at once, so the request still ends quickly.
-            self._router_unreachable(exc)
+            # Also when the router answers that no rank is left, or refuses the query: the known list is then
+            # tried, and each dead rank refuses at once, so the request still ends quickly.
+            if router_away_error(exc):
+                self._router_unreachable(exc)
+            elif not _no_rank_answer(exc):
+                log.warning("router refused to route %s: %s: %s", query.request_id, exc.code().name, exc.details())
             return self._choose_without_router(query, avoid)
         self._router_back()
         choice = RankChoice(
@@ -187,7 +218,8 @@ class RouterRanks:
         if self._router_down_since is None:
             self._router_down_since = time.monotonic()
             log.warning(
-                "router %s not answering (%s): routing by session hash over %d known rank(s) until it is back",
+                "router %s not answering (%s): routing by session hash over %d known rank(s) until it answers "
+                "a probe again",
                 self.router_address,
                 exc.code().name,
                 len(self._known or self._fallback),

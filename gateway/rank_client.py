@@ -1,8 +1,14 @@
 """Talking to rank workers over gRPC: what model they serve, and one Generate stream whose refusals surface
-before any token is produced. Which rank to talk to is rank_choice's business."""
+before any token is produced. Which rank to talk to is rank_choice's business.
+
+A broken stream is either the rank's fault (RankFailed: the transport broke, the stream ended without its
+Finished message, or the caller found it silent) or the request's own (RequestFailed: the rank ended it with
+a status of its own, our deadline passed, we cancelled it): only the first counts against the rank."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -28,11 +34,27 @@ class RankRefused(Exception):
 
 
 class RankFailed(Exception):
-    """The rank accepted the request, then the stream broke."""
+    """The rank accepted the request, then the stream broke: the rank's fault, the request may go on elsewhere."""
 
     def __init__(self, target: str, code: grpc.StatusCode, details: str, tokens_sent: int) -> None:
         super().__init__(f"rank {target} failed after {tokens_sent} tokens: {code.name}: {details}")
         self.target, self.code, self.details, self.tokens_sent = target, code, details, tokens_sent
+
+
+class RequestFailed(Exception):
+    """The request ended on a healthy rank: its own failure (INTERNAL, INVALID_ARGUMENT), our deadline, or
+    our cancel. Not retried elsewhere, and it says nothing against the rank."""
+
+    def __init__(self, target: str, code: grpc.StatusCode, details: str, tokens_sent: int) -> None:
+        super().__init__(f"request failed on rank {target} after {tokens_sent} tokens: {code.name}: {details}")
+        self.target, self.code, self.details, self.tokens_sent = target, code, details, tokens_sent
+
+
+def rank_at_fault(code: grpc.StatusCode, cancelled_by_us: bool = False) -> bool:
+    """Whether a call that ended with `code` says the rank (process or connection) is broken. UNAVAILABLE is
+    the transport's (refused, reset, closed) or a rank stopping; CANCELLED that we did not ask for is a rank
+    going away. Every other status is an answer the rank gave about this request, or our own deadline."""
+    return code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not cancelled_by_us)
 
 
 @dataclass
@@ -46,11 +68,17 @@ class RankStream:
     cached_tokens: int = 0  # from the first chunk, so known even if we stop reading early
     l1_cached_tokens: int = 0
     queue_wait_s: float = 0.0
+    last_heard: float = 0.0  # time.monotonic() of the last message (token, progress, finished) or acceptance
+    cancelled_by_us: bool = False
+    progress: pb.Progress | None = None  # the last one, while no token came
 
     async def token_chunks(self) -> AsyncIterator[list[int]]:
         try:
             async for response in self.call:
-                if response.HasField("tokens"):
+                self.last_heard = time.monotonic()
+                if response.HasField("progress"):
+                    self.progress = response.progress
+                elif response.HasField("tokens"):
                     if self.tokens_sent == 0:
                         self.cached_tokens = response.tokens.cached_tokens
                         self.l1_cached_tokens = response.tokens.l1_cached_tokens
@@ -61,11 +89,17 @@ class RankStream:
                 elif response.HasField("finished"):
                     self.finished = response.finished
         except grpc.aio.AioRpcError as exc:
-            raise RankFailed(self.target, exc.code(), exc.details() or "", self.tokens_sent) from exc
+            failure = RankFailed if rank_at_fault(exc.code(), self.cancelled_by_us) else RequestFailed
+            raise failure(self.target, exc.code(), exc.details() or "", self.tokens_sent) from exc
         if self.finished is None:
             raise RankFailed(self.target, grpc.StatusCode.UNKNOWN, "stream ended without Finished", self.tokens_sent)
 
+    def silent_for(self) -> float:
+        """Seconds since the rank last said anything on this stream."""
+        return time.monotonic() - self.last_heard
+
     def cancel(self) -> None:
+        self.cancelled_by_us = True
         self.call.cancel()
 
 
@@ -96,18 +130,27 @@ class RankClient:
     async def stats(self, target: str, timeout_s: float = 5.0) -> pb.StatsResponse:
         return await self._stub(target).Stats(pb.StatsRequest(), timeout=timeout_s)
 
-    async def start(self, target: str, request: pb.GenerateRequest, timeout_s: float | None) -> RankStream:
-        """Open the stream and wait until the rank has accepted (or refused) the request."""
+    async def start(
+        self, target: str, request: pb.GenerateRequest, timeout_s: float | None, accept_timeout_s: float | None = None
+    ) -> RankStream:
+        """Open the stream and wait until the rank has accepted (or refused) the request; a rank that does
+        neither within accept_timeout_s (a stopped process) is refused as UNAVAILABLE."""
         call = self._stub(target).Generate(request, timeout=timeout_s)
         try:
-            metadata = await call.initial_metadata()
+            try:
+                metadata = await asyncio.wait_for(call.initial_metadata(), accept_timeout_s)
+            except TimeoutError:
+                call.cancel()
+                raise RankRefused(
+                    target, grpc.StatusCode.UNAVAILABLE, f"did not accept the request within {accept_timeout_s:.1f} s"
+                ) from None
             if not any(key == "kvserve-accepted" for key, _ in (metadata or ())):
                 # A refusal sends no headers of its own: the status follows the (empty) initial metadata.
                 code = await call.code()
                 raise RankRefused(target, code, await call.details() or "no acceptance from the rank")
         except grpc.aio.AioRpcError as exc:
             raise RankRefused(target, exc.code(), exc.details() or "") from exc
-        return RankStream(target, call)
+        return RankStream(target, call, last_heard=time.monotonic())
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -63,6 +63,7 @@ class GatewayState:
                 PromptFormat.for_model(model),
                 ping_interval_s=self.config.ping_interval_secs,
                 request_timeout_s=self.config.request_timeout_secs,
+                rank_stall_s=self.config.rank_stall_secs,
                 default_temperature=self.config.default_temperature,
                 default_top_p=self.config.default_top_p,
             )

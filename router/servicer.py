@@ -12,6 +12,7 @@ from router.router_state import NoRankAvailableError, RouteQuery, RouterState
 
 MAX_ID_CHARS = 256  # rank, incarnation, request and session ids: they become Redis keys and log fields
 BLOCK_HASH_BYTES = 16
+NO_RANK_ANSWER = (("kvserve-no-rank", "1"),)  # trailing metadata of Route's "no healthy rank left"
 
 
 class InvalidMessageError(ValueError):
@@ -129,7 +130,8 @@ class RouterServicer(pb_grpc.RouterServicer):
         try:
             answer = self._state.route(query)
         except NoRankAvailableError as exc:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            # Marked, so a gateway tells this answer from a router that is away (also UNAVAILABLE).
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=NO_RANK_ANSWER)
         choice = answer.choice
         return pb.RouteResponse(
             rank_id=choice.rank_id,

@@ -160,11 +160,13 @@ def whole_stack(
         "router",
         [python, "-m", "router", "--port", str(ports["router"])],
         service_env(
-            KVSERVE_REDIS_URL=f"redis://127.0.0.1:{ports['redis']}/0",
-            KVSERVE_KVSTORE=kvstore_address,
-            KVSERVE_HEARTBEAT_INTERVAL_SECS="0.5",
-            KVSERVE_RANK_DOWN_AFTER_SECS="3",
-            **(router_settings or {}),
+            **{
+                "KVSERVE_REDIS_URL": f"redis://127.0.0.1:{ports['redis']}/0",
+                "KVSERVE_KVSTORE": kvstore_address,
+                "KVSERVE_HEARTBEAT_INTERVAL_SECS": "0.5",
+                "KVSERVE_RANK_DOWN_AFTER_SECS": "3",
+                **(router_settings or {}),  # may override the above
+            }
         ),
         ports["router"],
         _grpc_ready(ports["router"]),
@@ -174,10 +176,12 @@ def whole_stack(
             f"rank-{index}",
             [python, "-m", "rank_worker", "--port", str(port)],
             service_env(
-                KVSERVE_RANK_ID=f"rank-{index}",
-                KVSERVE_HEARTBEAT_INTERVAL_SECS="0.5",
-                **common,
-                **(rank_settings or {}),
+                **{
+                    "KVSERVE_RANK_ID": f"rank-{index}",
+                    "KVSERVE_HEARTBEAT_INTERVAL_SECS": "0.5",
+                    **common,
+                    **(rank_settings or {}),  # may override the above
+                }
             ),
             port,
             _grpc_ready(port),

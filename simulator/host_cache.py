@@ -9,8 +9,10 @@ bandwidth); a write-through offload runs off the step's critical path on the GPU
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from rank_worker.engine.block_pool import BlockPool
+from rank_worker.l1.host_fetch import HostFetch
 
 
 class NodeHostCache:
@@ -65,18 +67,25 @@ class RankHostTier:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
 
-    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
-        wanted = block_hashes[: min(max_blocks, self.pool.num_free)]
-        run = self.node.leading_run(wanted)
+    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
+        """Restored at once (the real tier answers a step or so later; the rank charges the copy's time)."""
+        fetch = HostFetch(list(block_hashes), room, deadline=0.0, done=True)
+        found = self.node.leading_run(block_hashes)
+        run = min(found, max(room(found), 0), self.pool.num_free)
         if run == 0:
-            return []
+            return fetch
         blocks = self.pool.allocate(run)
-        for block_id, block_hash in zip(blocks, wanted, strict=False):
+        for block_id, block_hash in zip(blocks, block_hashes, strict=False):
             self.pool.register(block_id, block_hash)
             self._remember(block_hash)
-        self.node.touch(wanted[:run])
+        self.node.touch(block_hashes[:run])
         self.restored_blocks += run
-        return blocks
+        fetch.held.extend(blocks)
+        fetch.restored.update(blocks)
+        return fetch
+
+    def abandon(self, fetch: HostFetch) -> None:
+        fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         fresh = [h for h in block_hashes if h not in self._known]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +171,11 @@ class Engine(ABC):
     def request_progress(self, request_id: str) -> tuple[int, bool] | None:
         """(prompt tokens computed, still queued) of a request the engine holds; None if unknown."""
         return None  # an engine that cannot tell: its requests are reported queued
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        """The worker's way to be told, from any thread, that the engine has work no request brought (an L1
+        answer, the kvstore gone): after wake() it steps the engine even when idle."""
+        return None  # an engine with nothing outside its own thread never needs it
 
     def last_step_tokens(self) -> tuple[int, int]:
         """(tokens computed, of which prefill tokens) in the last step, for step timing; (0, 0) if unknown."""

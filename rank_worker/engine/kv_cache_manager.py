@@ -1,20 +1,26 @@
-"""Which blocks each sequence holds: prefix lookup on admission (L0, then L1 when there is an L1 tier),
-growth as tokens are computed, cache registration of every block the moment it is full, and release when
-the sequence ends (its registered blocks written through to L1 first)."""
+"""Which blocks each sequence holds: prefix lookup on admission (L0, after waiting for what the host tier
+restores into L0), growth as tokens are computed, cache registration of every block the moment it is full,
+and release when the sequence ends (its registered blocks written through to L1 first)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from contracts.block_hash import chain_block_hash, prefix_block_hashes
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.sequence import Sequence
+from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.l1.host_fetch import HostFetch
 
 
 class HostCacheTier(Protocol):
-    """What the cache manager asks of a host tier (rank_worker.l1.tier.L1Tier)."""
+    """What the cache manager asks of a host tier (rank_worker.l1.tier.L1Tier). Nothing here waits."""
 
-    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]: ...
+    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
+        """Start restoring the leading run of block_hashes the tier holds into L0; None if it cannot now."""
+        ...
+
+    def abandon(self, fetch: HostFetch) -> None: ...
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None: ...
 
@@ -36,33 +42,78 @@ class KvCacheManager:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
         return max(total - len(seq.block_table), 0)
 
-    def attach_cached_prefix(self, seq: Sequence, token_budget: int | None = None) -> tuple[int, int]:
-        """Give a sequence that holds no blocks its longest cached prefix: from L0, then what follows from
-        the host tier. Returns (tokens from L0, tokens restored from the host tier).
+    def waits_for_host(self, seq: Sequence, token_budget: int | None = None) -> bool:
+        """True while a sequence about to be admitted waits for the host tier (WAITING_FOR_L1): the tier holds
+        blocks past its L0 prefix, and their restore into L0, started here, is not done. Once it is (restored,
+        found missing, failed or timed out), admission goes on over the L0 prefix, longer by what came back.
 
-        Stops one token short of the end: the last token must be computed to produce logits. A restore
-        leaves enough free blocks for the next chunk of at most token_budget tokens."""
+        The restore leaves enough free blocks for the next chunk of at most token_budget tokens; the L0
+        prefix is held meanwhile, so nothing the restore extends is evicted."""
+        fetch = seq.host_fetch
+        if fetch is not None:
+            if not fetch.done:
+                return True
+            seq.status = SequenceStatus.WAITING
+            return False
+        if self.host_tier is None or not self.pool.caching:
+            return False
+        hashes = self.lookup_hashes(seq)
+        prefix = self._l0_run(hashes)
+        if prefix >= len(hashes) or self.host_tier.known_run(hashes[prefix : prefix + 1]) == 0:
+            return False
+        rest_tokens = seq.num_tokens - prefix * self.block_size
+
+        def room(found: int) -> int:
+            return self._restore_room(rest_tokens, found, token_budget)
+
+        if room(len(hashes) - prefix) <= 0:
+            return False
+        fetch = self.host_tier.fetch(hashes[prefix:], room)
+        if fetch is None:
+            return False
+        for block_hash in hashes[:prefix]:
+            block_id = self.pool.lookup(block_hash)
+            assert block_id is not None
+            self.pool.acquire_cached(block_id)
+            fetch.held.append(block_id)
+        seq.host_fetch = fetch
+        if fetch.done:  # a tier that answers at once (the simulator's): admitted in this same step
+            return False
+        seq.status = SequenceStatus.WAITING_FOR_L1
+        return True
+
+    def attach_cached_prefix(self, seq: Sequence) -> tuple[int, int]:
+        """Give a sequence that holds no blocks its longest cached prefix from L0. Returns (tokens from L0,
+        tokens of it the host tier restored for this sequence while it waited).
+
+        Stops one token short of the end: the last token must be computed to produce logits."""
         assert not seq.block_table and seq.num_computed_tokens == 0
+        fetch, seq.host_fetch = seq.host_fetch, None
         if not self.pool.caching:
             return 0, 0
-        hits: list[int] = []
         hashes = self.lookup_hashes(seq)
+        blocks: list[int] = []
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
-            hits.append(block_id)
-        for block_id in hits:
+            blocks.append(block_id)
+        for block_id in blocks:
             self.pool.acquire_cached(block_id)
-        num_l0 = len(hits)
-        if self.host_tier is not None and num_l0 < len(hashes):
-            room = self._restore_room(seq.num_tokens - num_l0 * self.block_size, len(hashes) - num_l0, token_budget)
-            if room > 0:
-                hits.extend(self.host_tier.restore(hashes[num_l0:], room))
-        seq.block_table = hits
-        seq.block_hashes = hashes[: len(hits)]
-        seq.num_computed_tokens = len(hits) * self.block_size
-        return num_l0 * self.block_size, (len(hits) - num_l0) * self.block_size
+        restored = 0
+        if fetch is not None:
+            self.pool.release(fetch.held)  # after the acquisitions above, so none of them was free meanwhile
+            restored = sum(1 for block_id in blocks if block_id in fetch.restored)
+        seq.block_table = blocks
+        seq.block_hashes = hashes[: len(blocks)]
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        return (len(blocks) - restored) * self.block_size, restored * self.block_size
+
+    def _l0_run(self, hashes: list[bytes]) -> int:
+        count = 0
+        while count < len(hashes) and self.pool.lookup(hashes[count]) is not None:
+            count += 1
+        return count
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be
@@ -145,7 +196,12 @@ class KvCacheManager:
             self.host_tier.offload(seq.block_table[: len(seq.block_hashes)], seq.block_hashes)
 
     def free(self, seq: Sequence) -> None:
-        self.offload(seq)  # before the release: the tier takes its own references for the copy
+        fetch, seq.host_fetch = seq.host_fetch, None
+        if fetch is not None:  # it left while waiting for the host tier
+            if self.host_tier is not None and not fetch.done:
+                self.host_tier.abandon(fetch)
+            self.pool.release(fetch.held)
+        self.offload(seq)
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.block_hashes = []

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -191,14 +192,19 @@ class PagedEngine(Engine):
         return RequestOutput(request_id, [], True, FinishReason.ABORT, None, self._request_stats(seq))
 
     def has_unfinished(self) -> bool:
-        # L1 copies in flight count: someone must step to commit them and let their blocks go.
+        # L1 calls and copies in flight count: someone must step to finish them and let their blocks go.
         return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
+
+    def set_wakeup(self, wake: Callable[[], None]) -> None:
+        if self.l1 is not None:
+            self.l1.set_wake(wake)
 
     def request_progress(self, request_id: str) -> tuple[int, bool] | None:
         seq = self.requests.get(request_id)
         if seq is None:
             return None
-        return min(seq.num_computed_tokens, seq.num_prompt_tokens), seq.status is SequenceStatus.WAITING
+        queued = seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_L1)
+        return min(seq.num_computed_tokens, seq.num_prompt_tokens), queued
 
     # --- the step ---
 

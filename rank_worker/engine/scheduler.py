@@ -221,8 +221,10 @@ class Scheduler:
                 return
             if capped and cap and step.cold_in_prefill >= cap:
                 continue  # the cap holds it back; warm requests behind it may still go
+            if self.kv.waits_for_host(seq, step.budget):
+                continue  # WAITING_FOR_L1: its blocks are being restored off the engine thread; admitted after
             fresh = seq.num_cached_tokens is None
-            cached, restored = self.kv.attach_cached_prefix(seq, step.budget)
+            cached, restored = self.kv.attach_cached_prefix(seq)
             self.restored_tokens += restored
             num_new = min(seq.num_uncomputed_tokens, step.budget)
             if not self.kv.allocate(seq, num_new):

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from rank_worker.engine.interface import FinishReason, SamplingParams
 
+if TYPE_CHECKING:
+    from rank_worker.l1.host_fetch import HostFetch
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_L1 = "waiting_for_l1"  # in the waiting queue, its blocks coming from the host tier
     RUNNING = "running"
     FINISHED = "finished"
 
@@ -38,6 +43,7 @@ class Sequence:
     generator: torch.Generator | None = None
     lookup_hashes: list[bytes] = field(default_factory=list)  # cache lookup keys, computed once (KvCacheManager)
     cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
+    host_fetch: HostFetch | None = None  # its restore from the host tier while WAITING_FOR_L1 (KvCacheManager)
 
     @property
     def num_tokens(self) -> int:

@@ -2,12 +2,16 @@
 
 Every call raises L1StaleArenaError when the arena it names is gone (the kvstore restarted: attach again
 and remap) and L1UnavailableError for anything else that went wrong (the tier then serves from L0 only).
+Calls block: the tier makes them from its own threads (l1_calls.py, kvstore_watch.py), never from the
+engine thread.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Protocol
 
+from contracts.kv_events import KvEventBatch
 from rank_worker.l1.arena import ArenaLayout
 
 
@@ -17,6 +21,17 @@ class L1UnavailableError(RuntimeError):
 
 class L1StaleArenaError(RuntimeError):
     """The arena named in the call no longer exists (the kvstore restarted)."""
+
+
+class KvEventStream(Protocol):
+    """The kvstore's KV events from one subscription: a snapshot batch first, then deltas. Iteration ends
+    when the kvstore ends the stream (it is stopping) and raises L1UnavailableError when it breaks."""
+
+    def __iter__(self) -> Iterator[KvEventBatch]: ...
+
+    def cancel(self) -> None:
+        """End the iteration from another thread."""
+        ...
 
 
 class KvStoreClient(Protocol):
@@ -41,6 +56,14 @@ class KvStoreClient(Protocol):
 
     def release(self, arena_id: str, slots: list[int]) -> None:
         """Unpin slots after a read, or abandon uncommitted writes."""
+        ...
+
+    def current_arena_id(self) -> str:
+        """The arena the kvstore serves now (a cheap probe: is the one we map still current?)."""
+        ...
+
+    def kv_events(self) -> KvEventStream:
+        """Subscribe to the kvstore's KV events (what L1 holds, whoever wrote it)."""
         ...
 
     def close(self) -> None: ...

@@ -1,4 +1,6 @@
-"""The rank's gRPC client of the kvstore: a blocking stub used from the engine thread, with short deadlines.
+"""The rank's gRPC client of the kvstore: blocking stubs with short deadlines, called from the L1 tier's own
+threads (never the engine thread). Attach and the slot calls share one channel; each KvEvents subscription
+and probe has its own, so a watch that hangs on a dead connection never holds up the calls.
 
 gRPC status codes become the two errors the tier understands: FAILED_PRECONDITION on a call that names an
 arena means that arena is stale (attach again); everything else means L1 is unavailable for now.
@@ -11,15 +13,19 @@ the old one, including any a call that timed out on our side took after all.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import grpc
 
 from contracts import internal_auth
+from contracts.kv_events import KvEvent, KvEventBatch, kind_of_wire
+from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
 from rank_worker.l1.arena import ArenaLayout
-from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError, L1UnavailableError
+from rank_worker.l1.kvstore_client import KvEventStream, KvStoreClient, L1StaleArenaError, L1UnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +35,11 @@ CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
+
+
+def open_channel(address: str) -> grpc.Channel:
+    """Every channel this rank opens to the kvstore (one place, for credentials)."""
+    return internal_auth.channel(address, options=CHANNEL_OPTIONS)
 
 
 class KvStoreLink(KvStoreClient):
@@ -49,6 +60,7 @@ class KvStoreLink(KvStoreClient):
         self.attach_timeout_s = attach_timeout_s
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.KvStoreStub | None = None
+        self._channel_lock = threading.Lock()  # attach (its thread) swaps the channel the calls thread uses
         self._attaches = 0
 
     @property
@@ -56,10 +68,11 @@ class KvStoreLink(KvStoreClient):
         return self._address
 
     def _connect(self) -> pb_grpc.KvStoreStub:
-        if self._stub is None:
-            self._channel = internal_auth.channel(self._address, options=CHANNEL_OPTIONS)
-            self._stub = pb_grpc.KvStoreStub(self._channel)
-        return self._stub
+        with self._channel_lock:
+            if self._stub is None:
+                self._channel = open_channel(self._address)
+                self._stub = pb_grpc.KvStoreStub(self._channel)
+            return self._stub
 
     def attach(self, slot_bytes: int, hash_namespace: bytes) -> ArenaLayout:
         self.close()  # a fresh channel: a restarted kvstore is reached now, not after a reconnect backoff
@@ -103,6 +116,17 @@ class KvStoreLink(KvStoreClient):
     def release(self, arena_id: str, slots: list[int]) -> None:
         self._call("Release", pb.ReleaseRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots))
 
+    def current_arena_id(self) -> str:
+        try:
+            with open_channel(self._address) as channel:
+                reply = pb_grpc.KvStoreStub(channel).Stats(pb.StatsRequest(), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise L1UnavailableError(f"Stats: {_describe(exc)}") from exc
+        return reply.arena_id
+
+    def kv_events(self) -> KvEventStream:
+        return _EventStream(open_channel(self._address))
+
     def _call(self, method: str, request: Any) -> Any:
         rpc = getattr(self._connect(), method)
         try:
@@ -113,10 +137,36 @@ class KvStoreLink(KvStoreClient):
             raise L1UnavailableError(f"{method}: {_describe(exc)}") from exc
 
     def close(self) -> None:
-        if self._channel is not None:
+        with self._channel_lock:
+            if self._channel is not None:
+                self._channel.close()
+            self._channel = None
+            self._stub = None
+
+
+class _EventStream(KvEventStream):
+    """One KvEvents subscription on a channel of its own, closed when the stream ends or is cancelled."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        self._call = pb_grpc.KvStoreStub(channel).KvEvents(events_pb.KvEventsRequest())
+
+    def __iter__(self) -> Iterator[KvEventBatch]:
+        try:
+            for message in self._call:
+                events = []
+                for event in message.events:
+                    kind = kind_of_wire(event.kind)
+                    if kind is not None:  # a kind this version does not know changes nothing it tracks
+                        events.append(KvEvent(kind, tuple(event.block_hashes)))
+                yield KvEventBatch(message.sequence, tuple(events))
+        except grpc.RpcError as exc:
+            raise L1UnavailableError(f"KvEvents: {_describe(exc)}") from exc
+        finally:
             self._channel.close()
-        self._channel = None
-        self._stub = None
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 def _describe(exc: grpc.RpcError) -> str:

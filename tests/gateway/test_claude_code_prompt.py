@@ -2,9 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import itertools
+import json
+import lzma
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.anthropic_api.convert import to_chat
+from gateway.anthropic_api.schema import MessagesRequest
 from gateway.prompt.claude_code import map_role, strip_attribution, strip_attribution_blocks
+from gateway.prompt.render import ModelTemplate, render_prompt
+from rank_worker.model_files.source import open_model_source
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=cli; cch=1a2b3;"
 PROMPT = "You are Claude Code, Anthropic's official CLI for Claude.\n\nYou are an interactive CLI tool."
@@ -51,3 +63,67 @@ def test_roles(role: str, mapped: str) -> None:
 def test_unknown_roles() -> None:
     assert map_role("developer_notes") is None
     assert map_role("tool") is None  # tool results arrive as tool_result blocks, never as a role
+
+
+# Request bodies the real CLIs sent over tool loops and resumes (tests/gateway/data/claude_code/): each
+# request must render to a prompt that starts with the previous request's whole prompt, or the KV cache of
+# the previous turn is lost. Claude Code moves its cache_control marks to the newest message, keeps a system
+# turn after the first prompt (2.1.332: the environment; 2.1.197: the agent listing), adds
+# <system-reminder> blocks, and rewrites tool inputs (Edit gains replace_all).
+RECORDED = sorted((Path(__file__).parent / "data" / "claude_code").glob("*.json.xz"))
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[ModelTemplate, Tokenizer]:
+    bundle = open_model_source("").tokenizer
+    assert bundle is not None
+    template = ModelTemplate.for_model(
+        "HuggingFaceTB/SmolLM2-135M-Instruct", bundle.chat_template, bundle.bos_token, bundle.eos_token
+    )
+    return template, Tokenizer.from_str(bundle.tokenizer_json)
+
+
+def recorded_prompts(path: Path, template: ModelTemplate) -> list[str]:
+    requests = json.loads(lzma.decompress(path.read_bytes()))["requests"]
+    return [render_prompt(to_chat(MessagesRequest.model_validate(body)), template) for body in requests]
+
+
+def test_recorded_sessions_are_there() -> None:
+    names = [path.name for path in RECORDED]
+    assert any("2.1.197" in name for name in names) and any("2.1.332" in name for name in names), names
+
+
+@pytest.mark.parametrize("path", RECORDED, ids=lambda path: path.name.removesuffix(".json.xz"))
+def test_each_recorded_request_extends_the_previous_prompt(
+    path: Path, smollm2: tuple[ModelTemplate, Tokenizer]
+) -> None:
+    template, tokenizer = smollm2
+    prompts = recorded_prompts(path, template)
+    assert len(prompts) >= 3
+    for number, (previous, current) in enumerate(itertools.pairwise(prompts), 1):
+        assert current.startswith(previous), f"request {number + 1} diverges at {_shared_prefix(previous, current)}"
+        previous_ids = tokenizer.encode(previous, add_special_tokens=False).ids
+        current_ids = tokenizer.encode(current, add_special_tokens=False).ids
+        assert _shared_prefix(previous_ids, current_ids) >= 0.95 * len(previous_ids), number
+
+
+def test_attribution_and_cache_marks_leave_no_trace(smollm2: tuple[ModelTemplate, Tokenizer]) -> None:
+    """The recorded first request again with another billing header and cache marks moved: the same prompt."""
+    template, _ = smollm2
+    body = json.loads(lzma.decompress(RECORDED[-1].read_bytes()))["requests"][0]
+    moved = json.loads(json.dumps(body))
+    moved["system"][0]["text"] = moved["system"][0]["text"].replace("cc_version=", "cc_version=9.9.9.fff-")
+    for block in moved["system"]:
+        block.pop("cache_control", None)
+    moved["messages"][0]["content"][0]["cache_control"] = {"type": "ephemeral", "ttl": "1h"}
+
+    def render(request: dict[str, Any]) -> str:
+        return render_prompt(to_chat(MessagesRequest.model_validate(request)), template)
+
+    assert "x-anthropic-billing-header" in body["system"][0]["text"]
+    assert render(moved) == render(body)
+
+
+def _shared_prefix(a: Sequence[object], b: Sequence[object]) -> int:
+    """How many leading items two sequences (characters, token ids) have in common."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))

@@ -28,6 +28,7 @@ import grpc
 
 from contracts import internal_auth
 from contracts.config import KvServeConfig, load_config
+from launcher.claude_code_env import claude_code_environment, claude_command
 from launcher.stack_secrets import prepare_local_secrets
 from launcher.supervisor import ServiceFailedError, Supervisor
 from launcher.topology import (
@@ -222,23 +223,6 @@ def _max_model_len(rank_target: str) -> int:
         return pb_grpc.RankWorkerStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=10).max_model_len
 
 
-def claude_code_environment(base_url: str, model: str, max_model_len: int) -> dict[str, str]:
-    """What Claude Code needs to use this endpoint. It must compact before our context is full, and it
-    assumes 1M tokens for a model it does not know."""
-    return {
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "local",  # any value: the local gateway runs without keys on loopback
-        "ANTHROPIC_MODEL": model,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
-        "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
-        "ANTHROPIC_DEFAULT_OPUS_MODEL": model,
-        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(max_model_len * 9 // 10),
-        # A first prefill of ~20K tokens on a CPU takes minutes; Claude Code's defaults give up after 5.
-        "API_TIMEOUT_MS": "1800000",
-        "CLAUDE_STREAM_IDLE_TIMEOUT_MS": "1800000",
-    }
-
-
 def _print_ready(
     specs: list[ServiceSpec], model: str, max_model_len: int, config: KvServeConfig, options: UpOptions, out: TextIO
 ) -> None:
@@ -260,10 +244,12 @@ def _print_ready(
         out.write(f"  KV pools on the CPU: kv_cache_memory_gb {total:g}{split}; the L1 arena leaves that RAM free\n")
     out.write(f"  logs: {(options.state_dir / 'logs').resolve()}\n")
     out.write("\nUse it from Claude Code:\n")
-    for name, value in claude_code_environment(base_url, model, max_model_len).items():
+    on_cpu = ranks[0].gpu is None
+    environment = claude_code_environment(base_url, model, max_model_len, config.request_timeout_secs, on_cpu=on_cpu)
+    for name, value in environment.items():
         out.write(f"  export {name}={value}\n")
     out.write(
-        "  claude\n"
+        f"  {claude_command(Path(sys.executable).parent)}\n"
         "\nOr from the command line:\n"
         f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].address}'
         f"{_secret_flag(options.state_dir)}\n"

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from contracts import internal_auth
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from launcher.claude_code_env import claude_code_environment
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
 from launcher.health_check import HealthCheck, probe
 from protos import rank_worker_pb2 as pb
@@ -33,6 +34,7 @@ from protos import router_pb2, router_pb2_grpc
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ["redis", "kvstore", "router", "rank-worker-0", "rank-worker-1", "gateway"]
 # Every port 0: the launcher picks free ones and reports them in services.json.
+REQUEST_TIMEOUT_SECS = 900  # the config file's: what the printed Claude Code timeouts must follow
 ANY_PORTS = {
     "KVSERVE_REDIS_URL": "redis://127.0.0.1:0/0",
     "KVSERVE_KVSTORE_PORT": "0",
@@ -105,6 +107,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     config_file = tmp / "config.yaml"  # model settings through the file: proves each service reads it
     config_file.write_text(
         f"num_kv_blocks: 128\nmax_model_len: 1024\nl1_host_gb: 0.25\nl1_arena_dir: {tmp}\nmax_num_batched_tokens: 512\n"
+        f"request_timeout_secs: {REQUEST_TIMEOUT_SECS}\n"
     )
     env = service_env(**ANY_PORTS)
 
@@ -145,6 +148,23 @@ def test_up_prints_the_endpoint_and_an_example(stack: Stack) -> None:
         assert f"export {variable}=" in text
     assert "export CLAUDE_CODE_MAX_CONTEXT_TOKENS=921\n" in text  # 90% of the config file's max_model_len 1024
     assert httpx.get(f"{stack.gateway_url}/ready", timeout=5).json()["status"] == "ready"
+
+
+def printed_exports(text: str) -> dict[str, str]:
+    lines = (line.strip().removeprefix("export ") for line in text.splitlines() if line.strip().startswith("export "))
+    return dict(line.split("=", 1) for line in lines)
+
+
+def test_printed_claude_code_exports_follow_the_config(stack: Stack) -> None:
+    """Claude Code waits as long as the gateway lets a request run (no longer than a minute more, or it
+    promises what the gateway's deadline breaks), and its output is capped within the context."""
+    exports = printed_exports(stack.text())
+    assert exports == claude_code_environment(
+        stack.gateway_url, exports["ANTHROPIC_MODEL"], 1024, REQUEST_TIMEOUT_SECS, on_cpu=True
+    )  # what the Claude Code end-to-end test runs the CLI with
+    for variable in ("API_TIMEOUT_MS", "CLAUDE_STREAM_IDLE_TIMEOUT_MS"):
+        assert REQUEST_TIMEOUT_SECS <= int(exports[variable]) / 1000 <= REQUEST_TIMEOUT_SECS + 60, variable
+    assert 0 < int(exports["CLAUDE_CODE_MAX_OUTPUT_TOKENS"]) <= 1024 // 8
 
 
 def test_up_starts_every_service_and_wires_them(stack: Stack) -> None:

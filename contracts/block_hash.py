@@ -1,8 +1,8 @@
 """The chained block hash: the one key every tier (L0, L1, router) uses for a block of tokens.
 
 A block's hash covers its own tokens and, through its parent's hash, every token before it, so equal
-hashes mean equal prefixes. 128-bit xxh3, seeded by a namespace (model id + tokenizer + block size) so
-two models never share a key.
+hashes mean equal prefixes. 128-bit xxh3, seeded by a namespace (model id + a digest of the weights +
+tokenizer + block size + KV dtype) so two models, or two checkpoints of one model, never share a key.
 """
 
 from __future__ import annotations
@@ -15,12 +15,19 @@ import xxhash
 BlockHash = bytes  # 16 bytes
 
 
-def hash_namespace(model_id: str, tokenizer_fingerprint: str, block_size: int, kv_dtype: str = "") -> BlockHash:
+def hash_namespace(
+    model_id: str, tokenizer_fingerprint: str, block_size: int, kv_dtype: str = "", weights_digest: str = ""
+) -> BlockHash:
     """The root of every chain for one model, tokenizer and block size; kv_dtype (the dtype blocks are stored
-    in) keeps ranks of one model in different dtypes from sharing L1 blocks, whose bytes differ."""
+    in) keeps ranks of one model in different dtypes from sharing L1 blocks, whose bytes differ.
+    weights_digest (what defines the weights: config, file headers, sampled weight bytes, the seed of random
+    weights) keeps another checkpoint under the same model id (a fine-tune, a model replaced in place, a new
+    snapshot) from reading this one's KV, which outlives rank restarts in L1."""
     text = f"kvserve/v1|{model_id}|{tokenizer_fingerprint}|{block_size}"
     if kv_dtype:
         text += f"|{kv_dtype}"
+    if weights_digest:
+        text += f"|weights={weights_digest}"
     return xxhash.xxh3_128_digest(text.encode())
 
 

@@ -13,8 +13,10 @@ from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.config import LlamaFamilyConfig
-from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model.feature_check import check_supported
+from rank_worker.model.llama import RANDOM_INIT_SCHEME, LlamaForCausalLM
 from rank_worker.model_files.source import ModelSource, open_model_source
+from rank_worker.model_files.weights_digest import random_weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ def build_model(
     source: ModelSource, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
 ) -> LlamaForCausalLM:
     cfg = LlamaFamilyConfig.from_hf(source.hf_config)
+    check_supported(source.hf_config, max_positions)  # before any weight is read: a refusal takes a second
     with _default_dtype(dtype), torch.device(device):
         model = LlamaForCausalLM(cfg, max_positions=max_positions)
     if source.load_weights is None:
@@ -69,6 +72,14 @@ def build_model(
     else:
         model.load_hf_weights(source.load_weights())
     return model.eval()
+
+
+def weights_digest(source: ModelSource, seed: int, device: torch.device) -> str:
+    """What defines the weights this rank runs, for the block-hash namespace: the files' digest, or for random
+    weights the config's digest with the seed and device that drew them."""
+    if source.load_weights is not None:
+        return source.weights_digest
+    return random_weights_digest(source.weights_digest, seed, device.type, RANDOM_INIT_SCHEME)
 
 
 def size_kv_pool(
@@ -173,6 +184,8 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
     trained = int(source.hf_config.get("max_position_embeddings", 2048))
     max_model_len = resolve_max_model_len(config, trained)
     model = build_model(source, device, dtype, max_model_len, config.seed)
+    digest = weights_digest(source, config.seed, device)
+    log.info("model %s: weights digest %s (part of the KV-cache namespace)", source.model_id, digest)
     num_blocks = size_kv_pool(config, model, device, dtype, max_model_len)
     capacity = num_blocks * config.block_size
     if max_model_len > capacity:
@@ -200,6 +213,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         prefix_cache=config.prefix_cache,
         served_model_name=config.served_model_name or _default_served_name(source.model_id),
         model_id=source.model_id,
+        weights_digest=digest,
         seed=config.seed,
         scheduling_policy=config.scheduling_policy,
         warm_prefix_fraction=config.warm_prefix_fraction,

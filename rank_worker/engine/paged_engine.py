@@ -46,6 +46,7 @@ class EngineSettings:
     prefix_cache: bool = True
     served_model_name: str = "model"
     model_id: str = "model"
+    weights_digest: str = ""  # part of the block-hash namespace: another checkpoint never shares its KV
     seed: int = 0
     scheduling_policy: PolicyName = "warm_first"
     warm_prefix_fraction: float = 0.5
@@ -88,7 +89,11 @@ class PagedEngine(Engine):
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
-            settings.model_id, fingerprint, settings.block_size, str(dtype).removeprefix("torch.")
+            settings.model_id,
+            fingerprint,
+            settings.block_size,
+            str(dtype).removeprefix("torch."),
+            settings.weights_digest,
         )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from rank_worker.model.feature_check import rope_layer_flags
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3")
 
 
@@ -25,6 +27,11 @@ class LlamaFamilyConfig:
     tie_word_embeddings: bool
     attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
+    # Per layer, whether it applies rotary embedding (SmolLM3's NoPE layers do not); () means every layer does.
+    rope_layers: tuple[bool, ...] = ()
+
+    def uses_rope(self, layer_index: int) -> bool:
+        return not self.rope_layers or self.rope_layers[layer_index]
 
     @property
     def q_size(self) -> int:
@@ -72,4 +79,5 @@ class LlamaFamilyConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
             qk_norm=model_type == "qwen3",
+            rope_layers=tuple(rope_layer_flags(hf)),
         )

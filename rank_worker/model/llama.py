@@ -1,4 +1,5 @@
-"""The Llama family (Llama 3.x, Mistral, Qwen2/2.5 with q/k/v bias, Qwen3 with q/k norm, SmolLM2) over a paged KV pool.
+"""The Llama family (Llama 3.x, Mistral, Qwen2/2.5 with q/k/v bias, Qwen3 with q/k norm, SmolLM2, SmolLM3 with
+NoPE layers) over a paged KV pool; config features it does not implement are refused by feature_check.py.
 
 Parameters are created empty on the target device (no init pass) and then either loaded from Hugging
 Face-named tensors or filled with random values. q/k/v and gate/up are fused into one matmul each.
@@ -16,6 +17,9 @@ from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.forward_batch import ForwardBatch
 from rank_worker.model.paged_attention import paged_attention, write_kv
 from rank_worker.model.rotary import RotaryEmbedding
+
+# Part of the KV-cache namespace of random weights: change it whenever init_random_weights draws differently.
+RANDOM_INIT_SCHEME = "normal(0, 0.02) in named_parameters order; norms 1, biases 0"
 
 
 def _param(*shape: int) -> nn.Parameter:
@@ -36,7 +40,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.cfg = cfg
         self.qkv_proj = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
@@ -56,7 +60,8 @@ class Attention(nn.Module):
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(batch.positions, q, k)
+        if self.rotary is not None:  # None in a NoPE layer (SmolLM3): positions come from the causal mask alone
+            q, k = self.rotary(batch.positions, q, k)
         k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
         write_kv(k_cache, v_cache, k, v, batch)
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
@@ -75,7 +80,7 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, rotary: RotaryEmbedding | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary)
@@ -93,7 +98,9 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)
         self.embed_tokens = _param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, self.rotary if cfg.uses_rope(index) else None) for index in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
 

@@ -7,6 +7,7 @@ from pathlib import Path
 from rank_worker.model_files.hf_config import load_hf_config
 from rank_worker.model_files.hf_tokenizer import load_hf_tokenizer
 from rank_worker.model_files.source import ModelPathError, ModelSource
+from rank_worker.model_files.weights_digest import config_digest
 
 
 def open_dummy(target: Path) -> ModelSource:
@@ -24,4 +25,5 @@ def open_dummy(target: Path) -> ModelSource:
         tokenizer=tokenizer,
         load_weights=None,
         num_tensors=0,
+        weights_digest=config_digest(config_path),
     )

@@ -16,6 +16,7 @@ from rank_worker.model_files.gguf_rope import rope_scaling_from_metadata
 from rank_worker.model_files.gguf_tokenizer import tokenizer_from_metadata
 from rank_worker.model_files.progress import TensorProgress
 from rank_worker.model_files.source import ModelPathError, ModelSource
+from rank_worker.model_files.weights_digest import gguf_weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +87,9 @@ def open_gguf(path: Path) -> ModelSource:
         tokenizer=tokenizer,
         load_weights=load_weights,
         num_tensors=len(names),
+        weights_digest=gguf_weights_digest(
+            path, reader.data_offset, [(t.data_offset, t.data_offset + t.n_bytes) for t in reader.tensors]
+        ),
     )
 
 

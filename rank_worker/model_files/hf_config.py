@@ -15,7 +15,10 @@ REQUIRED_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_a
 _BIAS_BY_DEFAULT = {"qwen2"}
 
 # rope_theta the model classes assume when a config leaves it out.
-_DEFAULT_ROPE_THETA = {"qwen2": 1_000_000.0, "qwen3": 1_000_000.0}
+_DEFAULT_ROPE_THETA = {"qwen2": 1_000_000.0, "qwen3": 1_000_000.0, "smollm3": 2_000_000.0}
+
+# Architectures that tie the output layer to the embeddings unless their config says otherwise.
+_TIED_BY_DEFAULT = {"smollm3"}
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -43,7 +46,7 @@ def normalize_hf_config(config: dict[str, Any]) -> dict[str, Any]:
     heads = int(config["num_attention_heads"])
     config["head_dim"] = int(config.get("head_dim") or config["hidden_size"] // heads)
     config["num_key_value_heads"] = int(config.get("num_key_value_heads") or heads)
-    config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", False))
+    config["tie_word_embeddings"] = bool(config.get("tie_word_embeddings", model_type in _TIED_BY_DEFAULT))
     config["attention_bias"] = bool(config.get("attention_bias", model_type in _BIAS_BY_DEFAULT))
     config.setdefault("rms_norm_eps", 1e-6)
     config.setdefault("max_position_embeddings", 2048)

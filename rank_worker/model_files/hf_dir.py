@@ -13,6 +13,7 @@ from rank_worker.model_files.hf_config import load_hf_config, read_json
 from rank_worker.model_files.hf_tokenizer import load_hf_tokenizer
 from rank_worker.model_files.progress import TensorProgress
 from rank_worker.model_files.source import ModelPathError, ModelSource
+from rank_worker.model_files.weights_digest import hf_weights_digest
 
 log = logging.getLogger(__name__)
 
@@ -39,12 +40,14 @@ def open_hf_dir(directory: Path) -> ModelSource:
     def load_weights() -> Iterator[tuple[str, torch.Tensor]]:
         return _iter_weights(names_by_shard)
 
+    index_path = directory / INDEX_FILE
     return ModelSource(
         model_id=model_id_for(directory),
         hf_config=hf_config,
         tokenizer=tokenizer,
         load_weights=load_weights,
         num_tensors=len(all_names),
+        weights_digest=hf_weights_digest(directory, config_path, index_path if index_path.is_file() else None, shards),
     )
 
 

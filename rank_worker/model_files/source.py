@@ -37,6 +37,10 @@ class ModelSource:
     # None means "no weights on disk": the engine initialises random weights (load_format="dummy").
     load_weights: WeightLoader | None
     num_tensors: int
+    # What defines the weights (weights_digest.py), part of the KV-cache namespace so that another checkpoint
+    # under the same name never reads this one's cached KV. For random weights, only the config's part: the
+    # engine adds the seed (random_weights_digest).
+    weights_digest: str
 
 
 def open_model_source(path: str, load_format: str = "auto") -> ModelSource:

@@ -22,10 +22,13 @@ def test_equal_hashes_mean_equal_prefixes(a: list[int], b: list[int]) -> None:
         assert (x == y) == (a[: 4 * (i + 1)] == b[: 4 * (i + 1)])
 
 
-def test_namespace_separates_models_tokenizers_block_sizes_and_kv_dtypes() -> None:
+def test_namespace_separates_models_tokenizers_block_sizes_kv_dtypes_and_weights() -> None:
     tokens = list(range(16))
     spaces = [
         hash_namespace("model-a", tokenizer_fingerprint("{}"), 4),
+        # One model id, two checkpoints (a fine-tune, a model replaced in place): never one key.
+        hash_namespace("model-a", tokenizer_fingerprint("{}"), 4, "bfloat16", weights_digest="0f" * 16),
+        hash_namespace("model-a", tokenizer_fingerprint("{}"), 4, "bfloat16", weights_digest="1e" * 16),
         hash_namespace("model-b", tokenizer_fingerprint("{}"), 4),
         hash_namespace("model-a", tokenizer_fingerprint('{"x":1}'), 4),
         hash_namespace("model-a", tokenizer_fingerprint("{}"), 8),

@@ -51,6 +51,18 @@ CASES = {
         transformers.MistralForCausalLM,
         dict(num_key_value_heads=1, sliding_window=None),
     ),
+    # A window as wide as max_model_len (512 below) is full attention: accepted, and exact.
+    "mistral-window-covers-context": (
+        transformers.MistralConfig,
+        transformers.MistralForCausalLM,
+        dict(num_key_value_heads=1, sliding_window=512),
+    ),
+    # Layer 1 of 2 is a NoPE layer (no rotary embedding), as every 4th layer of SmolLM3-3B; tied embeddings.
+    "smollm3-nope": (
+        transformers.SmolLM3Config,
+        transformers.SmolLM3ForCausalLM,
+        dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    ),
 }
 
 

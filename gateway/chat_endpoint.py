@@ -4,7 +4,6 @@ as a stream, and account for the request at the end. Each API supplies a ChatApi
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -15,8 +14,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.accounting import record_end, record_failure
-from gateway.chat import ChatRequest
-from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest
+from gateway.body_parse import large_body, work_for_body
+from gateway.chat import ChatRequest, InvalidChat
+from gateway.conversation_rules import check_conversation
+from gateway.generation import Finish, Generation, GenerationEvent, OpenGeneration, PreparedRequest
+from gateway.memory_return import schedule_memory_return
+from gateway.prompt_size import PromptCannotFit
 from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
 from gateway.request_log import RequestRecord
 from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
@@ -53,12 +56,12 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         record.model = body.model  # type: ignore[attr-defined]
         check_model_allowed(key, record.model)
         generation = ready_generation(request)
-        chat = api.to_chat(body, request.headers.get(api.session_header, ""))
+        chat = await chat_from_body(request, api.to_chat, body, request.headers.get(api.session_header, ""))
         record.session = chat.session_id
         # Off the event loop: tokenizing a long agent prompt takes tens of milliseconds (the tokenizer lets go
         # of the GIL), and the loop meanwhile streams every other request's tokens.
         tokenize_started = time.monotonic()
-        prepared = await asyncio.to_thread(generation.prepare, chat)
+        prepared = await prepare_off_loop(request, generation, chat)
         record.tokenize_s = time.monotonic() - tokenize_started
         record.prompt_tokens = prepared.prompt_tokens
         record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
@@ -67,10 +70,19 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
     except Exception as exc:
         error = api_error_for(exc)
         record_failure(state, record, error)
-        raise error from exc
+        if large_body(request):
+            schedule_memory_return()
+        try:
+            raise error from exc
+        finally:
+            # This frame is on the error's traceback: holding it here would be a cycle that keeps the body,
+            # conversation and prompt until a garbage collection (seconds over a large body), not until sent.
+            del error
 
     def finished(finish: Finish | None, failure: ApiError | None) -> None:
         record_end(state, record, finish, failure, api.finish_reason(finish) if finish else "", opened)
+        if large_body(request):
+            schedule_memory_return()
 
     if not body.stream:  # type: ignore[attr-defined]
         try:
@@ -78,7 +90,10 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         except Exception as exc:
             error = api_error_for(exc)
             finished(None, error)
-            raise error from exc
+            try:
+                raise error from exc
+            finally:
+                del error  # as above: no cycle through this frame
         finished(next((e for e in events if isinstance(e, Finish)), None), None)
         return JSONResponse(api.whole_response(record.request_id, body, events))
 
@@ -88,3 +103,28 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         media_type="text/event-stream",
         headers={"cache-control": "no-cache", "x-accel-buffering": "no"},
     )
+
+
+async def chat_from_body(
+    request: Request, to_chat: Callable[[Any, str], ChatRequest], body: Any, session: str
+) -> ChatRequest:
+    """The API body as a checked ChatRequest, converted off the event loop (a long conversation takes
+    seconds of Python); ApiError 400 for a conversation that cannot be served."""
+
+    def convert() -> ChatRequest:
+        chat = to_chat(body, session)
+        check_conversation(chat)
+        return chat
+
+    try:
+        return await work_for_body(request, convert)
+    except InvalidChat as exc:
+        raise ApiError(400, "invalid_request_error", str(exc)) from exc
+
+
+async def prepare_off_loop(request: Request, generation: Generation, chat: ChatRequest) -> PreparedRequest:
+    """generation.prepare off the event loop; a prompt whose size alone cannot fit is a 400."""
+    try:
+        return await work_for_body(request, generation.prepare, chat)
+    except PromptCannotFit as exc:
+        raise ApiError(400, "invalid_request_error", str(exc)) from exc

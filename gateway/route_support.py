@@ -3,13 +3,13 @@ its schema (errors as 400 in the API's shape, never FastAPI's 422), and check th
 
 from __future__ import annotations
 
-import json
 from typing import TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.requests import Request
 
 from gateway.auth import AuthError, KeyEntry
+from gateway.body_parse import parse_request_body
 from gateway.generation import Generation
 from gateway.request_flow import ApiError
 from gateway.state import GatewayState
@@ -38,20 +38,8 @@ def check_model_allowed(key: KeyEntry | None, model: str) -> None:
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:
-    raw = await request.body()
-    try:
-        document = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ApiError(400, "invalid_request_error", f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(document, dict):
-        raise ApiError(400, "invalid_request_error", "request body must be a JSON object")
-    try:
-        return schema.model_validate(document)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or 'body'}: {err['msg']}" for err in exc.errors()[:5]
-        )
-        raise ApiError(400, "invalid_request_error", problems) from exc
+    """The body in its schema, parsed off the event loop by size; ApiError 400 for what cannot be accepted."""
+    return await parse_request_body(request, schema)
 
 
 def not_ready() -> ApiError:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from gateway.prompt_size import PromptSizeBound
 from protos import rank_worker_pb2 as pb
 
 
@@ -19,6 +20,7 @@ class ServedModel:
     tokenizer: Tokenizer
     names: list[str] = field(default_factory=list)  # accepted in the `model` field, the served name first
     created_at: int = 0
+    size_bound: PromptSizeBound = field(default_factory=lambda: PromptSizeBound(0))  # 0: count exactly
 
     @classmethod
     def from_info(cls, info: pb.ModelInfoResponse, deployment_slug: str = "", created_at: int = 0) -> ServedModel:
@@ -28,7 +30,8 @@ class ServedModel:
         for alias in (deployment_slug, "default"):
             if alias and alias not in names:
                 names.append(alias)
-        return cls(info, Tokenizer.from_str(info.tokenizer_json), names, created_at)
+        tokenizer = Tokenizer.from_str(info.tokenizer_json)
+        return cls(info, tokenizer, names, created_at, PromptSizeBound.for_tokenizer_json(info.tokenizer_json))
 
     @property
     def name(self) -> str:
@@ -50,7 +53,11 @@ class ServedModel:
         return len(self.encode(text))
 
     def encode(self, text: str) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+        """The prompt's token ids; raises PromptCannotFit, without tokenizing, for a text that its size alone
+        shows cannot fit max_model_len."""
+        self.size_bound.refuse_what_cannot_fit(text, self.max_model_len)
+        # encode_batch lets go of the GIL while it works (encode holds it): the event loop keeps serving.
+        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.info.add_bos_token and self.info.bos_token_id >= 0 and (not ids or ids[0] != self.info.bos_token_id):
             ids = [self.info.bos_token_id, *ids]
         return ids

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from gateway.anthropic_api.schema import ContentBlock, CountTokensRequest, Message, MessagesRequest
-from gateway.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
+from gateway.chat import ChatMessage, ChatRequest, InvalidChat, ToolCall, ToolChoice, ToolSpec
+from gateway.json_document import InvalidDocument, parse_document
 from gateway.prompt.claude_code import map_role, strip_attribution
 
 
@@ -43,8 +43,8 @@ def session_from_metadata(metadata: dict[str, Any] | None) -> str:
     if not isinstance(user_id, str) or not user_id:
         return ""
     try:
-        parsed = json.loads(user_id)
-    except ValueError:
+        parsed = parse_document(user_id, "metadata.user_id")
+    except InvalidDocument:
         parsed = None
     if isinstance(parsed, dict) and isinstance(parsed.get("session_id"), str):
         return parsed["session_id"]
@@ -64,7 +64,7 @@ def _system_text(system: str | list[ContentBlock] | None) -> str:
 def _convert_message(message: Message) -> list[ChatMessage]:
     role = map_role(message.role)
     if role is None:
-        raise ValueError(f"messages: unknown role {message.role!r}")
+        raise InvalidChat(f"messages: unknown role {message.role!r}")
     if isinstance(message.content, str):
         return [ChatMessage(role, message.content)]
     out: list[ChatMessage] = []

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from typing import Any
@@ -13,9 +12,12 @@ from starlette.responses import Response
 from gateway.anthropic_api.convert import to_chat
 from gateway.anthropic_api.respond import STOP_REASONS, EventStreamWriter, MessageBuilder
 from gateway.anthropic_api.schema import CountTokensRequest, MessagesRequest
+from gateway.body_parse import large_body, work_for_body
 from gateway.chat import ChatRequest
-from gateway.chat_endpoint import ErrorWriter, EventWriter, serve_chat
+from gateway.chat_endpoint import ErrorWriter, EventWriter, chat_from_body, serve_chat
 from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest, Usage
+from gateway.memory_return import schedule_memory_return
+from gateway.prompt_size import PromptCannotFit
 from gateway.request_flow import ApiError, api_error_for
 from gateway.route_support import (
     authenticate,
@@ -77,14 +79,20 @@ async def create_message(request: Request) -> Response:
 
 @router.post("/v1/messages/count_tokens")
 async def count_tokens(request: Request) -> dict[str, int]:
-    key = authenticate(request)
-    body = await parse_body(request, CountTokensRequest)
-    check_model_allowed(key, body.model)
-    generation = ready_generation(request)
     try:
-        return {"input_tokens": await asyncio.to_thread(generation.count_tokens, to_chat(body))}
+        key = authenticate(request)
+        body = await parse_body(request, CountTokensRequest)
+        check_model_allowed(key, body.model)
+        generation = ready_generation(request)
+        chat = await chat_from_body(request, to_chat, body, "")
+        return {"input_tokens": await work_for_body(request, generation.count_tokens, chat)}
+    except PromptCannotFit as exc:  # no count for what no request could send: the work stays bounded
+        raise ApiError(400, "invalid_request_error", str(exc)) from exc
     except Exception as exc:
         raise api_error_for(exc) from exc
+    finally:
+        if large_body(request):
+            schedule_memory_return()
 
 
 @router.get("/v1/models")

@@ -53,7 +53,7 @@ class Thinking(_Lenient):
 
 class CountTokensRequest(_Lenient):
     model: str
-    messages: list[Message]
+    messages: list[Message] = Field(min_length=1)  # nothing to answer: the Messages API refuses it too
     system: str | list[ContentBlock] | None = None
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None

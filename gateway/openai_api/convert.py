@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
-from gateway.chat import ChatMessage, ChatRequest, Role, ToolCall, ToolChoice, ToolSpec
+from gateway.chat import ChatMessage, ChatRequest, InvalidChat, Role, ToolCall, ToolChoice, ToolSpec
+from gateway.json_document import InvalidDocument, parse_document
 from gateway.openai_api.schema import ChatCompletionRequest, ChatMessageIn
 
 _ROLES: dict[str, Role] = {
@@ -47,7 +46,7 @@ def to_chat(body: ChatCompletionRequest, session_header: str = "") -> ChatReques
 def _convert(message: ChatMessageIn, names: dict[str, str]) -> ChatMessage:
     role = _ROLES.get(message.role)
     if role is None:
-        raise ValueError(f"messages: unknown role {message.role!r}")
+        raise InvalidChat(f"messages: unknown role {message.role!r}")
     content = message.content
     if isinstance(content, list):
         content = "\n\n".join(part.text or "" for part in content if part.type == "text")
@@ -56,9 +55,9 @@ def _convert(message: ChatMessageIn, names: dict[str, str]) -> ChatMessage:
         arguments = call.function.arguments
         if isinstance(arguments, str):
             try:
-                arguments = json.loads(arguments) if arguments.strip() else {}
-            except ValueError as exc:
-                raise ValueError(f"tool call {call.id}: arguments are not valid JSON") from exc
+                arguments = parse_document(arguments, "arguments") if arguments.strip() else {}
+            except InvalidDocument as exc:
+                raise InvalidChat(f"tool call {call.id[:64]}: {exc}") from exc
         out.tool_calls.append(ToolCall(call.id, call.function.name, arguments if isinstance(arguments, dict) else {}))
         names[call.id] = call.function.name
     if role == "tool":
@@ -77,4 +76,4 @@ def _tool_choice(choice: str | dict | None) -> ToolChoice:
     if isinstance(choice, dict):
         name = (choice.get("function") or {}).get("name", "")
         return ToolChoice("tool", name) if name else ToolChoice()
-    raise ValueError(f"tool_choice {choice!r} is not one of none, auto, required or a function")
+    raise InvalidChat(f"tool_choice {choice!r} is not one of none, auto, required or a function")

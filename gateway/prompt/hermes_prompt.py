@@ -25,11 +25,11 @@ def hermes_messages(chat: ChatRequest, *, thinks: bool) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
     if system is not None or system_text:
         messages.append({"role": "system", "content": system_text})
-    results_at = -1  # index of the user message collecting the latest run of tool results
+    results_at: int | None = None  # index of the user message collecting the latest run of tool results
     for message in rest:
         if message.role == "tool":
             block = f"<tool_response>\n{tool_result_text(message)}\n</tool_response>"
-            if results_at == len(messages) - 1:
+            if messages and results_at == len(messages) - 1:
                 messages[-1]["content"] += "\n" + block
             else:
                 messages.append({"role": "user", "content": block})

@@ -126,7 +126,8 @@ def _stream_story(
         for line in response.iter_lines():
             if line.startswith("event: "):
                 names.append(line[7:])
-                if kill_after_deltas is not None and names.count("content_block_delta") == kill_after_deltas:
+                # on that delta only: a ping after it (the other rank prefilling) must not kill again
+                if names[-1] == "content_block_delta" and names.count("content_block_delta") == kill_after_deltas:
                     alive = {p: r for p, r in ranks.items() if r.poll() is None}
                     os.kill(alive[_busy_rank(alive)].pid, signal.SIGKILL)
             elif line.startswith("data: "):

@@ -99,7 +99,7 @@ def complete(
             if response.HasField("tokens"):
                 out.write(detokenizer.push(response.tokens.token_ids))
                 out.flush()
-            else:
+            elif response.HasField("finished"):  # not Progress (sent while no token is due)
                 finished = response.finished
         out.write(detokenizer.finish() + "\n")
         out.flush()

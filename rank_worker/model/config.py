@@ -9,6 +9,10 @@ from rank_worker.model.feature_check import rope_layer_flags
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3")
 
+# Types whose `attention_bias` puts a bias on o_proj as well as q/k/v (Qwen2's o_proj never has one; Mistral
+# has no attention biases at all, whatever its config says).
+_OUTPUT_BIAS_TYPES = ("llama", "qwen3", "smollm2", "smollm3")
+
 
 @dataclass(frozen=True)
 class LlamaFamilyConfig:
@@ -25,10 +29,11 @@ class LlamaFamilyConfig:
     rope_scaling: dict[str, Any] | None
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool  # q/k/v projections carry a bias (Qwen2)
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2; others with attention_bias)
     qk_norm: bool  # per-head RMSNorm on q and k before rotary (Qwen3)
     # Per layer, whether it applies rotary embedding (SmolLM3's NoPE layers do not); () means every layer does.
     rope_layers: tuple[bool, ...] = ()
+    output_bias: bool = False  # o_proj carries a bias (attention_bias in Llama, Qwen3, SmolLM3)
 
     def uses_rope(self, layer_index: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_index]
@@ -63,6 +68,7 @@ class LlamaFamilyConfig:
         num_heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = hf.get("head_dim") or hidden // num_heads
+        attention_bias = model_type != "mistral" and bool(hf.get("attention_bias", model_type == "qwen2"))
         return cls(
             model_type=model_type,
             vocab_size=int(hf["vocab_size"]),
@@ -77,7 +83,9 @@ class LlamaFamilyConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            attention_bias=attention_bias,
             qk_norm=model_type == "qwen3",
             rope_layers=tuple(rope_layer_flags(hf)),
+            # GGUF files say it per tensor (attention_output_bias); HF configs through attention_bias.
+            output_bias=bool(hf.get("attention_output_bias", attention_bias and model_type in _OUTPUT_BIAS_TYPES)),
         )

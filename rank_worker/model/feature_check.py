@@ -12,9 +12,8 @@ from typing import Any
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _SILU = ("silu", "swish")
-# Model types whose attention projections take their bias from `attention_bias` on q, k, v AND o (we only
-# implement the q/k/v bias of Qwen2, whose o_proj never has one).
-_OUTPUT_BIAS_TYPES = ("llama", "mistral", "qwen3", "smollm3", "smollm2")
+# Model types whose MLP takes biases from `mlp_bias` (the others ignore the key, as transformers does).
+_MLP_BIAS_TYPES = ("llama", "smollm2", "smollm3")
 # Model types whose sliding window follows use_sliding_window and per-layer layer_types.
 _LAYER_TYPED_WINDOW_TYPES = ("qwen2", "qwen3", "smollm3")
 
@@ -46,12 +45,8 @@ def unsupported_features(hf: dict[str, Any], max_model_len: int) -> list[str]:
     activation = hf.get("hidden_act", "silu")
     if activation not in _SILU:
         problems.append(f"hidden_act {activation!r} is not implemented (only silu)")
-    if hf.get("mlp_bias"):
+    if hf.get("mlp_bias") and model_type in _MLP_BIAS_TYPES:
         problems.append("MLP biases (mlp_bias: true) are not implemented")
-    if hf.get("attention_bias") and model_type in _OUTPUT_BIAS_TYPES:
-        problems.append(
-            f"attention biases (attention_bias: true, which in {model_type} includes o_proj) are not implemented"
-        )
     problems += _rope_problems(hf)
     problems += _layer_problems(hf, model_type)
     window = smallest_sliding_window(hf)

@@ -46,6 +46,7 @@ class Attention(nn.Module):
         self.qkv_proj = _param(cfg.q_size + 2 * cfg.kv_size, cfg.hidden_size)
         self.qkv_bias = _param(cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else None
         self.o_proj = _param(cfg.hidden_size, cfg.q_size)
+        self.o_bias = _param(cfg.hidden_size) if cfg.output_bias else None
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
@@ -65,7 +66,7 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
         write_kv(k_cache, v_cache, k, v, batch)
         out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
-        return F.linear(out.reshape(-1, cfg.q_size), self.o_proj)
+        return F.linear(out.reshape(-1, cfg.q_size), self.o_proj, self.o_bias)
 
 
 class MLP(nn.Module):
@@ -148,7 +149,7 @@ class LlamaForCausalLM(nn.Module):
                     start, rows = mlp_rows[proj]
                     target = layer.mlp.gate_up_proj[start : start + rows]
                 else:
-                    target = _named_layer_param(layer, module, proj, name)
+                    target = _named_layer_param(layer, module, proj, kind, name)
             else:
                 continue  # e.g. rotary inv_freq buffers in old checkpoints
             if tuple(target.shape) != tuple(tensor.shape):
@@ -168,6 +169,8 @@ class LlamaForCausalLM(nn.Module):
         per_layer += ["mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight"]
         if cfg.attention_bias:
             per_layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
+        if cfg.output_bias:
+            per_layer += ["self_attn.o_proj.bias"]
         if cfg.qk_norm:
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return keys + [f"layers.{i}.{p}" for i in range(cfg.num_layers) for p in per_layer]
@@ -185,9 +188,13 @@ class LlamaForCausalLM(nn.Module):
                     param.normal_(0.0, 0.02, generator=generator)
 
 
-def _named_layer_param(layer: DecoderLayer, module: str, proj: str, name: str) -> torch.Tensor:
+def _named_layer_param(layer: DecoderLayer, module: str, proj: str, kind: str, name: str) -> torch.Tensor:
     if module == "self_attn" and proj == "o_proj":
-        return layer.self_attn.o_proj
+        if kind != "bias":
+            return layer.self_attn.o_proj
+        if layer.self_attn.o_bias is None:
+            raise ValueError(f"unexpected tensor {name}: this model has no o_proj bias")
+        return layer.self_attn.o_bias
     if module == "self_attn" and proj in ("q_norm", "k_norm"):
         norm = getattr(layer.self_attn, proj)
         if norm is None:

@@ -141,6 +141,7 @@ def _hf_config(path: Path, arch: str, metadata: dict[str, Any], tensors: dict[st
         # llama.cpp leaves output.weight out when the model reuses its embeddings as the output layer.
         "tie_word_embeddings": "output.weight" not in tensors,
         "attention_bias": "blk.0.attn_q.bias" in tensors,
+        "attention_output_bias": "blk.0.attn_output.bias" in tensors,
         "torch_dtype": "float32",
     }
 

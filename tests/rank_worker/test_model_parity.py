@@ -41,6 +41,12 @@ CASES = {
         ),
     ),
     "qwen2-bias": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(num_key_value_heads=2)),
+    # attention_bias in Llama biases o_proj as well as q/k/v.
+    "llama-attention-bias": (
+        transformers.LlamaConfig,
+        transformers.LlamaForCausalLM,
+        dict(num_key_value_heads=2, attention_bias=True),
+    ),
     "qwen3-qknorm": (
         transformers.Qwen3Config,
         transformers.Qwen3ForCausalLM,

@@ -137,7 +137,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         # (a refusal above arrives instead as an error status).
         await context.send_initial_metadata((("kvserve-accepted", engine_req.request_id),))
         try:
-            async for message in _responses(stream, engine_loop, self._progress_interval_s):
+            async for message in response_messages(stream, engine_loop, self._progress_interval_s):
                 yield message
         except InvalidRequestError as exc:  # refused at add_request time (validate() could not know)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -174,7 +174,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         return self._model_info
 
 
-async def _responses(
+async def response_messages(
     stream: RequestStream, engine_loop: EngineLoop, progress_interval_s: float
 ) -> AsyncIterator[pb.GenerateResponse]:
     """TokenChunks as tokens come (outputs that queued up while we were sending go out as one chunk),

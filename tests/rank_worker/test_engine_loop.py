@@ -358,3 +358,40 @@ def test_progress_is_reported_only_while_the_engine_thread_makes_progress(engine
         release.set()
         del engine.step  # the instance attribute; the class's step again
         loop.stop()
+
+
+def _generate_kinds(engine: Engine, max_step_s: float, first_step_s: float) -> list[str]:
+    """The Generate stream's message kinds for one request whose first (prefill) step takes first_step_s."""
+    from rank_worker.servicer import response_messages
+
+    loop = EngineLoop(engine, max_step_s=max_step_s)
+    loop.start()
+    real_step = engine.step
+    steps = {"n": 0}
+
+    def slow_first_step() -> list[RequestOutput]:
+        steps["n"] += 1
+        if steps["n"] == 1:
+            time.sleep(first_step_s)  # a long prefill step, or a stuck one
+        return real_step()
+
+    engine.step = slow_first_step  # type: ignore[method-assign]
+
+    async def run() -> list[str]:
+        stream = loop.submit(request("slow", prompt_of(20, 70), max_tokens=2))
+        return [str(m.WhichOneof("kind")) async for m in response_messages(stream, loop, progress_interval_s=0.1)]
+
+    try:
+        return asyncio.run(run())
+    finally:
+        del engine.step
+        loop.stop()
+
+
+def test_the_generate_stream_carries_progress_only_while_the_engine_makes_progress(engine: Engine) -> None:
+    kinds = _generate_kinds(engine, max_step_s=5.0, first_step_s=1.0)
+    assert kinds[0] == "progress" and kinds.count("progress") >= 5  # about every 0.1 s of the 1 s step
+    assert kinds[-1] == "finished" and "tokens" in kinds
+    # the same step, but past max_step_s: a stuck engine thread, and the stream goes quiet
+    stuck = _generate_kinds(engine, max_step_s=0.3, first_step_s=1.5)
+    assert stuck.count("progress") <= 4 and stuck[-1] == "finished"

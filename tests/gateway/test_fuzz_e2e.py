@@ -1,18 +1,28 @@
-"""Fuzzed request bodies against the real gateway and rank worker: never a 5xx, and both still serve."""
+"""Fuzzed request bodies against the real gateway and rank worker: never a 5xx, errors in the API's own
+shape, streams that end properly, and both still serve. The bodies include the bad input of issue 12
+(lone surrogates, nesting far past any limit, tool results first, no messages) and streaming requests."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+import re
 
 import httpx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from service_processes import gateway_stack
+from small_stack import SmallStack
+
+# Text with lone surrogates now and then: json.dumps writes them as \udXXX escapes, valid JSON.
+texts = st.text(
+    alphabet=st.characters(max_codepoint=0x2FF) | st.sampled_from(["\ud800", "\udfff", "\U0001f600", "é"]),
+    max_size=20,
+)
+# A placeholder that the serialized body replaces with arrays nested that deep (json.dumps could not).
+deep = st.integers(100, 5000).map(lambda depth: f"__deep_{depth}__")
+_DEEP = re.compile(r'"__deep_(\d+)__"')
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-10, 10) | st.floats(allow_nan=False, width=32) | st.text(max_size=20),
+    st.none() | st.booleans() | st.integers(-10, 10) | st.floats(allow_nan=False, width=32) | texts | deep,
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4),
     max_leaves=12,
 )
@@ -31,20 +41,18 @@ blocks = st.fixed_dictionaries(
     },
 )
 messages = st.lists(
-    st.fixed_dictionaries(
-        {"role": roles, "content": st.text(max_size=40) | st.lists(blocks, max_size=3) | json_values}
-    ),
+    st.fixed_dictionaries({"role": roles, "content": texts | st.lists(blocks, max_size=3) | json_values}),
     max_size=3,
 )
 bodies = st.fixed_dictionaries(
     {
-        "model": st.sampled_from(["default", "claude-3", "", "x" * 300]) | json_values,
+        "model": st.sampled_from(["default", "claude-3", "", "x" * 300, "default\ud800"]) | json_values,
         "messages": messages | json_values,
     },
     optional={
         "max_tokens": st.integers(-3, 6) | json_values,
         "max_completion_tokens": st.integers(-3, 6),
-        "stream": st.booleans(),
+        "stream": st.booleans() | st.just(True),
         "temperature": st.floats(-1, 3, allow_nan=False) | json_values,
         "top_p": st.floats(-1, 2, allow_nan=False),
         "top_k": st.integers(-2, 50),
@@ -68,27 +76,38 @@ bodies = st.fixed_dictionaries(
 )
 
 
-@pytest.fixture(scope="module")
-def base_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    # A short context bounds the work any accepted fuzz body can cause.
-    rank = {"KVSERVE_NUM_KV_BLOCKS": "64", "KVSERVE_MAX_MODEL_LEN": "256", "KVSERVE_MAX_NUM_SEQS": "4"}
-    with gateway_stack(tmp_path_factory.mktemp("fuzz-stack"), rank, {}) as url:
-        yield url
+def body_text(body: dict) -> str:
+    return _DEEP.sub(lambda m: "[" * int(m.group(1)) + "]" * int(m.group(1)), json.dumps(body))
+
+
+def assert_api_shape(path: str, response: httpx.Response) -> None:
+    content_type = response.headers.get("content-type", "")
+    if response.status_code >= 400:
+        assert content_type.startswith("application/json"), (response.status_code, response.text[:300])
+        error = response.json()
+        if path.startswith("/v1/chat/"):
+            assert set(error) == {"error"} and {"message", "type"} <= set(error["error"]), error
+        else:
+            assert error["type"] == "error" and {"type", "message"} <= set(error["error"]), error
+    elif "text/event-stream" in content_type:  # a stream must end as its API ends one, with no error event
+        if path.startswith("/v1/chat/"):
+            assert response.text.rstrip().endswith("data: [DONE]"), response.text[-300:]
+            assert '"error"' not in response.text, response.text[-300:]
+        else:
+            assert "event: message_stop" in response.text and "event: error" not in response.text, response.text[-300:]
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=bodies, path=st.sampled_from(["/v1/messages", "/v1/chat/completions", "/v1/messages/count_tokens"]))
-def test_fuzzed_bodies_never_get_a_5xx(base_url: str, body: dict, path: str) -> None:
+def test_fuzzed_bodies_never_get_a_5xx(small_stack: SmallStack, body: dict, path: str) -> None:
     response = httpx.post(
-        f"{base_url}{path}", content=json.dumps(body), timeout=120, headers={"content-type": "application/json"}
+        f"{small_stack.url}{path}", content=body_text(body), timeout=120, headers={"content-type": "application/json"}
     )
     assert response.status_code < 500, (response.status_code, response.text[:500])
-    if response.status_code >= 400 and "text/event-stream" not in response.headers.get("content-type", ""):
-        error = response.json()
-        assert ("error" in error) and (error.get("type") == "error" or "message" in error["error"])
+    assert_api_shape(path, response)
 
 
-def test_still_serving_after_the_fuzz(base_url: str) -> None:
+def test_still_serving_after_the_fuzz(small_stack: SmallStack) -> None:
     body = {"model": "default", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
-    assert httpx.post(f"{base_url}/v1/messages", json=body, timeout=60).status_code == 200
-    assert httpx.get(f"{base_url}/ready").status_code == 200
+    assert httpx.post(f"{small_stack.url}/v1/messages", json=body, timeout=60).status_code == 200
+    assert httpx.get(f"{small_stack.url}/ready").status_code == 200

@@ -1,12 +1,13 @@
 """The L1 path on CUDA: offloads run on a side stream and are committed once their event fires, restores
 land in the pool before the step that reads them, and the arena is pinned. The kvstore here is an in-memory
 stand-in for its contract (the machines with GPUs in CI-less runs may lack the service's dependencies); the
-real one is exercised by the CPU tests."""
+real one is exercised by the CPU tests. Its calls run on the tier's worker thread, as the real ones do."""
 
 from __future__ import annotations
 
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from engine_fixtures import generate_one, greedy, random_prompt
 from l1_fixtures import tiny_model
 
+from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.arena import ArenaLayout
 
@@ -74,8 +76,29 @@ class InMemoryKvStore:
             if not self.read_pins[slot]:
                 del self.read_pins[slot]
 
+    def current_arena_id(self) -> str:
+        return "arena"
+
+    def kv_events(self) -> IdleEventStream:
+        return IdleEventStream()
+
     def close(self) -> None:
         pass
+
+
+class IdleEventStream:
+    """A KvEvents subscription that announces nothing until cancelled (this store tells no one what it holds:
+    the tier knows what it committed itself)."""
+
+    def __init__(self) -> None:
+        self._cancelled = threading.Event()
+
+    def __iter__(self) -> Iterator[KvEventBatch]:
+        yield KvEventBatch(1, (KvEvent(KvEventKind.ALL_CLEARED),))
+        self._cancelled.wait()
+
+    def cancel(self) -> None:
+        self._cancelled.set()
 
 
 @pytest.fixture

@@ -68,14 +68,17 @@ class KvCacheManager:
 
         if room(len(hashes) - prefix) <= 0:
             return False
-        fetch = self.host_tier.fetch(hashes[prefix:], room)
-        if fetch is None:
-            return False
+        held: list[int] = []  # taken before the tier takes blocks for the restore, which could evict them
         for block_hash in hashes[:prefix]:
             block_id = self.pool.lookup(block_hash)
-            assert block_id is not None
+            assert block_id is not None  # in the L0 run just measured
             self.pool.acquire_cached(block_id)
-            fetch.held.append(block_id)
+            held.append(block_id)
+        fetch = self.host_tier.fetch(hashes[prefix:], room)
+        if fetch is None:
+            self.pool.release(held)
+            return False
+        fetch.held[:0] = held
         seq.host_fetch = fetch
         if fetch.done:  # a tier that answers at once (the simulator's): admitted in this same step
             return False

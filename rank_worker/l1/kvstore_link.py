@@ -167,6 +167,7 @@ class _EventStream(KvEventStream):
 
     def cancel(self) -> None:
         self._call.cancel()
+        self._channel.close()  # also when iteration never started
 
 
 def _describe(exc: grpc.RpcError) -> str:

@@ -12,7 +12,9 @@ from l1_fixtures import kvstore_settings, kvstore_stats, l1_engine, tiny_model
 from service_processes import free_port, start_kvstore
 
 from contracts.block_hash import prefix_block_hashes
+from contracts.kv_events import KvEvent, KvEventKind
 from rank_worker.engine.interface import EngineRequest
+from rank_worker.l1.l1_view import L1View
 
 BLOCK = 16
 SESSION_BLOCKS = 10
@@ -62,3 +64,15 @@ def test_the_rank_taking_a_session_over_schedules_it_warm_from_blocks_another_ra
         assert restored >= SESSION_BLOCKS * BLOCK
         first_rank.close()
         taker.close()
+
+
+def test_the_view_follows_stored_removed_and_a_snapshot() -> None:
+    view = L1View()
+    a, b, c = (bytes([n]) * 16 for n in (1, 2, 3))
+    view.apply([KvEvent(KvEventKind.STORED, (a, b, c))])
+    assert view.leading_run([a, b, c]) == 3
+    view.apply([KvEvent(KvEventKind.REMOVED, (b,))])
+    assert view.leading_run([a, b, c]) == 1 and c in view
+    # A resubscription's snapshot (a restarted kvstore) replaces everything known before.
+    view.apply([KvEvent(KvEventKind.ALL_CLEARED), KvEvent(KvEventKind.STORED, (c,))])
+    assert view.leading_run([a, b, c]) == 0 and view.leading_run([c]) == 1 and len(view) == 1

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.l1.host_fetch import HostFetch
+from rank_worker.l1.host_fetch import HostFetch, hold_prefix
 
 
 class NodeHostCache:
@@ -67,21 +67,23 @@ class RankHostTier:
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
 
-    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
+    def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
         """Restored at once (the real tier answers a step or so later; the rank charges the copy's time)."""
-        fetch = HostFetch(list(block_hashes), room, deadline=0.0, done=True)
+        fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, done=True)
         found = self.node.leading_run(block_hashes)
         run = min(found, max(room(found), 0), self.pool.num_free)
-        if run == 0:
+        held = hold_prefix(self.pool, prefix) if run else None
+        if held is None:
             return fetch
+        run = min(run, self.pool.num_free)
         blocks = self.pool.allocate(run)
         for block_id, block_hash in zip(blocks, block_hashes, strict=False):
             self.pool.register(block_id, block_hash)
             self._remember(block_hash)
         self.node.touch(block_hashes[:run])
         self.restored_blocks += run
-        fetch.held.extend(blocks)
         fetch.restored.update(blocks)
+        self.pool.release(list(reversed(held + blocks)))  # idle L0 entries until the admission takes them
         return fetch
 
     def abandon(self, fetch: HostFetch) -> None:

@@ -16,8 +16,9 @@ from rank_worker.l1.host_fetch import HostFetch
 class HostCacheTier(Protocol):
     """What the cache manager asks of a host tier (rank_worker.l1.tier.L1Tier). Nothing here waits."""
 
-    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
-        """Start restoring the leading run of block_hashes the tier holds into L0; None if it cannot now."""
+    def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
+        """Start restoring into L0 the leading run of block_hashes (which follow the L0 blocks of `prefix`) that
+        the tier holds; None if it cannot now."""
         ...
 
     def abandon(self, fetch: HostFetch) -> None: ...
@@ -46,9 +47,7 @@ class KvCacheManager:
         """True while a sequence about to be admitted waits for the host tier (WAITING_FOR_L1): the tier holds
         blocks past its L0 prefix, and their restore into L0, started here, is not done. Once it is (restored,
         found missing, failed or timed out), admission goes on over the L0 prefix, longer by what came back.
-
-        The restore leaves enough free blocks for the next chunk of at most token_budget tokens; the L0
-        prefix is held meanwhile, so nothing the restore extends is evicted."""
+        The restore leaves enough free blocks for the next chunk of at most token_budget tokens."""
         fetch = seq.host_fetch
         if fetch is not None:
             if not fetch.done:
@@ -68,17 +67,9 @@ class KvCacheManager:
 
         if room(len(hashes) - prefix) <= 0:
             return False
-        held: list[int] = []  # taken before the tier takes blocks for the restore, which could evict them
-        for block_hash in hashes[:prefix]:
-            block_id = self.pool.lookup(block_hash)
-            assert block_id is not None  # in the L0 run just measured
-            self.pool.acquire_cached(block_id)
-            held.append(block_id)
-        fetch = self.host_tier.fetch(hashes[prefix:], room)
+        fetch = self.host_tier.fetch(hashes[:prefix], hashes[prefix:], room)
         if fetch is None:
-            self.pool.release(held)
             return False
-        fetch.held[:0] = held
         seq.host_fetch = fetch
         if fetch.done:  # a tier that answers at once (the simulator's): admitted in this same step
             return False
@@ -105,8 +96,7 @@ class KvCacheManager:
             self.pool.acquire_cached(block_id)
         restored = 0
         if fetch is not None:
-            self.pool.release(fetch.held)  # after the acquisitions above, so none of them was free meanwhile
-            restored = sum(1 for block_id in blocks if block_id in fetch.restored)
+            restored = sum(1 for block_id in blocks[len(fetch.prefix) :] if block_id in fetch.restored)
         seq.block_table = blocks
         seq.block_hashes = hashes[: len(blocks)]
         seq.num_computed_tokens = len(blocks) * self.block_size
@@ -200,10 +190,8 @@ class KvCacheManager:
 
     def free(self, seq: Sequence) -> None:
         fetch, seq.host_fetch = seq.host_fetch, None
-        if fetch is not None:  # it left while waiting for the host tier
-            if self.host_tier is not None and not fetch.done:
-                self.host_tier.abandon(fetch)
-            self.pool.release(fetch.held)
+        if fetch is not None and not fetch.done and self.host_tier is not None:
+            self.host_tier.abandon(fetch)  # it left while waiting for the host tier
         self.offload(seq)
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []

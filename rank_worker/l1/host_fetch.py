@@ -5,26 +5,45 @@ sequence then waits (SequenceStatus.WAITING_FOR_L1) while the tier's worker look
 answer comes, the engine thread copies the found slots into pool blocks and registers them as L0 entries;
 the sequence is admitted at its next turn over its L0 prefix, now longer. A fetch that does not hear back
 by its deadline is given up: the sequence computes those blocks instead.
+
+A waiting sequence holds no blocks: restored blocks are idle L0 entries (the most recently used, so the
+last to be evicted) until its admission takes them, so sequences waiting for L1 can never starve the pool
+of the ones that run.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(eq=False)
 class HostFetch:
-    hashes: list[bytes]  # the blocks wanted, those that follow the sequence's L0 prefix
+    prefix: list[bytes]  # the sequence's L0 prefix when the fetch started: the restore extends it
+    hashes: list[bytes]  # the blocks wanted, those that follow it
     room: Callable[[int], int]  # of `found` blocks L1 has, how many fit the pool now
     deadline: float  # the tier's clock
-    # Pool blocks referenced on the sequence's behalf until it is admitted (the L0 prefix, then what is
-    # restored), so L0 cannot evict them meanwhile; the cache manager lets go of them.
-    held: list[int] = field(default_factory=list)
     restored: set[int] = field(default_factory=set)  # pool blocks copied in from L1
     done: bool = False  # answered, given up or failed: the sequence may be admitted
     abandoned: bool = False  # the sequence is gone; an answer still to come is released
 
-    @property
-    def restored_blocks(self) -> int:
-        return len(self.restored)
+
+class PrefixPool(Protocol):
+    def lookup(self, block_hash: bytes) -> int | None: ...
+
+    def acquire_cached(self, block_id: int) -> None: ...
+
+
+def hold_prefix(pool: PrefixPool, prefix: list[bytes]) -> list[int] | None:
+    """Reference the L0 blocks of `prefix` while blocks are taken for the restore (taking them could evict
+    these); None, holding nothing, when one is gone already (what would be restored no longer extends it)."""
+    blocks: list[int] = []
+    for block_hash in prefix:
+        block_id = pool.lookup(block_hash)
+        if block_id is None:
+            return None
+        blocks.append(block_id)
+    for block_id in blocks:
+        pool.acquire_cached(block_id)
+    return blocks

@@ -33,7 +33,7 @@ import torch
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.arena import ArenaMapping
 from rank_worker.l1.block_copier import BlockCopier, CopyJob
-from rank_worker.l1.host_fetch import HostFetch
+from rank_worker.l1.host_fetch import HostFetch, hold_prefix
 from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
 from rank_worker.l1.kvstore_watch import KvStoreNews, KvStoreWatch
 from rank_worker.l1.l1_calls import CallKind, L1Call, L1Calls, Mailbox
@@ -138,12 +138,12 @@ class L1Tier:
 
     # --- restore ---
 
-    def fetch(self, block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
-        """Start looking up block_hashes (those after a sequence's L0 prefix); None when L1 is not attached.
-        The fetch is done once answered, failed or timed out."""
+    def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch | None:
+        """Start looking up block_hashes (those after a sequence's L0 prefix, `prefix`); None when L1 is not
+        attached. The fetch is done once answered, failed or timed out."""
         if not block_hashes or not self._ready():
             return None
-        fetch = HostFetch(list(block_hashes), room, self._clock() + self.fetch_timeout_s)
+        fetch = HostFetch(list(prefix), list(block_hashes), room, self._clock() + self.fetch_timeout_s)
         self._submit(CallKind.LOOKUP, hashes=fetch.hashes, purpose=fetch)
         self._fetching.append(fetch)
         return fetch
@@ -151,27 +151,24 @@ class L1Tier:
     def abandon(self, fetch: HostFetch) -> None:
         """The sequence is gone: its lookup's slots are released when the answer comes."""
         fetch.abandoned = True
-        fetch.done = True
-        if fetch in self._fetching:
-            self._fetching.remove(fetch)
+        self._fail_fetch(fetch)
 
     def _on_lookup(self, call: L1Call, fetch: HostFetch) -> None:
-        if fetch in self._fetching:
-            self._fetching.remove(fetch)
+        given_up = fetch.done  # timed out or abandoned
+        self._fail_fetch(fetch)  # done, whatever comes of it now
         slots = call.answer
-        if fetch.done or not slots:  # given up (timed out, abandoned) or nothing there
-            fetch.done = True
+        held = None if given_up or not slots else hold_prefix(self.pool, fetch.prefix)
+        if held is None:  # nothing there, given up, or the prefix it extends is gone
             self._release(slots)
             return
-        fetch.done = True
         wanted = min(len(slots), max(fetch.room(len(slots)), 0))
         copy_slots: list[int] = []
         new_hashes: list[bytes] = []
         for block_hash, slot in zip(fetch.hashes[:wanted], slots[:wanted], strict=True):
             existing = self.pool.lookup(block_hash)
-            if existing is not None:  # computed here meanwhile: hold that block instead of copying
+            if existing is not None:  # computed here meanwhile: no copy, but kept while blocks are taken
                 self.pool.acquire_cached(existing)
-                fetch.held.append(existing)
+                held.append(existing)
             else:
                 copy_slots.append(slot)
                 new_hashes.append(block_hash)
@@ -183,20 +180,21 @@ class L1Tier:
             try:
                 job = self._copier.restore(copy_slots, blocks)
             except Exception as exc:
-                self.pool.release(blocks)
+                self.pool.release(blocks + held)
                 self._go_down(exc)  # our read pins go when we attach again (a new incarnation)
                 return
             for block_id, block_hash in zip(blocks, new_hashes, strict=True):
                 self.pool.register(block_id, block_hash)
-            fetch.held.extend(blocks)
+            held.extend(blocks)
             fetch.restored.update(blocks)
             self.restored_blocks += len(blocks)
             if job.done:
                 spare.extend(copy_slots)
-            else:
+            else:  # on the compute stream: whoever reuses these blocks queues behind the copy
                 self._restores.append(job)
         else:
             spare = list(slots)
+        self.pool.release(list(reversed(held)))  # idle L0 entries now, the most recent: admission takes them
         self._release(spare)
 
     def _release(self, slots: list[int]) -> None:

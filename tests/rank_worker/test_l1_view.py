@@ -31,7 +31,7 @@ def test_the_rank_taking_a_session_over_schedules_it_warm_from_blocks_another_ra
 
         # The rank the session fails over to: an empty L0, one cold prefill at a time, small steps.
         taker = l1_engine(
-            model, None, port, num_blocks=40, max_model_len=320, max_cold_prefills=1, max_num_batched_tokens=32
+            model, None, port, num_blocks=40, max_model_len=320, max_cold_prefills=1, max_num_batched_tokens=16
         )
         assert taker.l1 is not None
         turn2 = session + turn1.new_token_ids + random_prompt(3, 128, seed=8)
@@ -40,7 +40,7 @@ def test_the_rank_taking_a_session_over_schedules_it_warm_from_blocks_another_ra
         while taker.l1.known_run(hashes) < SESSION_BLOCKS and time.monotonic() < deadline:
             time.sleep(0.02)
 
-        cold = random_prompt(12 * BLOCK, 128, seed=9)  # someone else's new session: 6 steps of prefill
+        cold = random_prompt(12 * BLOCK, 128, seed=9)  # someone else's new session: 12 steps of prefill
         taker.add_request(EngineRequest("cold", cold, greedy(2)))
         taker.step()  # the cold prefill is admitted and fills the cold cap
         taker.add_request(EngineRequest("turn-2", turn2, greedy(4)))
@@ -50,6 +50,9 @@ def test_the_rank_taking_a_session_over_schedules_it_warm_from_blocks_another_ra
         while taker.has_unfinished():
             step += 1
             assert step < 1000
+            # A step of the tiny model takes well under a millisecond, a real one tens: give the L1 thread's
+            # lookup (an RPC to another process, slow on a loaded machine) the time real steps would.
+            time.sleep(0.05)
             for out in taker.step():
                 first_token_at.setdefault(out.request_id, step)
                 tokens[out.request_id].extend(out.new_token_ids)

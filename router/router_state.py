@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from contracts.kv_events import KvEvent
-from router.prefix_index import PrefixIndex
+from router.prefix_index import PrefixIndex, PrefixMatch
 from router.rank_registry import RankEntry, RankIdentity, RankLoad, RankRegistry, RegisterOutcome
 from router.route_score import Candidate, RouteChoice, RoutePolicy, choose_rank
 from router.session_table import SessionTable
@@ -23,6 +23,19 @@ log = logging.getLogger("router")
 
 # A rank down this long is forgotten (registry, index, Redis): rank ids of retired machines do not pile up.
 FORGET_DOWN_RANK_AFTER_S = 600.0
+
+
+def route_candidate(rank_id: str, entry: RankEntry, match: PrefixMatch) -> Candidate:
+    """What the route score knows of one healthy rank: its prefix match and its load as the registry has it."""
+    return Candidate(
+        rank_id=rank_id,
+        block_size=entry.identity.block_size,
+        l0_blocks=match.l0_blocks,
+        l1_blocks=match.l1_blocks,
+        queued_prefill_tokens=entry.queued_prefill_tokens,
+        running=entry.load.running,
+        queued_warm_prefill_tokens=entry.queued_warm_prefill_tokens,
+    )
 
 
 class RankFollower(Protocol):
@@ -191,18 +204,7 @@ class RouterState:
                 f"no healthy rank to route to ({len(self.registry)} known, {len(query.avoid_rank_ids)} avoided)"
             )
         matches = self.index.match(query.block_hashes, ranks)
-        candidates = [
-            Candidate(
-                rank_id=rank_id,
-                block_size=entry.identity.block_size,
-                l0_blocks=matches[rank_id].l0_blocks,
-                l1_blocks=matches[rank_id].l1_blocks,
-                queued_prefill_tokens=entry.queued_prefill_tokens,
-                running=entry.load.running,
-                queued_warm_prefill_tokens=entry.queued_warm_prefill_tokens,
-            )
-            for rank_id, entry in ranks.items()
-        ]
+        candidates = [route_candidate(rank_id, entry, matches[rank_id]) for rank_id, entry in ranks.items()]
         session_rank = self.sessions.rank_of(query.session_id, now) if query.session_id else None
         choice = choose_rank(candidates, query.prompt_tokens, session_rank, self.policy)
         assert choice is not None  # candidates is not empty

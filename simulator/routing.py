@@ -15,7 +15,8 @@ from collections.abc import Callable, Sequence
 from contracts.kv_events import KvEvent, KvEventKind
 from router.prefix_index import PrefixIndex
 from router.rank_registry import RankIdentity, RankLoad, RankRegistry
-from router.route_score import Candidate, RoutePolicy, choose_rank
+from router.route_score import RoutePolicy, choose_rank
+from router.router_state import route_candidate
 from simulator.host_cache import NodeHostCache
 from simulator.sim_rank import ReplayRank
 
@@ -86,20 +87,10 @@ class SimulatedRouter:
         self.sync_l1()
         matches = self.index.match(lookup_hashes, list(self.ranks))
         candidates = []
-        for rank_id, rank in self.ranks.items():
+        for rank_id in self.ranks:
             entry = self.registry.get(rank_id)
             assert entry is not None  # registered at start, never forgotten
-            candidates.append(
-                Candidate(
-                    rank_id=rank_id,
-                    block_size=rank.settings.block_size,
-                    l0_blocks=matches[rank_id].l0_blocks,
-                    l1_blocks=matches[rank_id].l1_blocks,
-                    queued_prefill_tokens=entry.queued_prefill_tokens,
-                    running=entry.load.running,
-                    queued_warm_prefill_tokens=entry.queued_warm_prefill_tokens,
-                )
-            )
+            candidates.append(route_candidate(rank_id, entry, matches[rank_id]))
         choice = choose_rank(candidates, prompt_tokens, self.sessions.get(session_id), self.policy)
         assert choice is not None  # there is always a candidate
         self.registry.add_pending_prefill(choice.rank_id, choice.new_prefill_tokens, choice.warm)

@@ -80,6 +80,33 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield Stack(url, tmp / "gateway.log")
 
 
+CALC = "".join(f"def f{n}(x):\n    return x + {n}\n\n\n" for n in range(12)) + "def add(a, b):\n    return a - b\n"
+TEST_CALC = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    repo: Path  # the project Claude Code runs in: a git repo with a bug to fix
+    home: Path  # its HOME (config, session transcripts)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
+    """One project and HOME for the current CLI's first call and its tool turns: 2.1.332's system prompt names
+    the project's memory path, so calls from the same project share its ~12K-token prefix and the tool-turn
+    test starts warm instead of paying a second cold prefill of minutes."""
+    root = tmp_path_factory.mktemp("claude-code-project")
+    repo, home = root / "repo", root / "home"
+    repo.mkdir()
+    home.mkdir()
+    (repo / "calc.py").write_text(CALC)
+    (repo / "test_calc.py").write_text(TEST_CALC)
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "calc"]):
+        subprocess.run([*git, *command], cwd=repo, check=True, capture_output=True)
+    return Workspace(repo, home)
+
+
 def claude_env(stack: Stack, home: Path, **overrides: str) -> dict[str, str]:
     """The exports `kvserve up` prints for this stack (its rank on the CPU), and `overrides` where a test says."""
     assert LOCAL.max_model_len is not None
@@ -129,23 +156,26 @@ def test_make_setup_installs_both_versions_and_puts_the_current_one_in_the_venv(
 
 
 def test_compact_session_completes_without_error_and_resumes_from_cache(stack: Stack, tmp_path: Path) -> None:
-    """Within SmolLM2's trained window (no tools, a short system prompt), so the model ends its turn."""
+    """Within SmolLM2's trained window (no tools, a short system prompt), with the printed exports: every request
+    is answered (2.1.332's compact turn often runs into the 64-token cap at the local temperature, which Claude
+    Code reports as its own message, not an API error), and the resumed turn reads the first from the cache."""
     cli, env, session = installed_cli(CURRENT), claude_env(stack, tmp_path), str(uuid.uuid4())
     compact = ["--tools", "", "--system-prompt", "You are a terse assistant. Answer with one word."]
     first = run_claude(cli, env, tmp_path, *compact, "--session-id", session, "Say: ready")
-    assert first["is_error"] is False and first["subtype"] == "success", first
+    assert answered(first), first
     second = run_claude(cli, env, tmp_path, *compact, "--resume", session, "Say it again.")
-    assert second["is_error"] is False, second
+    assert answered(second), second
     assert cache_share(second) > 0.6, second["usage"]  # the whole first turn is read back from the cache
 
 
 @pytest.mark.timeout(3000)  # a cold prefill of ~12K tokens on two CPU cores, then up to 4 x 64 output tokens
-def test_first_call_with_the_printed_exports_is_answered(stack: Stack, tmp_path: Path) -> None:
+def test_first_call_with_the_printed_exports_is_answered(stack: Stack, workspace: Workspace) -> None:
     """What a new user does after `make up`: paste the exports, run the current CLI. Its ~12K tokens of system
     prompt and tool definitions are past SmolLM2's window; every request must be answered within the
     gateway's deadline and the client's timeouts."""
     before = token_counters(stack.url)
-    report = run_claude(installed_cli(CURRENT), claude_env(stack, tmp_path), tmp_path, "Reply with one word: ready")
+    env = claude_env(stack, workspace.home)
+    report = run_claude(installed_cli(CURRENT), env, workspace.repo, "Reply with one word: ready")
     assert answered(report), report
     assert token_counters(stack.url)[0] - before[0] > 10_000  # system prompt + tool definitions
 
@@ -171,31 +201,14 @@ def test_older_cli_past_the_trained_window_resumes_from_cache(stack: Stack, tmp_
     assert cached / prompt > 0.9, (prompt, cached)
 
 
-CALC = "".join(f"def f{n}(x):\n    return x + {n}\n\n\n" for n in range(12)) + "def add(a, b):\n    return a - b\n"
-TEST_CALC = "from calc import add\n\n\ndef test_add():\n    assert add(2, 3) == 5\n"
-
-
-@pytest.fixture
-def repo(tmp_path: Path) -> Path:
-    root = tmp_path / "repo"
-    root.mkdir()
-    (root / "calc.py").write_text(CALC)
-    (root / "test_calc.py").write_text(TEST_CALC)
-    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
-    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "calc"]):
-        subprocess.run([*git, *command], cwd=root, check=True, capture_output=True)
-    return root
-
-
 @pytest.mark.timeout(3000)
-def test_prefix_stays_cached_over_tool_turns(stack: Stack, repo: Path, tmp_path: Path) -> None:
+def test_prefix_stays_cached_over_tool_turns(stack: Stack, workspace: Workspace) -> None:
     """The current CLI over several tool-using turns (Read, Edit, Read of a temp git repo): each turn's tool
     use and result are written into the session's transcript, the tool run for real, and `--resume`
     resends the whole conversation as a tool loop does. Every request must find >= 95% of the previous
     request's prompt in the cache: Claude Code's habits (system reminders, a system turn after the first
     prompt, moving cache_control marks, retries after the output cap) must not break the prefix."""
-    cli, home, session = installed_cli(CURRENT), tmp_path / "home", str(uuid.uuid4())
-    home.mkdir()
+    cli, repo, home, session = installed_cli(CURRENT), workspace.repo, workspace.home, str(uuid.uuid4())
     env = claude_env(stack, home, CLAUDE_CODE_MAX_OUTPUT_TOKENS="8")  # short turns; only the prompts matter
     assert answered(run_claude(cli, env, repo, "--session-id", session, "Fix the bug in add() in calc.py."))
     turns = [

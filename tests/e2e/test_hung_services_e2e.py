@@ -5,7 +5,6 @@ finish, healthy ranks stay in routing, and a hung service costs seconds once, no
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -17,7 +16,7 @@ import httpx
 import openai
 import pytest
 from service_processes import free_port, running_process, wait_http_ready
-from whole_stack import Stack, finished_per_rank, served_by, whole_stack
+from whole_stack import Stack, finished_per_rank, served_by, stream_message, whole_stack
 
 from contracts.config import DEFAULTS
 
@@ -65,25 +64,7 @@ def _post(url: str, body: dict, session: str = "", timeout_s: float = 120) -> ht
 
 
 def _stream(url: str, body: dict, on_delta=None, timeout_s: float = 120) -> tuple[list[str], str, dict]:  # type: ignore[no-untyped-def]
-    """Stream /v1/messages; on_delta(count) after each text delta. Returns event names, text, last data."""
-    names: list[str] = []
-    text: list[str] = []
-    last: dict = {}
-    payload = {"model": "default", "stream": True, **body}
-    with httpx.stream("POST", f"{url}/v1/messages", json=payload, timeout=timeout_s) as response:
-        assert response.status_code == 200, response.read()
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line[7:])
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if data.get("type") == "content_block_delta":
-                    text.append(data["delta"].get("text", ""))
-                    if on_delta is not None:
-                        on_delta(len(text))
-                if data.get("type") in ("message_delta", "error"):
-                    last = data
-    return names, "".join(text), last
+    return stream_message(url, {"model": "default", "stream": True, **body}, on_delta=on_delta, timeout_s=timeout_s)
 
 
 def _serving_rank(stack: Stack) -> str:

@@ -3,7 +3,6 @@ killed and restarted, the kvstore restarted, Redis restarted."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import threading
@@ -11,7 +10,6 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 from service_processes import redis_client
 from whole_stack import (
@@ -21,6 +19,7 @@ from whole_stack import (
     evict_l0,
     finished_per_rank,
     served_by,
+    stream_message,
     touch_ranks,
     whole_stack,
 )
@@ -54,22 +53,9 @@ def stream_story(url: str, session: str, on_delta=None, max_tokens: int = 80) ->
         "temperature": 0,
         "messages": [{"role": "user", "content": f"Write a long story about {session}."}],
     }
-    names: list[str] = []
-    text: list[str] = []
-    with httpx.stream(
-        "POST", f"{url}/v1/messages", json=body, headers={"x-claude-code-session-id": session}, timeout=300
-    ) as response:
-        assert response.status_code == 200
-        for line in response.iter_lines():
-            if line.startswith("event: "):
-                names.append(line[7:])
-            elif line.startswith("data: "):
-                data = json.loads(line[6:])
-                if data.get("type") == "content_block_delta":
-                    text.append(data["delta"].get("text", ""))
-                    if on_delta is not None:
-                        on_delta(len(text))
-    return names, "".join(text)
+    headers = {"x-claude-code-session-id": session}
+    names, text, _ = stream_message(url, body, headers=headers, on_delta=on_delta, timeout_s=300)
+    return names, text
 
 
 def test_rank_killed_under_load(stack: Stack) -> None:

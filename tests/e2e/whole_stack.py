@@ -294,3 +294,33 @@ def evict_l0(stack: Stack, seed: int, max_tokens: int = 1900) -> None:
         with internal_auth.channel(stack[name].address) as channel:
             for _ in rank_worker_pb2_grpc.RankWorkerStub(channel).Generate(request, timeout=300):
                 pass
+
+
+def stream_message(
+    url: str,
+    body: dict,
+    headers: dict[str, str] | None = None,
+    on_delta: Callable[[int], None] | None = None,
+    timeout_s: float = 120,
+) -> tuple[list[str], str, dict]:
+    """Stream /v1/messages; on_delta(count) after each text delta. Returns event names, text, last data
+    (the message_delta or error event)."""
+    import httpx
+
+    names: list[str] = []
+    text: list[str] = []
+    last: dict = {}
+    with httpx.stream("POST", f"{url}/v1/messages", json=body, headers=headers, timeout=timeout_s) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if line.startswith("event: "):
+                names.append(line[7:])
+            elif line.startswith("data: "):
+                data = json.loads(line[6:])
+                if data.get("type") == "content_block_delta":
+                    text.append(data["delta"].get("text", ""))
+                    if on_delta is not None:
+                        on_delta(len(text))
+                if data.get("type") in ("message_delta", "error"):
+                    last = data
+    return names, "".join(text), last

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 import transformers
-from engine_fixtures import generate_one, greedy, make_engine, random_prompt, write_word_tokenizer
+from engine_fixtures import embolden_weights, generate_one, greedy, make_engine, random_prompt, write_word_tokenizer
 from l1_fixtures import kvstore_settings, kvstore_stats
 from service_processes import free_port, start_kvstore, start_rank_worker
 
@@ -41,12 +41,7 @@ def write_checkpoint(directory: Path, seed: int) -> None:
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
+    embolden_weights(model)
     model.save_pretrained(directory, safe_serialization=True)
     write_word_tokenizer(directory, VOCAB)
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from engine_fixtures import generate_one, greedy, make_engine, random_prompt, write_word_tokenizer
+from engine_fixtures import embolden_weights, generate_one, greedy, make_engine, random_prompt, write_word_tokenizer
 
 from rank_worker.engine.factory import build_model
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
@@ -76,12 +76,7 @@ def _write_checkpoint(case: str, directory: Path) -> torch.nn.Module:
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(1234)
     hf = model_cls(config_cls(**COMMON, **extra)).eval()
-    with torch.no_grad():  # random init leaves some tensors tiny; bolder weights make argmax ties unlikely
-        for name, param in hf.named_parameters():
-            if "norm" in name:
-                param.uniform_(0.5, 1.5)
-            else:
-                param.normal_(0.0, 0.15)
+    embolden_weights(hf)
     hf.save_pretrained(directory, safe_serialization=True)
     write_word_tokenizer(directory, VOCAB)
     return hf

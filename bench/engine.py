@@ -3,8 +3,11 @@ and the greedy token match rate of warm (prefix-cached) against cold runs.
 
 Random weights in a real shape (bench/shapes/<name>/config.json), driven through the same engine the rank
 worker serves with (build_engine), timed after torch.cuda.synchronize. Prints a table, writes JSON.
+`measures` holds the side-by-side set of bench/peer_plan.py under the keys bench/peer_vllm.py writes for vLLM;
+`prefill`, `decode` and `ttft` are the rows the simulator's step-time fit reads (simulator/step_time.py).
 
     python bench/engine.py --shape llama-8b --out bench/results/engine-h200.json      # on the H200
+    python bench/engine.py --shape llama-8b --dtype float32 --only-match --merge-into bench/results/engine-h200.json
     python bench/engine.py --shape tiny --quick                                        # smoke run on a CPU
 """
 
@@ -25,6 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
 from contracts.config import load_config  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
@@ -45,6 +49,7 @@ class Bench:
         self.cfg = engine.model.cfg
         self.gen = torch.Generator().manual_seed(seed)
         self.counter = 0
+        self.decode_rows: list[dict] = []
 
     def prompt(self, length: int) -> list[int]:
         return torch.randint(0, self.cfg.vocab_size, (length,), generator=self.gen).tolist()
@@ -84,6 +89,20 @@ class Bench:
         assert first is not None
         return first, tokens, cached
 
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        """Seconds from submitting every prompt together until the last finished, and each one's cached tokens
+        (bench/peer_plan.py's PeerEngine)."""
+        sync()
+        start = time.perf_counter()
+        ids = [self.request(prompt, max_tokens) for prompt in prompts]
+        cached: dict[str, int] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished and out.stats:
+                    cached[out.request_id] = out.stats.cached_tokens
+        sync()
+        return time.perf_counter() - start, [cached.get(rid, 0) for rid in ids]
+
     # --- the measurements ---
 
     def prefill_flops(self, new: int, cached: int = 0) -> float:
@@ -101,58 +120,59 @@ class Bench:
             )
         return rows
 
-    def decode(self, batches: list[int], context: int, steps: int) -> list[dict]:
-        rows = []
+    def decode_direct(self, m: Measure, prompts: list[list[int]]) -> None:
+        """Step time of a batch of these prompts (cached: their prefill is short), timed over decode-only steps
+        with no request starting or finishing in them: the legacy decode row (self.decode_rows)."""
         c = self.cfg
+        steps = m.steps
+        batch, context = len(prompts), len(prompts[0])
         weight_bytes = (
             c.num_params_excluding_embeddings + c.vocab_size * c.hidden_size
         ) * self.engine.kv_cache.element_size()
         kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.engine.kv_cache.element_size()
-        for batch in batches:
-            ids = [self.request(self.prompt(context), max_tokens=steps + 12) for _ in range(batch)]
-            produced = dict.fromkeys(ids, 0)
-            while min(produced.values()) < 2:  # every sequence past its prefill and into decode
-                for out in self.engine.step():
-                    produced[out.request_id] += len(out.new_token_ids)
-            for _ in range(3):  # warm-up at this batch shape
-                self.engine.step()
-            sync()
-            start = time.perf_counter()
-            for _ in range(steps):
-                self.engine.step()
-            sync()
-            step_s = (time.perf_counter() - start) / steps
-            self.drain()
-            ctx = context + 6 + steps // 2  # average context during the timed steps is a little above the prompt
-            moved = weight_bytes + batch * ctx * kv_bytes_per_token
-            rows.append(
-                {
-                    "batch": batch,
-                    "context": context,
-                    "step_ms": step_s * 1e3,
-                    "tokens_per_s": batch / step_s,
-                    "bw_share": moved / step_s / PEAK_HBM_BYTES_PER_S,
-                }
-            )
-        return rows
+        ids = [self.request(prompt, max_tokens=steps + 12) for prompt in prompts]
+        produced = dict.fromkeys(ids, 0)
+        while min(produced.values()) < 2:  # every sequence past its prefill and into decode
+            for out in self.engine.step():
+                produced[out.request_id] += len(out.new_token_ids)
+        for _ in range(3):  # warm-up at this batch shape
+            self.engine.step()
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.engine.step()
+        sync()
+        step_s = (time.perf_counter() - start) / steps
+        self.drain()
+        ctx = context + 6 + steps // 2  # average context during the timed steps is a little above the prompt
+        moved = weight_bytes + batch * ctx * kv_bytes_per_token
+        self.decode_rows.append(
+            {
+                "batch": batch,
+                "context": context,
+                "step_ms": step_s * 1e3,
+                "tokens_per_s": batch / step_s,
+                "bw_share": moved / step_s / PEAK_HBM_BYTES_PER_S,
+            }
+        )
 
-    def ttft(self, contexts: list[int], new_tokens: int) -> list[dict]:
+    @staticmethod
+    def ttft_rows(entries: dict[str, dict]) -> list[dict]:
+        """The legacy TTFT rows (cold vs warm per context) from the ttft_{cold,warm}_* measures."""
         rows = []
-        for ctx in contexts:
-            history = self.prompt(ctx)
-            follow_up = history + self.prompt(new_tokens)
-            cold_s, _, cold_cached = self.time_first_token(self.prompt(ctx) + self.prompt(new_tokens))
-            self.time_first_token(history)  # turn 1: leaves the history in the L0 cache
-            warm_s, _, warm_cached = self.time_first_token(follow_up)
+        for name, warm in entries.items():
+            cold = entries.get(name.replace("ttft_warm_", "ttft_cold_"))
+            if not name.startswith("ttft_warm_") or cold is None:
+                continue
             rows.append(
                 {
-                    "context": ctx,
-                    "new_tokens": new_tokens,
-                    "cold_s": cold_s,
-                    "warm_s": warm_s,
-                    "speedup": cold_s / warm_s,
-                    "warm_cached_tokens": warm_cached,
-                    "cold_cached_tokens": cold_cached,
+                    "context": warm["cached"],
+                    "new_tokens": warm["new"],
+                    "cold_s": cold["seconds"],
+                    "warm_s": warm["seconds"],
+                    "speedup": cold["seconds"] / warm["seconds"],
+                    "warm_cached_tokens": warm["cached_tokens"],
+                    "cold_cached_tokens": cold["cached_tokens"],
                 }
             )
         return rows
@@ -226,89 +246,100 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the script itself")
-    parser.add_argument("--out", default="")
+    parser.add_argument("--out", default="", help="result JSON, rewritten after every measure")
     parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--only-match", action="store_true", help="just the warm-vs-cold match (e.g. in float32)")
+    parser.add_argument(
+        "--merge-into",
+        default="",
+        help="with --only-match: record the match in this result file as warm_cold_match_<dtype>",
+    )
     args = parser.parse_args()
+    if args.merge_into and not args.only_match:
+        parser.error("--merge-into goes with --only-match")
 
-    if args.quick:
-        plan = dict(
-            prefill=[128, 256],
-            decode=[1, 4],
-            decode_ctx=256,
-            decode_steps=4,
-            ttft=[512],
-            new=64,
-            match=(2, 256, 32, 8),
-            repeats=1,
-        )
-    else:
-        plan = dict(
-            prefill=[2048, 8192, 32768],
-            decode=[1, 16, 64, 128],
-            decode_ctx=4096,
-            decode_steps=32,
-            ttft=[32768, 100_000],
-            new=1024,
-            match=(8, 4096, 256, 64),
-            repeats=3,
-        )
+    plan = plan_for(args.quick)
+    match_plan = (2, 256, 32, 8) if args.quick else (8, 4096, 256, 64)
+    legacy_prefill = [128, 256] if args.quick else [2048, 8192, 32768]
     config = load_config(
         model=str(ROOT / "bench" / "shapes" / args.shape / "config.json"),
         load_format="dummy",
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
-        max_model_len=max(plan["ttft"]) + plan["new"] + 64,
+        max_model_len=max(plan.max_model_len, match_plan[1] + match_plan[2] + match_plan[3] + 64),
     )
     t0 = time.perf_counter()
     engine = build_engine(config)
     startup_s = time.perf_counter() - t0
     bench = Bench(engine)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
     print(
         f"engine up in {startup_s:.1f}s on {gpu}: {engine.pool.num_blocks} blocks of {engine.settings.block_size}",
         flush=True,
     )
 
     if args.only_match:
-        print("match", bench.warm_cold_match(*plan["match"]), flush=True)
+        match = bench.warm_cold_match(*match_plan)
+        print("match", match, flush=True)
+        if args.merge_into:
+            merge_match(Path(args.merge_into), dtype, match)
         return
-    prefill = bench.prefill(plan["prefill"], plan["repeats"])
-    print("prefill", prefill, flush=True)
-    decode = bench.decode(plan["decode"], plan["decode_ctx"], plan["decode_steps"])
-    print("decode", decode, flush=True)
-    ttft = bench.ttft(plan["ttft"], plan["new"])
-    print("ttft", ttft, flush=True)
-    match = bench.warm_cold_match(*plan["match"])
-    print("match", match, flush=True)
 
     result = {
+        "schema": SCHEMA,
+        "engine": "kvserve",
         "date": dt.date.today().isoformat(),
         "commit": args.commit or git_commit(),
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": args.shape,
-        "dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
+        "dtype": dtype,
+        "quick": args.quick,
         "settings": {
             "block_size": engine.settings.block_size,
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": config.max_model_len,
             "kv_blocks": engine.pool.num_blocks,
             "startup_s": startup_s,
+            "repeats": plan.repeats,
+            "decode_timing": "(t(1 + steps output tokens) - t(1)) / steps over the same cached prompts",
         },
-        "prefill": prefill,
-        "decode": decode,
-        "ttft": ttft,
-        "warm_cold_match": match["position_match"],
-        "warm_cold_match_detail": match,
+        "measures": {},
     }
+
+    def done(name: str, entry: dict) -> None:
+        result["measures"][name] = entry
+        print(f"{name}: {entry['seconds']:.4f} s {entry.get('cached_tokens', '')}", flush=True)
+        write_partial(args.out, result)
+
+    measures = run_plan(plan, bench, done, after_decode=bench.decode_direct)
+    result["decode"] = bench.decode_rows
+    result["ttft"] = bench.ttft_rows(measures)
+    write_partial(args.out, result)
+    match = bench.warm_cold_match(*match_plan)
+    print("match", match, flush=True)
+    result["warm_cold_match"] = match["position_match"]
+    result["warm_cold_match_detail"] = match
+    write_partial(args.out, result)
+    result["prefill"] = bench.prefill(legacy_prefill, plan.repeats)
+    print("prefill", result["prefill"], flush=True)
+    write_partial(args.out, result)
     print_tables(result)
     if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
         print(f"wrote {args.out}")
+
+
+def merge_match(path: Path, dtype: str, match: dict) -> None:
+    """Record a match run of another dtype in an existing result file (the float32 run needs its own engine)."""
+    result = json.loads(path.read_text())
+    result[f"warm_cold_match_{dtype}"] = match["position_match"]
+    result[f"warm_cold_match_{dtype}_detail"] = match
+    write_partial(path, result)
+    print(f"recorded warm_cold_match_{dtype} in {path}")
 
 
 def print_tables(result: dict) -> None:
@@ -344,6 +375,19 @@ def print_tables(result: dict) -> None:
             f"{r['cold_s']:.3f}",
             f"{r['warm_s']:.3f}",
             f"{r['speedup']:.1f}x",
+        )
+    console.print(t)
+    t = Table(title="side-by-side measures (bench/peer_plan.py)")
+    for col in ("measure", "new", "cached", "batch", "seconds", "cached seen"):
+        t.add_column(col, justify="right")
+    for name, e in result["measures"].items():
+        t.add_row(
+            name,
+            f"{e['new']:,}",
+            f"{e['cached']:,}",
+            str(e["batch"] or ""),
+            f"{e['seconds']:.4f}",
+            f"{e.get('cached_tokens', ''):,}" if "cached_tokens" in e else "",
         )
     console.print(t)
     detail = result["warm_cold_match_detail"]

@@ -1,0 +1,242 @@
+#!/usr/bin/env bash
+# kvserve side by side with vLLM 0.25 on one H200, one device call per phase (each ends by DEADLINE, 540 s):
+#   bash bench/peer_h200.sh chunk            # copy the carried .peer/chunkNN into /tmp/acc (vLLM's wheels)
+#   bash bench/peer_h200.sh vllm-engine      # install vLLM, bench/peer_vllm.py, then start `vllm serve`
+#   bash bench/peer_h200.sh vllm-agents      # (alias vllm-serve-start) agent steps against vLLM; stops it when done
+#   bash bench/peer_h200.sh ours-engine      # (alias ours) bench/engine.py bf16 + float32 match, then `kvserve up`
+#   bash bench/peer_h200.sh ours-agents      # agent steps against our stack; stops it when done
+#   bash bench/peer_h200.sh status           # what is installed, running and done on this machine
+# Several phases may share one call: `bash bench/peer_h200.sh chunk vllm-engine` (one deadline for all).
+# Servers start with setsid, so they outlive the call and keep starting up into the next one on the same warm
+# machine; agent steps already done (/tmp/peer-state) are skipped, so repeat an -agents phase until it prints
+# "all steps done". Both sides get the same load: STEPS agents x TURNS turns of the Claude Code traces
+# (.whl/traces), context scale 0.1, MAX_OUT output tokens, 3 s think time, one load generator call per step,
+# the same seed per agent count. Results: $OUT/<phase>.tar.gz (everything so far on this machine) and the
+# engine JSONs; bench/peer_results.py assembles them.
+set -uo pipefail
+OUT=${OUT:-bench/results/peer-h200-raw/local}
+DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
+PACK_MARGIN=${PACK_MARGIN:-25} # left at the end for packing the results
+STEPS=${STEPS:-16,32,48,64}
+TURNS=${TURNS:-12}
+CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
+MAX_OUT=${MAX_OUT:-64}
+STEP_EST=${STEP_EST:-150}      # a step is not started with less time than this left (12 turns take 60-250 s)
+VLLM_API=${VLLM_API:-anthropic} # vLLM's /v1/messages drops ignore_eos; `openai` honours it (random weights rarely stop)
+TRACES=${TRACES:-.whl/traces/claude_code}
+CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
+PORT=${PORT:-8080}               # vLLM's port, and our gateway's (gateway_port in $CONFIG)
+STATE=${PEER_STATE:-/tmp/peer-state}  # what this machine has done: outlives a call, not the machine
+WORK=${PEER_WORK:-/tmp/peer-out}       # every raw result of this machine, packed into each phase's tarball
+COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+mkdir -p "$OUT" "$STATE" "$WORK"
+export PYTHONUNBUFFERED=1
+
+# Our wheels (bench/gpu_kit.sh) when carried: the kvserve stack needs them, the load generator (httpx, rich)
+# and vLLM's offline run do not. stack_lib.sh installs them into /tmp/site (PYTHONPATH) once per call.
+have_kit() { ls .whl/*.whl >/dev/null 2>&1; }
+if have_kit; then
+  OUT=$WORK source "$(dirname "$0")/stack_lib.sh"
+fi
+export PYTHONPATH=${PYTHONPATH:-$PWD}
+
+left() { echo $((DEADLINE - SECONDS)); }
+say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
+pack() {  # everything this machine measured so far, in one file per phase (a call returns at most 8 files)
+  cp "$STATE"/vllm-serve.log "$WORK"/ 2>/dev/null || true
+  tar czf "$OUT/$1.tar.gz" -C "$WORK" . 2>/dev/null || true
+}
+gpu_memory_mib() { nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits 2>/dev/null | head -1; }
+wait_gpu_free() {  # the last engine's memory back before the next one sizes its KV cache from what is free
+  for _ in $(seq 1 60); do
+    used=$(gpu_memory_mib); [ -z "$used" ] || [ "$used" -lt 4096 ] && return 0
+    sleep 1
+  done
+  say "GPU memory still in use: ${used} MiB"
+}
+group_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+stop_group() {  # pidfile, signal: the server's session leader first, then its whole process group
+  group_alive "$1" || { rm -f "$1"; return 0; }
+  local pid; pid=$(cat "$1")
+  kill -"$2" "$pid" 2>/dev/null || true
+  for _ in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+  kill -KILL -- -"$pid" 2>/dev/null || true
+  rm -f "$1"
+  wait_gpu_free
+}
+
+# --- vLLM ---
+vllm_install() {
+  [ -f /tmp/vsite/vllm/__init__.py ] && return 0
+  ls /tmp/acc/chunk* >/dev/null 2>&1 || { say "no /tmp/acc/chunk*: send the chunks first (phase chunk)"; return 1; }
+  say "installing vLLM from $(ls /tmp/acc | wc -l) chunks"
+  rm -rf /tmp/vw /tmp/vsite && mkdir -p /tmp/vw
+  cat /tmp/acc/chunk* | tar xf - -C /tmp/vw || { say "the chunks do not make a whole tar: send them again"; return 1; }
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/vw/*.whl || return 1
+  rm -rf /tmp/vw
+  say "vLLM installed"
+}
+vllm_up() { curl -sf -m 5 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; }
+vllm_start() {  # in a session of its own: it outlives this call and keeps compiling into the next
+  vllm_up && return 0
+  group_alive "$STATE/vllm.pid" && return 0
+  ours_stop
+  wait_gpu_free
+  say "starting vllm serve"
+  # shellcheck disable=SC2016  # $$ is the new session's own pid, written by the child
+  PYTHONPATH=/tmp/vsite setsid bash -c 'echo $$ > '"$STATE"'/vllm.pid; exec python3 -m vllm.entrypoints.openai.api_server \
+      --model bench/shapes/llama-8b-chat --load-format dummy --dtype bfloat16 --served-model-name llama-8b-chat \
+      --max-model-len 131072 --gpu-memory-utilization 0.9 --max-num-seqs 128 --enable-prefix-caching \
+      --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT" \
+    > "$STATE/vllm-serve.log" 2>&1 < /dev/null &
+  sleep 2
+}
+vllm_wait() {  # until /health answers or only the packing margin is left
+  while [ "$(left)" -gt "$PACK_MARGIN" ]; do
+    vllm_up && { say "vllm serve is up"; return 0; }
+    group_alive "$STATE/vllm.pid" || { say "vllm serve exited"; tail -n 40 "$STATE/vllm-serve.log"; return 1; }
+    sleep 5
+  done
+  say "vllm serve not up yet: it goes on starting into the next call"
+  return 1
+}
+vllm_stop() { group_alive "$STATE/vllm.pid" && say "stopping vllm serve"; stop_group "$STATE/vllm.pid" TERM; }
+
+# --- our stack ---
+ours_up() { grep -qs "Ctrl-C" "$STATE/ours-up.log" && group_alive "$STATE/ours.pid"; }
+ours_start() {
+  ours_up && return 0
+  group_alive "$STATE/ours.pid" && return 0
+  have_kit || { say "no wheels in .whl: our stack needs the kit (bench/gpu_kit.sh; carry .whl)"; return 1; }
+  vllm_stop
+  wait_gpu_free
+  say "starting kvserve up"
+  rm -rf /tmp/kvserve-run
+  # shellcheck disable=SC2016
+  setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir /tmp/kvserve-run' \
+    > "$STATE/ours-up.log" 2>&1 < /dev/null &
+  sleep 2
+}
+ours_wait() {
+  while [ "$(left)" -gt "$PACK_MARGIN" ]; do
+    ours_up && { say "kvserve is up"; return 0; }
+    group_alive "$STATE/ours.pid" || { say "kvserve up exited"; tail -n 40 "$STATE/ours-up.log"; return 1; }
+    sleep 3
+  done
+  say "kvserve not up yet: it goes on starting into the next call"
+  return 1
+}
+ours_stop() {
+  group_alive "$STATE/ours.pid" || return 0
+  say "stopping kvserve"
+  stop_group "$STATE/ours.pid" INT  # `kvserve up` stops every service on SIGINT
+  cp "$STATE/ours-up.log" "$WORK/" 2>/dev/null || true
+  mkdir -p "$WORK/ours-logs" && cp -r /tmp/kvserve-run/logs/. "$WORK/ours-logs/" 2>/dev/null || true
+}
+
+# --- agent steps, the same for both sides ---
+step_done() { grep -qsx "$2" "$STATE/$1-done"; }
+run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when every step is done
+  local side=$1; shift
+  local n attempt seed budget file
+  [ -d "$TRACES" ] || { say "no traces at $TRACES: carry .whl (or .whl/traces)"; return 1; }
+  for n in ${STEPS//,/ }; do
+    step_done "$side" "$n" && continue
+    budget=$(($(left) - PACK_MARGIN))
+    if [ "$budget" -lt "$STEP_EST" ]; then
+      say "$side: the $n-agent step is left for the next call (${budget} s left)"
+      return 1
+    fi
+    attempt=$(grep -csx "$n" "$STATE/$side-tried" || true)
+    echo "$n" >> "$STATE/$side-tried"
+    seed=$((100 * ${attempt:-0} + n))  # the same prompts on both sides; a retry gets fresh ones (no stale cache)
+    file=$WORK/$side-agents-$n
+    say "$side: $n agents x $TURNS turns (seed $seed, at most $budget s)"
+    timeout -k 20 -s INT "$budget" python3 -m loadgen.agents_cli --url "http://127.0.0.1:$PORT" \
+      --trace-path "$TRACES" --agents "$n" --turns "$TURNS" --max-output-tokens "$MAX_OUT" \
+      --context-scale "$CONTEXT_SCALE" --max-context 131072 --seed "$seed" --no-charts --quiet \
+      --out "$file.json" "$@" > "$file.log" 2>&1
+    tail -n 8 "$file.log"
+    if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
+      echo "$n" >> "$STATE/$side-done"
+    else
+      say "$side: the $n-agent step did not finish"
+      return 1
+    fi
+  done
+  say "$side: all steps done ($STEPS)"
+}
+
+phase() {
+  case $1 in
+    chunk)
+      mkdir -p /tmp/acc
+      for c in .peer/chunk*; do
+        [ -f "$c" ] || continue
+        cp "$c" /tmp/acc/ && say "$c -> /tmp/acc ($(du -m "$c" | cut -f1) MB)"
+      done
+      ls -la /tmp/acc
+      ;;
+    vllm-engine)
+      ours_stop
+      vllm_stop
+      vllm_install || return 1
+      wait_gpu_free
+      say "bench/peer_vllm.py"
+      timeout -k 20 $(($(left) - PACK_MARGIN - 60)) env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
+        --commit "$COMMIT" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
+      tail -n 20 "$WORK/vllm-engine.log"
+      cp "$WORK/vllm-engine.json" "$OUT/" 2>/dev/null || say "no vllm-engine.json"
+      wait_gpu_free
+      if [ "$(left)" -gt 60 ]; then vllm_start && vllm_wait; fi
+      pack vllm-engine
+      ;;
+    vllm-agents | vllm-serve-start)
+      vllm_install || return 1
+      vllm_start && vllm_wait || { pack "$1"; return 1; }
+      if run_steps vllm --api "$VLLM_API"; then vllm_stop; fi
+      pack "$1"
+      ;;
+    ours-engine | ours)
+      vllm_stop
+      ours_stop
+      wait_gpu_free
+      say "bench/engine.py --shape llama-8b"
+      timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape llama-8b --commit "$COMMIT" \
+        --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
+      tail -n 30 "$WORK/ours-engine.log"
+      if [ -f "$WORK/ours-engine.json" ]; then
+        say "bench/engine.py --dtype float32 --only-match"
+        timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape llama-8b --dtype float32 \
+          --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1
+        tail -n 3 "$WORK/ours-match-float32.log"
+      fi
+      cp "$WORK/ours-engine.json" "$OUT/" 2>/dev/null || say "no ours-engine.json"
+      wait_gpu_free
+      if [ "$(left)" -gt 60 ]; then ours_start && ours_wait; fi
+      pack "$1"
+      ;;
+    ours-agents)
+      ours_start && ours_wait || { pack ours-agents; return 1; }
+      if run_steps ours; then ours_stop; fi
+      pack ours-agents
+      ;;
+    status)
+      say "vLLM installed: $([ -f /tmp/vsite/vllm/__init__.py ] && echo yes || echo no); chunks: $(ls /tmp/acc 2>/dev/null | tr '\n' ' ')"
+      say "vllm serve: $(vllm_up && echo up || (group_alive "$STATE/vllm.pid" && echo starting) || echo down)"
+      say "kvserve: $(ours_up && echo up || (group_alive "$STATE/ours.pid" && echo starting) || echo down)"
+      say "steps done: vllm $(cat "$STATE/vllm-done" 2>/dev/null | tr '\n' ' '); ours $(cat "$STATE/ours-done" 2>/dev/null | tr '\n' ' ')"
+      say "GPU memory used: $(gpu_memory_mib) MiB"
+      ;;
+    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, status)"; return 2 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { echo "usage: bash bench/peer_h200.sh PHASE [PHASE...]"; exit 2; }
+nvidia-smi --query-gpu=name --format=csv,noheader > "$WORK/gpu.txt" 2>/dev/null || true
+echo "commit $COMMIT" > "$WORK/commit.txt"
+status=0
+for p in "$@"; do
+  phase "$p" || status=$?
+done
+exit $status

@@ -1,0 +1,175 @@
+"""The engine-level measures of the side-by-side benchmark against vLLM: their names, sizes and how each is
+timed, so that bench/engine.py (kvserve) and bench/peer_vllm.py (vLLM's offline API) measure the same set and
+write it under the same JSON keys, and bench/peer_results.py compares them.
+
+Three kinds, each timed from submission until the last token is back (after a device synchronize):
+- cold:   a fresh random prompt of `new` tokens, one output token (prefill, or TTFT of a conversation nobody
+          has cached).
+- warm:   a prefix of `cached` tokens primed once, then prefix + `new` fresh tokens, one output token (a warm
+          prefill, or the TTFT of a conversation's next turn).
+- decode: `batch` prompts of `context` tokens primed once, then the same prompts (all but a block cached) timed
+          with 1 and with 1 + `steps` output tokens: seconds per decode step = (t(1 + steps) - t(1)) / steps.
+Every measure's `seconds` is the median of `repeats` samples, after one warm-up request. Pure Python: both
+engines' scripts import it (vLLM's runs in vLLM's own site, without our packages).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+PEAK_BF16_FLOPS = 783e12  # measured on the H200 (../shared/design/performance.md)
+SCHEMA = "kvserve-peer-engine/1"
+
+
+@dataclass(frozen=True)
+class Measure:
+    name: str
+    kind: Literal["cold", "warm", "decode"]
+    new: int = 0  # cold: the whole prompt; warm: the tokens after the cached prefix
+    cached: int = 0  # warm: the primed prefix
+    batch: int = 0  # decode: sequences stepped together
+    context: int = 0  # decode: each sequence's prompt
+    steps: int = 0  # decode: steps timed
+
+
+@dataclass(frozen=True)
+class Plan:
+    measures: tuple[Measure, ...]
+    repeats: int
+    warmup_tokens: int
+
+    @property
+    def max_model_len(self) -> int:
+        longest = max(max(m.new + m.cached, m.context + m.steps + 1) for m in self.measures)
+        return longest + 64
+
+
+def _plan(k: int, decode_context: int, decode_steps: int, repeats: int) -> Plan:
+    """The full plan's sizes in units of k tokens (k = 1024 on the GPU); names keep the full plan's sizes."""
+    ctx_100 = 100_000 if k == 1024 else 100 * k  # 100K is the long context of the performance notes
+    measures = (
+        Measure("prefill_cold_8k", "cold", new=8 * k),
+        Measure("prefill_warm_8k_over_32k", "warm", new=8 * k, cached=32 * k),
+        Measure("ttft_warm_32k_1k", "warm", new=k, cached=32 * k),
+        Measure("ttft_cold_32k_1k", "cold", new=33 * k),
+        Measure("prefill_warm_4k_over_100k", "warm", new=4 * k, cached=ctx_100),
+        Measure("ttft_warm_100k_1k", "warm", new=k, cached=ctx_100),
+        Measure("ttft_cold_100k_1k", "cold", new=ctx_100 + k),
+        *(
+            Measure(f"decode_4k_b{batch}", "decode", batch=batch, context=decode_context, steps=decode_steps)
+            for batch in (1, 16, 64, 128)
+        ),
+    )
+    return Plan(measures=measures, repeats=repeats, warmup_tokens=8 * k)
+
+
+FULL = _plan(1024, decode_context=4096, decode_steps=64, repeats=3)
+QUICK = _plan(16, decode_context=32, decode_steps=4, repeats=1)  # a CPU smoke run of the same code paths
+MEASURE_NAMES = tuple(m.name for m in FULL.measures)
+
+
+def plan_for(quick: bool) -> Plan:
+    return QUICK if quick else FULL
+
+
+def record(measure: Measure, samples: list[float], **observed: Any) -> dict[str, Any]:
+    """One measure's entry in a result file: the sizes, the median and the samples, and what was observed
+    (cached_tokens the engine reported for a warm request, the two decode timings)."""
+    return {**asdict(measure), "seconds": statistics.median(samples), "samples": samples, **observed}
+
+
+def decode_step_samples(first_only: list[float], with_steps: list[float], steps: int) -> list[float]:
+    """Seconds per decode step from paired timings of the same prompts with 1 and 1 + steps output tokens."""
+    return [(full - first) / steps for first, full in zip(first_only, with_steps, strict=True)]
+
+
+class PeerEngine(Protocol):
+    """What run_plan needs of an engine: random prompts, and a timed batch of requests."""
+
+    def prompt(self, length: int) -> list[int]: ...
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        """Submit every prompt together (temperature 0, exactly max_tokens output tokens each) and wait for
+        all: the seconds it took (after a device synchronize) and each request's prefix-cached tokens."""
+        ...
+
+
+def run_plan(
+    plan: Plan,
+    engine: PeerEngine,
+    done: Callable[[str, dict[str, Any]], None],
+    after_decode: Callable[[Measure, list[list[int]]], None] | None = None,
+) -> dict[str, dict[str, Any]]:
+    """Every measure of the plan in order, the same way for every engine; done(name, entry) after each (to
+    write partial results); after_decode(measure, prompts) may time more over a decode measure's cached prompts.
+    Warm measures over one prefix length share its priming (one cold prefill of the prefix)."""
+    engine.run([engine.prompt(plan.warmup_tokens)], 1)  # warm-up: kernels, allocator, lazy compilation
+    primed: dict[int, list[int]] = {}
+    entries: dict[str, dict[str, Any]] = {}
+    for m in plan.measures:
+        if m.kind == "cold":
+            runs = [engine.run([engine.prompt(m.new)], 1) for _ in range(plan.repeats)]
+            entry = record(m, [t for t, _ in runs], cached_tokens=max(c[0] for _, c in runs))
+        elif m.kind == "warm":
+            if m.cached not in primed:
+                primed[m.cached] = engine.prompt(m.cached)
+                engine.run([primed[m.cached]], 1)
+            runs = [engine.run([primed[m.cached] + engine.prompt(m.new)], 1) for _ in range(plan.repeats)]
+            entry = record(m, [t for t, _ in runs], cached_tokens=min(c[0] for _, c in runs))
+        else:
+            prompts = [engine.prompt(m.context) for _ in range(m.batch)]
+            engine.run(prompts, 1)  # prime: every prompt in the cache, so both timings below prefill one block
+            first_only: list[float] = []
+            with_steps: list[float] = []
+            for _ in range(plan.repeats):
+                first_only.append(engine.run(prompts, 1)[0])
+                with_steps.append(engine.run(prompts, 1 + m.steps)[0])
+            if after_decode is not None:
+                after_decode(m, prompts)
+            samples = decode_step_samples(first_only, with_steps, m.steps)
+            entry = record(m, samples, first_only_s=first_only, with_steps_s=with_steps)
+        entries[m.name] = entry
+        done(m.name, entry)
+    return entries
+
+
+def matmul_params(config: dict[str, Any]) -> int:
+    """Parameters in every token's matmuls (embedding and LM head excluded), from a HF config.json."""
+    hidden = int(config["hidden_size"])
+    heads = int(config["num_attention_heads"])
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    q_size = heads * head_dim
+    kv_size = int(config.get("num_key_value_heads") or heads) * head_dim
+    attn = hidden * (q_size + 2 * kv_size) + q_size * hidden
+    mlp = 3 * hidden * int(config["intermediate_size"])
+    return int(config["num_hidden_layers"]) * (attn + mlp)
+
+
+def prefill_flops(config: dict[str, Any], new: int, cached: int = 0) -> float:
+    """The MFU numerator of ../shared/design/performance.md: 2 FLOP per matmul parameter per new token plus
+    causal attention of the new tokens over the cached prefix and themselves."""
+    attention = 4 * int(config["num_hidden_layers"]) * int(config["hidden_size"]) * new * (cached + new / 2)
+    return 2 * matmul_params(config) * new + attention
+
+
+def mfu(config: dict[str, Any], entry: dict[str, Any]) -> float | None:
+    """Model FLOP utilisation of a cold or warm entry (None for decode, which is bandwidth-bound)."""
+    if entry.get("kind") not in ("cold", "warm") or not entry.get("seconds"):
+        return None
+    return prefill_flops(config, entry["new"], entry.get("cached", 0)) / entry["seconds"] / PEAK_BF16_FLOPS
+
+
+def write_partial(path: str | Path, result: dict[str, Any]) -> None:
+    """Rewrite the result file after every measure, so a run cut short still leaves what it finished."""
+    if not path:
+        return
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    tmp.replace(out)

@@ -1,0 +1,229 @@
+"""bench/peer_results.py on small result files written here, and both engine scripts' output against what it
+reads: bench/engine.py --quick on the tiny shape (our real engine on the CPU) and bench/peer_vllm.py --quick
+over a stand-in for vLLM's offline API."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+from fake_vllm import FAKE_MODULE
+
+from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, record
+from bench.peer_results import assemble, engine_keys_missing, passing_ratio
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_result(engine: str, seconds: dict[str, float], **extra) -> dict:
+    """An engine result file in the shape both scripts write, with these seconds per measure (others 1.0)."""
+    measures = {}
+    for m in FULL.measures:
+        s = seconds.get(m.name, 1.0)
+        cached = {"cached_tokens": m.cached} if m.kind == "warm" else {}
+        measures[m.name] = record(m, [s, s, s], **cached)
+    return {
+        "schema": "kvserve-peer-engine/1",
+        "engine": engine,
+        "date": "2026-12-02",
+        "commit": "abc1234",
+        "gpu": "NVIDIA H200",
+        "shape": "llama-8b",
+        "dtype": "bfloat16",
+        "settings": {"block_size": 16},
+        "measures": measures,
+        **extra,
+    }
+
+
+def agent_step(agents: int, passed: bool, failed: list[str] | None = None, date: str = "2026-12-02T10:00:00Z") -> dict:
+    """A load generator result file of one step (loadgen/agents_cli.py's JSON, trimmed)."""
+    failed = [] if passed else (failed or ["tok_s_p50"])
+    step = {
+        "agents": agents,
+        "requests": agents * 12,
+        "ttft_p50": 0.3,
+        "ttft_p95": 2.0,
+        "tok_s_p50": 30.0 if passed else 12.0,
+        "tok_s_p10": 25.0 if passed else 8.0,
+        "request_tok_s_p10": 40.0,
+        "cache_hit": 0.92,
+        "expected_cache_hit": 0.93,
+        "errors": 0.0,
+        "passed": passed,
+        "failed": failed,
+    }
+    return {"date": date, "seed": agents, "turns": 12, "context_scale": 0.1, "steps": [step], "workload": {}}
+
+
+def write(raw: Path, name: str, doc: dict) -> None:
+    raw.mkdir(parents=True, exist_ok=True)
+    (raw / name).write_text(json.dumps(doc))
+
+
+def test_engine_ratio_is_vllm_seconds_over_ours_against_the_target(tmp_path: Path) -> None:
+    write(tmp_path, "ours-engine.json", engine_result("kvserve", {"prefill_cold_8k": 0.2, "decode_4k_b1": 0.010}))
+    write(tmp_path, "vllm-engine.json", engine_result("vllm 0.25.0", {"prefill_cold_8k": 0.21, "decode_4k_b1": 0.0052}))
+    result = assemble(tmp_path)
+    rows = {row["measure"]: row for row in result["engine"]}
+    assert list(rows) == list(MEASURE_NAMES)
+    assert rows["prefill_cold_8k"]["ratio"] == pytest.approx(1.05)
+    assert rows["prefill_cold_8k"]["meets_target"] is True
+    assert rows["decode_4k_b1"]["ratio"] == pytest.approx(0.52)
+    assert rows["decode_4k_b1"]["meets_target"] is False
+    assert rows["decode_4k_b1"]["vllm_tok_s"] == pytest.approx(1 / 0.0052)
+    # 2 x 6.98e9 FLOP per token (llama-8b less embeddings) + causal attention over 783 TFLOP/s (vLLM 0.211 s: 80%)
+    assert rows["prefill_cold_8k"]["ours_mfu"] == pytest.approx(0.84, abs=0.01)
+    assert result["engine_meets_target"] == f"{len(MEASURE_NAMES) - 1} of {len(MEASURE_NAMES)}"
+
+
+def test_a_measure_of_other_sizes_or_missing_on_one_side_gets_no_ratio(tmp_path: Path) -> None:
+    ours = engine_result("kvserve", {})
+    vllm = engine_result("vllm 0.25.0", {})
+    vllm["measures"]["decode_4k_b128"]["context"] = 2048
+    del vllm["measures"]["ttft_cold_100k_1k"]
+    write(tmp_path, "ours-engine.json", ours)
+    write(tmp_path, "vllm-engine.json", vllm)
+    rows = {row["measure"]: row for row in assemble(tmp_path)["engine"]}
+    assert rows["decode_4k_b128"]["sizes_match"] is False and rows["decode_4k_b128"]["ratio"] is None
+    assert rows["ttft_cold_100k_1k"]["vllm_s"] is None and rows["ttft_cold_100k_1k"]["ratio"] is None
+    assert rows["prefill_cold_8k"]["ratio"] == 1.0
+
+
+def test_the_most_complete_engine_file_wins_also_inside_a_tarball(tmp_path: Path) -> None:
+    partial = engine_result("kvserve", {"prefill_cold_8k": 9.0})
+    del partial["measures"]["decode_4k_b128"]
+    complete = engine_result("kvserve", {"prefill_cold_8k": 0.25}, warm_cold_match=0.6, warm_cold_match_float32=1.0)
+    write(tmp_path / "ours-engine-call1", "ours-engine.json", partial)
+    tarball = tmp_path / "ours-agents" / "ours-agents.tar.gz"
+    tarball.parent.mkdir()
+    with tarfile.open(tarball, "w:gz") as tar:
+        data = json.dumps(complete).encode()
+        info = tarfile.TarInfo("./ours-engine.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    write(tmp_path, "vllm-engine.json", engine_result("vllm 0.25.0", {}))
+    result = assemble(tmp_path)
+    assert result["engine"][0]["ours_s"] == 0.25
+    assert result["warm_cold_match_float32"] == 1.0
+    assert result["settings"]["sources"]["ours"].endswith("ours-agents.tar.gz:./ours-engine.json")
+
+
+def test_agent_steps_both_sides_and_the_largest_passing_ratio(tmp_path: Path) -> None:
+    for n, ours_pass, vllm_pass in ((16, True, True), (32, False, True), (48, False, True), (64, False, False)):
+        write(tmp_path, f"ours-agents-{n}.json", agent_step(n, ours_pass))
+        write(tmp_path, f"vllm-agents-{n}.json", agent_step(n, vllm_pass))
+    result = assemble(tmp_path)
+    assert [row["agents"] for row in result["agents"]] == [16, 32, 48, 64]
+    assert result["agents"][1]["ours"]["request_tok_s_p10"] == 40.0
+    assert result["largest_passing"] == {"ours": 16, "vllm": 48}
+    assert result["largest_passing_ratio"] == pytest.approx(16 / 48)
+
+
+def test_a_step_run_twice_keeps_the_later_run(tmp_path: Path) -> None:
+    write(tmp_path / "call1", "vllm-agents-32.json", agent_step(32, False, date="2026-12-02T10:00:00Z"))
+    write(tmp_path / "call2", "vllm-agents-32.json", agent_step(32, True, date="2026-12-02T11:00:00Z"))
+    interrupted = agent_step(64, True)
+    interrupted["steps"] = []  # the load generator cut off at the deadline: the step is left out
+    write(tmp_path / "call2", "vllm-agents-64.json", interrupted)
+    result = assemble(tmp_path)
+    assert [row["agents"] for row in result["agents"]] == [32]
+    assert result["agents"][0]["vllm"]["passed"] is True and result["agents"][0]["ours"] is None
+
+
+@pytest.mark.parametrize(
+    ("ours", "vllm", "note"),
+    [
+        ([False, False], [True, True], "kvserve passed none of its steps (16, 32 agents); vLLM passed up to 32"),
+        ([True, False], [False, False], "kvserve passed up to 16 agents; vLLM passed none of its steps"),
+        ([False, False], [False, False], "kvserve passed none of its steps (16, 32 agents); vLLM passed none"),
+        ([True, True], None, "kvserve passed up to 32 agents; vLLM ran no step"),
+    ],
+)
+def test_no_largest_passing_ratio_when_a_side_passes_nothing(ours, vllm, note) -> None:
+    rows = [
+        {
+            "agents": n,
+            "ours": {"passed": ours[i]},
+            "vllm": None if vllm is None else {"passed": vllm[i]},
+        }
+        for i, n in enumerate((16, 32))
+    ]
+    best, ratio, text = passing_ratio(rows)
+    assert ratio is None
+    assert text.startswith("no ratio: ") and note in text
+    assert best["ours"] == (max((n for n, p in zip((16, 32), ours, strict=True) if p), default=None))
+
+
+def test_cache_hit_aside_counts_steps_that_fail_only_on_the_trace_reuse(tmp_path: Path) -> None:
+    write(tmp_path, "ours-agents-16.json", agent_step(16, False, ["cache_hit"]))
+    write(tmp_path, "ours-agents-32.json", agent_step(32, False, ["cache_hit", "tok_s_p50"]))
+    write(tmp_path, "vllm-agents-16.json", agent_step(16, False, ["cache_hit"]))
+    write(tmp_path, "vllm-agents-32.json", agent_step(32, False, ["cache_hit"]))
+    result = assemble(tmp_path)
+    assert result["largest_passing_ratio"] is None
+    assert result["largest_passing_cache_aside"] == {"ours": 16, "vllm": 32}
+    assert result["largest_passing_cache_aside_ratio"] == 0.5
+
+
+def test_engine_keys_missing_names_what_a_result_lacks() -> None:
+    result = engine_result("kvserve", {})
+    assert engine_keys_missing(result) == []
+    broken = copy.deepcopy(result)
+    del broken["gpu"]
+    del broken["measures"]["decode_4k_b64"]
+    del broken["measures"]["prefill_cold_8k"]["seconds"]
+    assert engine_keys_missing(broken) == ["gpu", "measures.prefill_cold_8k.seconds", "measures.decode_4k_b64"]
+
+
+def run_script(args: list[str], env: dict[str, str] | None = None) -> None:
+    env = {**os.environ, **(env or {})}
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_engine_quick_writes_every_key_peer_results_reads(tmp_path: Path) -> None:
+    out = tmp_path / "ours-engine.json"
+    run_script(["bench/engine.py", "--shape", "tiny", "--quick", "--out", str(out)])
+    run_script(["bench/engine.py", "--shape", "tiny", "--quick", "--only-match", "--merge-into", str(out)])
+    result = json.loads(out.read_text())
+    assert engine_keys_missing(result) == []
+    assert "warm_cold_match_float32" in result and result["warm_cold_match"] == 1.0  # float32 on the CPU: exact
+    measures = result["measures"]
+    for m in QUICK.measures:  # the quick plan's sizes under the full plan's names
+        entry = measures[m.name]
+        assert [entry[key] for key in ("new", "cached", "batch", "context")] == [m.new, m.cached, m.batch, m.context]
+        if m.kind == "warm":
+            assert entry["cached_tokens"] == m.cached  # the primed prefix was a hit
+        if m.kind == "cold":
+            assert entry["cached_tokens"] == 0
+    # the simulator's step-time fit reads these (simulator/step_time.py)
+    assert {r["batch"] for r in result["decode"]} == {1, 16, 64, 128}
+    assert [r["context"] for r in result["ttft"]] == [QUICK.measures[1].cached, QUICK.measures[4].cached]
+    assert result["prefill"]
+
+
+def test_peer_vllm_over_vllms_offline_api_writes_every_key_peer_results_reads(tmp_path: Path) -> None:
+    fake = tmp_path / "site" / "vllm"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text(FAKE_MODULE)
+    out = tmp_path / "raw" / "vllm-engine.json"
+    run_script(["bench/peer_vllm.py", "--quick", "--out", str(out)], env={"PYTHONPATH": str(fake.parent)})
+    result = json.loads(out.read_text())
+    assert engine_keys_missing(result) == []
+    assert result["engine"] == "vllm 0.25.0-fake"
+    assert result["settings"]["llm"]["enable_prefix_caching"] is True
+    measures = result["measures"]
+    assert measures["prefill_warm_8k_over_32k"]["cached_tokens"] == QUICK.measures[1].cached
+    assert measures["prefill_cold_8k"]["cached_tokens"] == 0
+    assert all(measures[f"decode_4k_b{b}"]["seconds"] > 0 for b in (1, 16, 64, 128))
+    write(tmp_path / "raw", "ours-engine.json", engine_result("kvserve", {}))
+    assert all(row["sizes_match"] is False for row in assemble(tmp_path / "raw")["engine"])  # quick vs full sizes

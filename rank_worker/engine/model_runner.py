@@ -1,17 +1,24 @@
-"""Runs one scheduled batch through the model: lays the tokens out flat, points each at its KV slot,
-and samples the next token for every sequence whose tokens are all computed after this step."""
+"""Runs one scheduled batch through the model: lays the tokens out flat in the persistent input buffers,
+points each at its KV slot, and samples the next token for every sequence whose tokens are all computed
+after this step. Decode-only steps replay a CUDA graph recorded at start-up where there is one."""
 
 from __future__ import annotations
 
 import torch
 
+from rank_worker.engine.block_tables import BlockTables
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.interface import RequestsFailedError
 from rank_worker.engine.sampler import SamplingError, sample_tokens
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
-from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch, PrefillSlice
+from rank_worker.engine.step_inputs import StepInputs
+from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.forward_batch import PrefillSlice
 from rank_worker.model.llama import LlamaForCausalLM
+
+# Block-table rows beyond max_num_seqs: preempted sequences keep theirs until a row is needed.
+SPARE_TABLE_ROWS = 16
 
 
 def kv_pool_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -30,15 +37,50 @@ class ModelRunner:
         model: LlamaForCausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
-        decode_graphs: DecodeGraphs | None = None,
-        paged_kernel: bool = False,
+        backend: AttentionBackend,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        scratch_block: int,
+        cuda_graphs: bool,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
-        self.decode_graphs = decode_graphs  # decode-only steps padded to a bucket (CUDA graphs on a GPU)
-        self.paged_kernel = paged_kernel  # decode attention by the Triton kernel (CUDA)
+        self.backend = backend
+        model.set_attention_backend(backend)
+        self.tables = BlockTables(
+            max_num_seqs + SPARE_TABLE_ROWS, -(-max_model_len // block_size), scratch_block, self.device
+        )
+        # A step carries at most max_num_batched_tokens; a padded decode step at most max_num_seqs rows.
+        capacity = max(max_num_batched_tokens, max_num_seqs) + max_num_seqs
+        self.inputs = StepInputs(capacity, block_size, self.tables, self.device)
+        self.decode_graphs: DecodeGraphs | None = None
+        if cuda_graphs and self.device.type == "cuda" and backend.graph_safe:
+            self.decode_graphs = DecodeGraphs(model, kv_cache, self.inputs, max_num_seqs)
+
+    @torch.inference_mode()
+    def warm_up(self) -> None:
+        """Compile the step's kernels now (start-up), not in a request's step: one forward of a two-token chunk
+        over a one-block prefix and one decode row, all on the scratch row and block."""
+        if self.device.type != "cuda":
+            return
+        inputs = self.inputs
+        inputs.fill_padding(3)
+        prefill = PrefillSlice(
+            token_start=1, num_new=2, context_len=self.block_size + 2, table_row=self.tables.scratch_row
+        )
+        self.model(inputs.batch_view(3, 1, 1, [prefill]), self.kv_cache)
+        torch.cuda.synchronize(self.device)
+
+    def capture_graphs(self) -> float:
+        """Record the decode graphs (start-up); returns the seconds it took (0 without graphs)."""
+        return self.decode_graphs.capture_all() if self.decode_graphs is not None else 0.0
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence left the engine: its block-table row goes back."""
+        self.tables.release(seq)
 
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
@@ -52,7 +94,7 @@ class ModelRunner:
                 if len(rows) < len(seqs):
                     logits = logits[rows]
                 return self._sample(logits, [seqs[i] for i in rows])
-        forward, sampling_seqs = self.build_forward_batch(batch.entries)
+        forward, sampling_seqs = self.inputs.build(batch.entries)
         return self._sample(self.model(forward, self.kv_cache), sampling_seqs)
 
     @staticmethod
@@ -64,55 +106,3 @@ class ModelRunner:
         except SamplingError as exc:  # raised before the step changed anything: those requests fail alone
             raise RequestsFailedError([seqs[row].request_id for row in exc.rows], exc.cause) from exc
         return dict(zip(seqs, tokens, strict=True))
-
-    def build_forward_batch(self, entries: list[tuple[Sequence, int]]) -> tuple[ForwardBatch, list[Sequence]]:
-        decodes = [(seq, n) for seq, n in entries if n == 1]
-        prefills = [(seq, n) for seq, n in entries if n > 1]
-        bs = self.block_size
-        ids: list[torch.Tensor] = []
-        positions: list[torch.Tensor] = []
-        slot_blocks: list[torch.Tensor] = []
-        logits_rows: list[int] = []
-        sampling_seqs: list[Sequence] = []
-        cursor = 0
-        prefill_meta: list[tuple[int, int, int, torch.Tensor]] = []
-        for seq, num_new in decodes + prefills:
-            start = seq.num_computed_tokens
-            pos = torch.arange(start, start + num_new)
-            table = torch.tensor(seq.block_table, dtype=torch.long)
-            ids.append(torch.tensor(seq.token_ids[start : start + num_new], dtype=torch.long))
-            positions.append(pos)
-            slot_blocks.append(table[pos // bs])
-            if num_new > 1:
-                prefill_meta.append((cursor, num_new, start + num_new, table))
-            cursor += num_new
-            if start + num_new == seq.num_tokens:
-                logits_rows.append(cursor - 1)
-                sampling_seqs.append(seq)
-
-        dev = self.device
-        pos_all = torch.cat(positions)
-        decode_group = None
-        if decodes:
-            max_blocks = max(len(seq.block_table) for seq, _ in decodes)
-            tables = [seq.block_table + [0] * (max_blocks - len(seq.block_table)) for seq, _ in decodes]
-            lens = [seq.num_computed_tokens + 1 for seq, _ in decodes]
-            decode_group = DecodeGroup(
-                num_seqs=len(decodes),
-                block_tables=torch.tensor(tables, dtype=torch.long).to(dev, non_blocking=True),
-                context_lens=torch.tensor(lens, dtype=torch.long).to(dev, non_blocking=True),
-                max_context_len=max(lens),
-                paged_kernel=self.paged_kernel,
-            )
-        forward = ForwardBatch(
-            input_ids=torch.cat(ids).to(dev, non_blocking=True),
-            positions=pos_all.to(dev, non_blocking=True),
-            slot_blocks=torch.cat(slot_blocks).to(dev, non_blocking=True),
-            slot_offsets=(pos_all % bs).to(dev, non_blocking=True),
-            decode=decode_group,
-            prefills=[
-                PrefillSlice(start, n, ctx, table.to(dev, non_blocking=True)) for start, n, ctx, table in prefill_meta
-            ],
-            logits_indices=torch.tensor(logits_rows, dtype=torch.long).to(dev, non_blocking=True),
-        )
-        return forward, sampling_seqs

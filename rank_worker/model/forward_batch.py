@@ -1,31 +1,24 @@
 """The flattened token batch of one engine step, and where each token's KV lives in the paged pool.
 
 Tokens of all scheduled sequences are concatenated: decode tokens first (one per sequence), then each
-prefill chunk. Linear layers run on the flat batch; attention is done per group.
+prefill chunk. Linear layers run on the flat batch; attention runs per group through the step's
+attention backend, which reads the blocks through `block_tables` (the model runner's persistent table:
+one row per running sequence, updated in place as sequences grow).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
-@dataclass
+@dataclass(frozen=True)
 class PrefillSlice:
     token_start: int  # offset of this chunk in the flat batch
     num_new: int  # tokens computed in this step
     context_len: int  # tokens with KV after this step (cached prefix + earlier chunks + this chunk)
-    block_table: torch.Tensor  # [num_blocks] physical block ids of the sequence (device, long)
-
-
-@dataclass
-class DecodeGroup:
-    num_seqs: int  # decode tokens occupy flat positions [0, num_seqs)
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] padded with a valid block id (masked out)
-    context_lens: torch.Tensor  # [num_seqs] tokens with KV, including this step's token
-    max_context_len: int
-    paged_kernel: bool = False  # read K/V in place with the Triton kernel instead of gathering for SDPA
+    table_row: int  # the sequence's row of block_tables
 
 
 @dataclass
@@ -34,9 +27,13 @@ class ForwardBatch:
     positions: torch.Tensor  # [T]
     slot_blocks: torch.Tensor  # [T] physical block that receives each token's KV
     slot_offsets: torch.Tensor  # [T] row inside that block
-    decode: DecodeGroup | None
-    prefills: list[PrefillSlice]
     logits_indices: torch.Tensor  # [S] flat positions whose logits are sampled
+    block_tables: torch.Tensor  # [rows, max_blocks] int32: each row a sequence's physical blocks in order
+    num_decodes: int = 0  # decode tokens occupy flat positions [0, num_decodes)
+    decode_rows: torch.Tensor | None = None  # [num_decodes] block_tables row of each decode sequence
+    decode_lens: torch.Tensor | None = None  # [num_decodes] tokens with KV, including this step's token
+    prefills: list[PrefillSlice] = field(default_factory=list)
+    attention: object = None  # the attention backend's per-step metadata (AttentionBackend.plan)
 
     @property
     def num_tokens(self) -> int:

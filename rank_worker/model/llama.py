@@ -13,9 +13,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.model import fused_ops
+from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.attention.sdpa_backend import SdpaAttention, write_kv
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.forward_batch import ForwardBatch
-from rank_worker.model.paged_attention import paged_attention, write_kv
 from rank_worker.model.rotary import RotaryEmbedding
 
 # Part of the KV-cache namespace of random weights: change it whenever init_random_weights draws differently.
@@ -33,10 +35,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32 as the reference does, so bf16 runs do not drift.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return fused_ops.rms_norm_reference(x, self.weight, self.eps)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
+        """The fused kernel: residual += x in place (when given), then this norm of the sum."""
+        return fused_ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -51,21 +54,39 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
         self.scale = cfg.head_dim**-0.5
+        self.backend: AttentionBackend = SdpaAttention()
+        self.fused_rope = False  # rotary + K/V store by one kernel (CUDA; not with q/k norms)
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         cfg = self.cfg
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)
+        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
+        if self.fused_rope:
+            rotary = self.rotary
+            fused_ops.rope_and_store(
+                qkv,
+                batch.positions,
+                None if rotary is None else rotary.cos_cache,
+                None if rotary is None else rotary.sin_cache,
+                batch.slot_blocks,
+                batch.slot_offsets,
+                k_cache,
+                v_cache,
+                cfg.num_heads,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+            )
         q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
         q = q.view(-1, cfg.num_heads, cfg.head_dim)
         k = k.view(-1, cfg.num_kv_heads, cfg.head_dim)
         v = v.view(-1, cfg.num_kv_heads, cfg.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.rotary is not None:  # None in a NoPE layer (SmolLM3): positions come from the causal mask alone
-            q, k = self.rotary(batch.positions, q, k)
-        k_cache, v_cache = kv_layer[:, 0], kv_layer[:, 1]
-        write_kv(k_cache, v_cache, k, v, batch)
-        out = paged_attention(q, k, v, k_cache, v_cache, batch, self.scale)
+        if not self.fused_rope:
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.rotary is not None:  # None in a NoPE layer (SmolLM3): positions come from the causal mask alone
+                q, k = self.rotary(batch.positions, q, k)
+            write_kv(k_cache, v_cache, k, v, batch)
+        out = self.backend.attend(q, k, v, k_cache, v_cache, batch, self.scale)
         return F.linear(out.reshape(-1, cfg.q_size), self.o_proj, self.o_bias)
 
 
@@ -74,10 +95,12 @@ class MLP(nn.Module):
         super().__init__()
         self.gate_up_proj = _param(2 * cfg.intermediate_size, cfg.hidden_size)
         self.down_proj = _param(cfg.hidden_size, cfg.intermediate_size)
+        self.fused = False  # SiLU x up by one kernel (CUDA)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, self.gate_up_proj).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        gate_up = F.linear(x, self.gate_up_proj)
+        act = fused_ops.silu_and_mul(gate_up) if self.fused else fused_ops.silu_and_mul_reference(gate_up)
+        return F.linear(act, self.down_proj)
 
 
 class DecoderLayer(nn.Module):
@@ -92,6 +115,19 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), kv_layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_fused(
+        self, x: torch.Tensor, residual: torch.Tensor | None, kv_layer: torch.Tensor, batch: ForwardBatch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer with the residual adds folded into the norms: returns (this layer's MLP output, the
+        residual stream before it); their sum is forward()'s result, rounded the same way."""
+        if residual is None:
+            residual = x  # the first layer: the stream is the embedding (updated in place from here on)
+            h = self.input_layernorm.add_and_norm(x, None)
+        else:
+            h = self.input_layernorm.add_and_norm(x, residual)
+        h = self.post_attention_layernorm.add_and_norm(self.self_attn(h, kv_layer, batch), residual)
+        return self.mlp(h), residual
+
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig, max_positions: int) -> None:
@@ -104,15 +140,34 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
+        self.backend: AttentionBackend = SdpaAttention()
+        self.fused = False
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        """Attention by `backend`; with a CUDA backend the elementwise work runs as fused kernels too."""
+        self.backend = backend
+        self.fused = backend.fused_store and fused_ops.kernels_available(self.embed_tokens.device)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.backend = backend
+            attn.fused_rope = self.fused and attn.q_norm is None and fused_ops.rope_store_fits(self.cfg.head_dim)
+            layer.mlp.fused = self.fused
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 2, block_size, Hkv, D]. Returns float32 logits [S, vocab]."""
+        self.backend.plan(batch)
         x = F.embedding(batch.input_ids, self.embed_tokens)
-        for index, layer in enumerate(self.layers):
-            x = layer(x, kv_cache[:, index], batch)
-        x = self.norm(x[batch.logits_indices])
         head = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(x, head).float()
+        if not self.fused:
+            for index, layer in enumerate(self.layers):
+                x = layer(x, kv_cache[:, index], batch)
+            return F.linear(self.norm(x[batch.logits_indices]), head).float()
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(self.layers):
+            x, residual = layer.forward_fused(x, residual, kv_cache[:, index], batch)
+        assert residual is not None
+        rows = batch.logits_indices
+        return F.linear(self.norm.add_and_norm(x[rows], residual[rows]), head).float()
 
     # --- weights ---
 

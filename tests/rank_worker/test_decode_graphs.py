@@ -1,6 +1,6 @@
-"""Decode steps padded to (batch, context-blocks) buckets: the bucketing, and that padding changes nothing
-(logits, K/V written, tokens) against the unpadded eager step. On the CPU the padded forward runs eagerly;
-with CUDA the same checks run on recorded graphs."""
+"""Decode steps padded to batch buckets over the persistent input buffers and block tables: the bucketing,
+and that padding changes nothing (logits, K/V written, tokens) against the unpadded eager step. On the CPU
+the padded forward runs eagerly; with CUDA the graphs are recorded at start-up and replayed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
 
-from rank_worker.engine.decode_graphs import DecodeGraphs, GraphKey, bucket_for, size_buckets
+from rank_worker.engine.decode_graphs import DecodeGraphs, bucket_for, size_buckets
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.paged_engine import PagedEngine
 
@@ -22,29 +22,26 @@ def test_buckets_grow_geometrically_and_end_at_the_limit() -> None:
     assert bucket_for(65, size_buckets(64)) is None
 
 
-def padded(engine: PagedEngine, max_kv_tokens: int = 1 << 20) -> DecodeGraphs:
-    settings = engine.settings
-    return DecodeGraphs(
-        engine.model,
-        engine.kv_cache,
-        settings.block_size,
-        max_batch=settings.max_num_seqs,
-        max_blocks=-(-settings.max_model_len // settings.block_size),
-        max_kv_tokens=max_kv_tokens,
-        scratch_block=settings.num_blocks,
-        capture=engine.kv_cache.is_cuda,
-    )
+def padded(engine: PagedEngine) -> DecodeGraphs:
+    """The padded decode path of a CPU engine, run eagerly over its runner's persistent buffers."""
+    runner = engine.runner
+    return DecodeGraphs(engine.model, engine.kv_cache, runner.inputs, engine.settings.max_num_seqs, capture=False)
 
 
-def test_key_for_pads_rows_and_blocks_and_refuses_past_the_token_cap(smollm2) -> None:
+def test_a_padded_step_takes_its_bucket_and_none_past_max_num_seqs(smollm2) -> None:
     model, tokenizer = smollm2
-    engine = make_engine(model, tokenizer, max_num_seqs=32, max_model_len=2048)
-    graphs = padded(engine, max_kv_tokens=16 * 16 * 64)
-    assert graphs.key_for(5, 17) == GraphKey(8, 24)
-    assert graphs.key_for(32, 32) == GraphKey(32, 32)
-    assert graphs.key_for(33, 1) is None  # more rows than max_num_seqs
-    assert graphs.key_for(32, 33) is None  # 32 x 48 blocks x 16 tokens is past the cap
-    assert graphs.largest_key() == GraphKey(32, 32)
+    engine = _decoding_engine(model, tokenizer, [5, 40, 77, 130, 17])
+    graphs = padded(engine)
+    seqs = list(engine.requests.values())
+    for seq in seqs:
+        engine.kv.allocate(seq, 1)
+    assert graphs.buckets == size_buckets(16)
+    assert graphs.run(seqs) is not None and graphs.steps == 1
+    assert graphs.run(seqs * 4) is None  # 20 rows: more than max_num_seqs (16)
+    # rows 5..7 of the bucket of 8 are padding: the scratch row of the block tables, one token each
+    rows = engine.runner.inputs.dev[5, 5:8].tolist()
+    assert rows == [engine.runner.tables.scratch_row] * 3
+    assert engine.runner.inputs.dev[6, 5:8].tolist() == [1, 1, 1]
 
 
 def _decoding_engine(model, tokenizer, lengths: list[int]) -> PagedEngine:
@@ -67,7 +64,7 @@ def test_padded_decode_step_equals_the_eager_step(smollm2) -> None:
     pool = engine.settings.num_blocks
     before = engine.kv_cache.clone()
 
-    forward, _ = engine.runner.build_forward_batch(batch.entries)
+    forward, _ = engine.runner.inputs.build(batch.entries)
     with torch.inference_mode():
         eager_logits = model(forward, engine.kv_cache).clone()
     eager_cache = engine.kv_cache[:pool].clone()

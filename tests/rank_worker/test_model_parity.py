@@ -98,9 +98,9 @@ def test_logits_and_greedy_tokens_match_transformers(case: str, tmp_path: Path) 
         positions=positions,
         slot_blocks=table[positions // 8],
         slot_offsets=positions % 8,
-        decode=None,
-        prefills=[PrefillSlice(0, len(prompt), len(prompt), table)],
         logits_indices=positions,
+        block_tables=table.view(1, -1).to(torch.int32),
+        prefills=[PrefillSlice(0, len(prompt), len(prompt), table_row=0)],
     )
     with torch.inference_mode():
         our_logits = ours(batch, engine.kv_cache)

@@ -1,12 +1,15 @@
 """Decode attention read in place from the paged pool: a Triton kernel (CUDA only).
 
-The SDPA path gathers every row's blocks into a padded copy first: a step pays for every row as if it
-were as long as the longest (8 rows beside one 48K-token session cost 131 ms per step on the H200),
-and the copy itself doubles the bytes moved. Here each program reads one kv head's K/V for one slice
-of one sequence straight from its blocks, for all the query heads that share that kv head (GQA), with
-an online softmax; slices past a row's length exit at once, so a step costs the tokens it really has.
-Partial results of the slices are merged afterwards (split-K, as flash-decoding does), which keeps the
-GPU busy when few sequences are long.
+Gathering every row's blocks into a padded copy makes a step pay for every row as if it were as long as
+the longest (8 rows beside one 48K-token session cost 131 ms per step on the H200) and doubles the bytes
+moved. Here each program reads one kv head's K/V for one slice of one sequence straight from its blocks,
+for all the query heads that share that kv head (GQA), with an online softmax. Each row is cut into the
+same number of slices whatever its length (split-K, as flash-decoding does), so the launch grid depends on
+the batch size alone and one CUDA graph per batch size serves every context length; a second small kernel
+merges the slices by their share of the softmax mass.
+
+Rows find their blocks through `rows`, an index into the persistent block-table buffer (block_tables.py),
+which is updated in place as sequences grow rather than rebuilt every step.
 """
 
 from __future__ import annotations
@@ -21,19 +24,18 @@ except ImportError:  # the CPU build of torch comes without Triton
     tl = None
 
 TILE_TOKENS = 64  # tokens scored per loop iteration
-PARTITION_TOKENS = 512  # tokens per program (one split-K slice)
+MAX_SLICES = 32
+TARGET_PROGRAMS = 1024  # ~8 per multiprocessor on the H200: enough in flight to keep HBM busy
 
 
 def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def use_kernel(setting: str, on_cuda: bool, head_dim: int) -> bool:
-    """Resolve the decode_attention setting: "auto" takes the kernel wherever it can run."""
-    fits = on_cuda and available() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
-    if setting == "triton" and not fits:
-        raise RuntimeError("decode_attention: triton needs CUDA, Triton and a power-of-two head_dim >= 16")
-    return fits and setting != "sdpa"
+def slices_for(batch: int, num_kv_heads: int) -> int:
+    """Slices per row (a power of two): few rows or kv heads need more of them to fill the GPU; many need none."""
+    wanted = max(1, min(MAX_SLICES, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
+    return 1 << (wanted.bit_length() - 1)
 
 
 if triton is not None:
@@ -44,6 +46,7 @@ if triton is not None:
         k_ptr,
         v_ptr,
         tables_ptr,
+        rows_ptr,
         lens_ptr,
         out_ptr,
         lse_ptr,
@@ -52,30 +55,32 @@ if triton is not None:
         stride_kv_block,
         stride_kv_token,
         stride_kv_head,
-        stride_table_seq,
-        num_slices,
+        stride_table_row,
         scale,
+        NUM_SLICES: tl.constexpr,
         GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         TILE: tl.constexpr,
-        SLICE: tl.constexpr,
         PRECISION: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         piece = tl.program_id(2)
         length = tl.load(lens_ptr + seq).to(tl.int32)
-        rows = tl.arange(0, GROUP_PAD)
-        row_ok = rows < GROUP
-        heads = kv_head * GROUP + rows
+        table = tables_ptr + tl.load(rows_ptr + seq).to(tl.int64) * stride_table_row
+        heads_in_group = tl.arange(0, GROUP_PAD)
+        row_ok = heads_in_group < GROUP
+        heads = kv_head * GROUP + heads_in_group
         dims = tl.arange(0, HEAD_DIM)
         num_heads = tl.num_programs(1) * GROUP
         # partial outputs: [seq, head, slice, dim]; log-sum-exps: [seq, head, slice]
-        lse_at = lse_ptr + (seq * num_heads + heads) * num_slices + piece
-        out_at = out_ptr + ((seq * num_heads + heads) * num_slices + piece)[:, None] * HEAD_DIM + dims[None, :]
-        start = piece * SLICE
+        lse_at = lse_ptr + (seq * num_heads + heads) * NUM_SLICES + piece
+        out_at = out_ptr + ((seq * num_heads + heads) * NUM_SLICES + piece)[:, None] * HEAD_DIM + dims[None, :]
+        # Every row is cut into NUM_SLICES tile-aligned slices of its own length.
+        per_slice = tl.cdiv(tl.cdiv(length, NUM_SLICES), TILE) * TILE
+        start = piece * per_slice
         if start >= length:
             tl.store(lse_at, tl.full([GROUP_PAD], float("-inf"), tl.float32), mask=row_ok)
             tl.store(out_at, tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32), mask=row_ok[:, None])
@@ -87,11 +92,11 @@ if triton is not None:
         total = tl.zeros([GROUP_PAD], tl.float32)
         acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
         offsets = tl.arange(0, TILE)
-        end = tl.minimum(length, start + SLICE)
+        end = tl.minimum(length, start + per_slice)
         for tile_start in range(start, end, TILE):
             tokens = tile_start + offsets
             valid = tokens < end
-            blocks = tl.load(tables_ptr + seq * stride_table_seq + tokens // BLOCK_SIZE, mask=valid, other=0)
+            blocks = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0)
             row_at = blocks.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
             at = row_at[:, None] + kv_head * stride_kv_head + dims[None, :]
             k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
@@ -107,30 +112,54 @@ if triton is not None:
         tl.store(lse_at, best + tl.log(total), mask=row_ok)
         tl.store(out_at, acc / total[:, None], mask=row_ok[:, None])
 
+    @triton.jit
+    def _merge_slices(partial_ptr, lse_ptr, out_ptr, stride_out_seq, NUM_SLICES: tl.constexpr, HEAD_DIM: tl.constexpr):
+        """One (sequence, head): the slices' outputs weighted by their share of the softmax mass."""
+        seq = tl.program_id(0)
+        head = tl.program_id(1)
+        num_heads = tl.num_programs(1)
+        pieces = tl.arange(0, NUM_SLICES)
+        dims = tl.arange(0, HEAD_DIM)
+        base = seq * num_heads + head
+        lse = tl.load(lse_ptr + base * NUM_SLICES + pieces)
+        weights = tl.exp(lse - tl.max(lse, 0))  # empty slices have lse -inf: weight 0
+        weights = weights / tl.sum(weights, 0)
+        partial = tl.load(partial_ptr + (base * NUM_SLICES + pieces)[:, None] * HEAD_DIM + dims[None, :])
+        merged = tl.sum(partial * weights[:, None], 0)
+        tl.store(out_ptr + seq * stride_out_seq + head * HEAD_DIM + dims, merged.to(out_ptr.dtype.element_ty))
+
 
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
+    rows: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [S, Hq, D] (one token per sequence); k_cache/v_cache one layer's [blocks, block_size, Hkv, D] views
-    of the pool; block_tables [S, max_blocks]; context_lens [S] (>= 1). Returns [S, Hq, D] in q's dtype."""
+    of the pool; block_tables [table rows, max_blocks] (int32), rows [S] the table row of each sequence,
+    context_lens [S] (>= 1). Writes into `out` ([S, Hq, D], q's dtype) when given; returns it."""
     assert triton is not None, "the Triton decode kernel needs triton (CUDA builds of torch ship it)"
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     assert q.stride(2) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
-    num_slices = triton.cdiv(block_tables.shape[1] * block_size, PARTITION_TOKENS)
+    num_slices = slices_for(num_seqs, num_kv_heads)
     partial = torch.empty(num_seqs, num_heads, num_slices, head_dim, dtype=torch.float32, device=q.device)
     lse = torch.empty(num_seqs, num_heads, num_slices, dtype=torch.float32, device=q.device)
+    if out is None:
+        out = torch.empty_like(q)
+    if not num_seqs:
+        return out
     _decode_slices[(num_seqs, num_kv_heads, num_slices)](
         q,
         k_cache,
         v_cache,
         block_tables,
+        rows,
         context_lens,
         partial,
         lse,
@@ -140,16 +169,15 @@ def paged_decode_attention(
         k_cache.stride(1),
         k_cache.stride(2),
         block_tables.stride(0),
-        num_slices,
         scale,
+        NUM_SLICES=num_slices,
         GROUP=group,
         GROUP_PAD=max(16, triton.next_power_of_2(group)),
         HEAD_DIM=head_dim,
         BLOCK_SIZE=block_size,
         TILE=TILE_TOKENS,
-        SLICE=PARTITION_TOKENS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # full fp32 products for fp32 models
     )
-    # Merge the slices: each weighs by its share of the softmax mass (empty slices have lse -inf).
-    weights = torch.softmax(lse, dim=-1)
-    return (partial * weights.unsqueeze(-1)).sum(dim=2).to(q.dtype)
+    assert out.stride(2) == 1 and out.stride(1) == head_dim
+    _merge_slices[(num_seqs, num_heads)](partial, lse, out, out.stride(0), NUM_SLICES=num_slices, HEAD_DIM=head_dim)
+    return out

@@ -1,0 +1,62 @@
+"""The attention backend interface: one object per backend that builds its metadata once per step (plan) and
+runs decode, plain prefill and prefill over a cached prefix for each layer (attend), over the paged pool
+[num_blocks, num_layers, 2, block_size, kv_heads, head_dim].
+
+Two backends: SdpaAttention (PyTorch SDPA over gathered blocks: the CPU path, exact against transformers in
+float32) and TritonAttention (CUDA: kernels that read K/V in place through the block table).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Literal
+
+import torch
+
+from rank_worker.model.forward_batch import ForwardBatch
+
+BackendName = Literal["auto", "triton", "sdpa"]
+
+
+class AttentionBackend(ABC):
+    name: str
+    # Whether a step's K/V are stored (and q/k rotated) by the fused rotary kernel before attend is called.
+    fused_store: bool = False
+    # Whether attend may run inside a CUDA graph (fixed shapes given the batch size, no host syncs).
+    graph_safe: bool = False
+
+    @abstractmethod
+    def plan(self, batch: ForwardBatch) -> None:
+        """Build the step's metadata into batch.attention (once per step, before the layers run)."""
+
+    @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """q [T, Hq, D]; k, v this step's [T, Hkv, D], already in the pool; k_cache/v_cache one layer's
+        [blocks, block_size, Hkv, D] views. Returns [T, Hq, D]."""
+
+
+def choose_backend(
+    setting: BackendName, device: torch.device, dtype: torch.dtype, head_dim: int, group: int
+) -> AttentionBackend:
+    """group: query heads per kv head. auto: the Triton kernels wherever they run (CUDA, Triton, a power-of-two
+    head_dim >= 16), else SDPA."""
+    from rank_worker.model.attention import decode_kernel
+    from rank_worker.model.attention.sdpa_backend import SdpaAttention
+
+    fits = device.type == "cuda" and decode_kernel.available() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
+    if setting == "triton" and not fits:
+        raise RuntimeError("attention_backend: triton needs CUDA, Triton and a power-of-two head_dim >= 16")
+    if fits and setting != "sdpa":
+        from rank_worker.model.attention.triton_backend import TritonAttention
+
+        return TritonAttention(dtype, group)
+    return SdpaAttention()

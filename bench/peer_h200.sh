@@ -6,6 +6,7 @@
 #   bash bench/peer_h200.sh ours-engine      # (alias ours) bench/engine.py bf16 + float32 match, then `kvserve up`
 #   bash bench/peer_h200.sh ours-agents      # agent steps against our stack; stops it when done
 #   bash bench/peer_h200.sh status           # what is installed, running and done on this machine
+#   bash bench/peer_h200.sh stop             # stop both servers (their logs go into stop.tar.gz)
 # Several phases may share one call: `bash bench/peer_h200.sh chunk vllm-engine` (one deadline for all).
 # Servers start with setsid, so they outlive the call and keep starting up into the next one on the same warm
 # machine; agent steps already done (/tmp/peer-state) are skipped, so repeat an -agents phase until it prints
@@ -13,6 +14,13 @@
 # (.whl/traces), context scale 0.1, MAX_OUT output tokens, 3 s think time, one load generator call per step,
 # the same seed per agent count. Results: $OUT/<phase>.tar.gz (everything so far on this machine) and the
 # engine JSONs; bench/peer_results.py assembles them.
+# Calls, back to back (a machine idle for 30 s is given back, and with it /tmp):
+#   carry [".peer/chunk00"] .. [".peer/chunk05"]: bash bench/peer_h200.sh chunk
+#   carry [".peer/chunk06"]:                      bash bench/peer_h200.sh chunk vllm-engine
+#   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
+#   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
+#   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
+# (.peer/ from ../shared/tools/vllm-peer/build_chunks.sh, .whl/ from bench/gpu_kit.sh.)
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
 DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
@@ -78,9 +86,9 @@ vllm_install() {
 }
 vllm_up() { curl -sf -m 5 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; }
 vllm_start() {  # in a session of its own: it outlives this call and keeps compiling into the next
+  ours_stop  # first: our gateway answers /health on the same port
   vllm_up && return 0
   group_alive "$STATE/vllm.pid" && return 0
-  ours_stop
   wait_gpu_free
   say "starting vllm serve"
   # shellcheck disable=SC2016  # $$ is the new session's own pid, written by the child
@@ -167,6 +175,13 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
   say "$side: all steps done ($STEPS)"
 }
 
+agents_part() {  # side: its server started if need be, the steps left in this call's time, stopped when all are done
+  case $1 in
+    vllm) vllm_install && vllm_start && vllm_wait && run_steps vllm --api "$VLLM_API" && vllm_stop ;;
+    ours) ours_start && ours_wait && run_steps ours && ours_stop ;;
+  esac
+}
+
 phase() {
   case $1 in
     chunk)
@@ -188,13 +203,11 @@ phase() {
       tail -n 20 "$WORK/vllm-engine.log"
       cp "$WORK/vllm-engine.json" "$OUT/" 2>/dev/null || say "no vllm-engine.json"
       wait_gpu_free
-      if [ "$(left)" -gt 60 ]; then vllm_start && vllm_wait; fi
+      [ "$(left)" -gt 60 ] && agents_part vllm  # the server's start-up goes on into the next call
       pack vllm-engine
       ;;
     vllm-agents | vllm-serve-start)
-      vllm_install || return 1
-      vllm_start && vllm_wait || { pack "$1"; return 1; }
-      if run_steps vllm --api "$VLLM_API"; then vllm_stop; fi
+      agents_part vllm
       pack "$1"
       ;;
     ours-engine | ours)
@@ -213,13 +226,17 @@ phase() {
       fi
       cp "$WORK/ours-engine.json" "$OUT/" 2>/dev/null || say "no ours-engine.json"
       wait_gpu_free
-      if [ "$(left)" -gt 60 ]; then ours_start && ours_wait; fi
+      [ "$(left)" -gt 60 ] && agents_part ours
       pack "$1"
       ;;
     ours-agents)
-      ours_start && ours_wait || { pack ours-agents; return 1; }
-      if run_steps ours; then ours_stop; fi
+      agents_part ours
       pack ours-agents
+      ;;
+    stop)
+      vllm_stop
+      ours_stop
+      pack stop
       ;;
     status)
       say "vLLM installed: $([ -f /tmp/vsite/vllm/__init__.py ] && echo yes || echo no); chunks: $(ls /tmp/acc 2>/dev/null | tr '\n' ' ')"
@@ -228,7 +245,7 @@ phase() {
       say "steps done: vllm $(cat "$STATE/vllm-done" 2>/dev/null | tr '\n' ' '); ours $(cat "$STATE/ours-done" 2>/dev/null | tr '\n' ' ')"
       say "GPU memory used: $(gpu_memory_mib) MiB"
       ;;
-    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, status)"; return 2 ;;
+    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, status, stop)"; return 2 ;;
   esac
 }
 

@@ -35,7 +35,15 @@ ENGINE_KEYS = ("schema", "engine", "date", "commit", "gpu", "shape", "dtype", "s
 MEASURE_KEYS = ("name", "kind", "new", "cached", "batch", "context", "steps", "seconds", "samples")
 SIZE_KEYS = ("kind", "new", "cached", "batch", "context", "steps")
 STEP_KEYS = ("agents", "ttft_p50", "ttft_p95", "tok_s_p50", "tok_s_p10", "cache_hit", "errors", "passed", "failed")
-STEP_OPTIONAL = ("request_tok_s_p10", "expected_cache_hit", "requests", "wall_s", "ttft_p95_warm", "ttft_p95_cold")
+STEP_OPTIONAL = (
+    "request_tok_s_p10",
+    "request_tok_s_p50",
+    "expected_cache_hit",
+    "requests",
+    "wall_s",
+    "ttft_p95_warm",
+    "ttft_p95_cold",
+)
 
 
 def engine_keys_missing(result: dict[str, Any]) -> list[str]:

@@ -1,12 +1,20 @@
 """Turning the last position's logits into the next token: greedy, or temperature / top-k / top-p sampling.
 
-Sampling is Gumbel-max on float32 logits, so no temperature the API accepts
-can overflow it: temperatures below MIN_TEMPERATURE are greedy, non-finite logits are clamped, and nothing is
-ever drawn from a distribution that does not sum to one (torch.multinomial raised on those). A row that still
-fails is named in SamplingError, so the caller fails that sequence alone.
+Sampling is Gumbel-max on float32 logits, so no temperature the API accepts can overflow it: temperatures below
+MIN_TEMPERATURE are greedy, non-finite logits are clamped, and nothing is ever drawn from a distribution that does
+not sum to one (torch.multinomial raised on those). A row that still fails (its generator broke, or its scores are
+NaN: a temperature the engine's validation would have refused) is named in SamplingError, so the caller fails that
+sequence alone.
+
+The whole batch is sampled at once on the logits' device: one argmax when every row is greedy; otherwise one small
+host->device copy of the rows' settings, one temperature division, one sort for the rows with top-k or top-p, one
+noise draw for the unseeded rows and one device->host transfer. Only seeded rows cost a call each: a row's noise
+comes from its own generator, so its tokens depend on its seed alone, never on the rows it is batched with.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -18,6 +26,7 @@ MIN_TEMPERATURE = 1e-5
 _FLOAT32_MAX = torch.finfo(torch.float32).max
 _FLOAT32_TINY = torch.finfo(torch.float32).tiny
 _FLOAT32_EPS = torch.finfo(torch.float32).eps
+_NO_TOKEN = -1  # a sampled row's token when its scores were NaN
 
 
 class SamplingError(RuntimeError):
@@ -38,42 +47,142 @@ def sample_tokens(
 ) -> list[int]:
     """logits: [S, vocab], one row per sequence. Rows with a seed draw from their own generator.
 
-    Raises SamplingError naming the rows that could not be sampled (each row is sampled on its own)."""
+    Raises SamplingError naming the rows that could not be sampled. The seeded generators are then put back as
+    they were, so the other rows draw the same tokens when the step is retried without the failed ones."""
+    sampled = [row for row, row_params in enumerate(params) if not is_greedy(row_params)]
+    if not sampled:
+        return logits.argmax(dim=-1).tolist()  # the common case: one argmax, one transfer
+    states = {row: gen.get_state() for row in sampled if isinstance(gen := generators[row], torch.Generator)}
+    try:
+        tokens, failures = _sample_batch(logits, params, generators, sampled)
+    except Exception:  # e.g. out of memory for the whole batch: row by row, so a failure is one row's again
+        _restore(generators, states)
+        tokens, failures = _sample_row_by_row(logits, params, generators, sampled)
+    if failures:
+        _restore(generators, states)
+        rows = sorted(failures)
+        raise SamplingError(rows, failures[rows[0]])
+    return tokens
+
+
+def _sample_batch(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], sampled: list[int]
+) -> tuple[list[int], dict[int, BaseException]]:
+    tokens = logits.argmax(dim=-1)  # the greedy rows' tokens; the sampled rows' are written over them
+    failures = _sample_rows(logits, params, generators, sampled, tokens)
+    return _checked(tokens.tolist(), sampled, failures)
+
+
+def _sample_row_by_row(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], sampled: list[int]
+) -> tuple[list[int], dict[int, BaseException]]:
     tokens = logits.argmax(dim=-1)
-    failed: list[int] = []
-    cause: BaseException | None = None
-    for row, row_params in enumerate(params):
-        if is_greedy(row_params):
-            continue
+    failures: dict[int, BaseException] = {}
+    for row in sampled:
         try:
-            tokens[row] = _sample_row(logits[row], row_params, generators[row])
+            failures.update(_sample_rows(logits, params, generators, [row], tokens))
         except Exception as exc:  # one sequence's parameters or logits must not fail the whole batch
-            failed.append(row)
-            cause = cause or exc
-    if cause is not None:
-        raise SamplingError(failed, cause)
-    return tokens.tolist()
+            failures[row] = exc
+    return _checked(tokens.tolist(), sampled, failures)
 
 
-def _sample_row(row_logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    scaled = _filtered_logits(row_logits, params)
+def _checked(
+    tokens: list[int], sampled: list[int], failures: dict[int, BaseException]
+) -> tuple[list[int], dict[int, BaseException]]:
+    for row in sampled:
+        if tokens[row] == _NO_TOKEN and row not in failures:
+            failures[row] = FloatingPointError("the row's scaled logits are NaN: there is no distribution to sample")
+    return tokens, failures
+
+
+def _sample_rows(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    rows: list[int],
+    tokens: torch.Tensor,
+) -> dict[int, BaseException]:
+    """Sample `rows` into `tokens` (on the device, _NO_TOKEN where the scores are NaN); returns the rows whose
+    generator failed."""
+    vocab = logits.shape[-1]
+    # One slice per group: the unseeded rows first (one noise draw), the rows with top-k or top-p in the middle
+    # (one sort); a row's position in the batch changes nothing it computes.
+    groups: tuple[list[int], ...] = ([], [], [], [])  # unseeded plain, unseeded filtered, seeded filtered, seeded plain
+    for row in rows:
+        seeded, filtered = generators[row] is not None, _filters(params[row], vocab)
+        groups[(2 if filtered else 3) if seeded else (1 if filtered else 0)].append(row)
+    order = [row for group in groups for row in group]
+    unseeded = len(groups[0]) + len(groups[1])
+    filtered = slice(len(groups[0]), unseeded + len(groups[2]))
+    settings = torch.tensor(
+        [[row, _temperature(params[row]), _top_k(params[row], vocab), _top_p(params[row])] for row in order],
+        dtype=torch.float32,  # exact for row and k below 2**24; the old scalar temperature and top_p were float32 too
+    ).to(logits.device)
+    row_index = settings[:, 0].long()
+
     # Gumbel-max: argmax(logit + Gumbel noise) draws from softmax(logits) without forming the probabilities.
     # The uniform draw is kept off 0 and 1 so the noise is finite and a filtered (-inf) token never wins.
-    uniform = torch.rand(scaled.shape, generator=generator, device=scaled.device, dtype=torch.float32)
-    gumbel = -torch.log(-torch.log(uniform.clamp_(_FLOAT32_TINY, 1.0 - _FLOAT32_EPS)))
-    return int((scaled + gumbel).argmax())
+    noise = torch.empty((len(order), vocab), dtype=torch.float32, device=logits.device)
+    if unseeded:
+        noise[:unseeded].uniform_()
+    failures: dict[int, BaseException] = {}
+    for position in range(unseeded, len(order)):
+        row = order[position]
+        try:
+            noise[position].uniform_(generator=generators[row])  # a call of its own: the seed decides it alone
+        except Exception as exc:  # a broken generator fails its row only
+            failures[row] = exc
+    gumbel = noise.clamp_(_FLOAT32_TINY, 1.0 - _FLOAT32_EPS).log_().neg_().log_().neg_()
+
+    chosen = logits if order == list(range(logits.shape[0])) else logits.index_select(0, row_index)
+    scaled = torch.nan_to_num(chosen.float(), nan=float("-inf"), posinf=_FLOAT32_MAX)
+    scaled = scaled.div_(settings[:, 1:2]).clamp_(min=None, max=_FLOAT32_MAX)
+    if filtered.start < filtered.stop:
+        any_top_p = any(_top_p(params[row]) < math.inf for row in order[filtered])
+        _apply_top_k_top_p(scaled[filtered], settings[filtered, 2:3].long(), settings[filtered, 3:4], any_top_p)
+    scores = scaled.add_(gumbel)
+    picked = scores.argmax(dim=-1).masked_fill_(scores.isnan().any(dim=-1), _NO_TOKEN)
+    tokens.index_copy_(0, row_index, picked)
+    return failures
 
 
-def _filtered_logits(row_logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    scaled = torch.nan_to_num(row_logits.float(), nan=float("-inf"), posinf=_FLOAT32_MAX)
-    scaled = (scaled / params.temperature).clamp(min=None, max=_FLOAT32_MAX)
-    if params.top_k > 0 and params.top_k < scaled.shape[-1]:
-        kth = torch.topk(scaled, params.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    if 0.0 < params.top_p < 1.0:
-        sorted_logits, order = scaled.sort(descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # drop a token once the ones before it already reach top_p (the first token always stays)
-        drop = (sorted_probs.cumsum(-1) - sorted_probs) >= params.top_p
-        scaled = scaled.scatter(0, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return scaled
+def _apply_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, any_top_p: bool) -> None:
+    """Filter each row of `scaled` in place to its top_k ([n, 1]; vocab = off) and top_p ([n, 1]; inf = off)."""
+    # stable: tied logits keep the vocabulary's order, so which of them top-p drops does not depend on the batch
+    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
+    kth = sorted_logits.gather(1, top_k - 1)  # ties with the k-th largest stay, as torch.topk's threshold kept them
+    sorted_logits.masked_fill_(sorted_logits < kth, float("-inf"))
+    if any_top_p:
+        # float64: the GPU's cumsum rounds by a thread layout it picks from the number of rows (one row goes to
+        # cub), which in float32 could move a seeded row's nucleus with its batch; in float64 that is ~1e-16.
+        probs = sorted_logits.softmax(dim=-1).double()
+        # drop a token once the ones before it already reach top_p; the first token always stays, even for a
+        # top_p that float32 rounds to 0
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop[:, 0] = False
+        sorted_logits.masked_fill_(drop, float("-inf"))
+    scaled.scatter_(1, order, sorted_logits)
+
+
+def _filters(params: SamplingParams, vocab: int) -> bool:
+    return _top_k(params, vocab) < vocab or _top_p(params) < math.inf
+
+
+def _temperature(params: SamplingParams) -> float:
+    # a finite temperature past float32's range would become inf, and -inf / inf is NaN: flat, not failed
+    return min(params.temperature, _FLOAT32_MAX)
+
+
+def _top_k(params: SamplingParams, vocab: int) -> int:
+    return params.top_k if 0 < params.top_k < vocab else vocab
+
+
+def _top_p(params: SamplingParams) -> float:
+    return params.top_p if 0.0 < params.top_p < 1.0 else math.inf
+
+
+def _restore(generators: list[torch.Generator | None], states: dict[int, torch.Tensor]) -> None:
+    for row, state in states.items():
+        generator = generators[row]
+        assert generator is not None
+        generator.set_state(state)

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# FlashInfer FA3 as an attention backend, on the GPU machine, in one command, under 4 minutes (carry: .fi):
+#   bash bench/probes/flashinfer_check.sh
+# Installs the carried wheels (.fi/*.whl: flashinfer-python 0.6.13, apache-tvm-ffi 0.1.9) into /tmp/fisite,
+# points FlashInfer at the prebuilt FA3 module (.fi/aot: a stand-in flashinfer_jit_cache package), forbids
+# JIT compilation (FLASHINFER_DISABLE_JIT=1: a missing module fails at once instead of compiling for tens of
+# minutes), then runs bench/probes/flashinfer_probe.py. Ends with PASS, or a FAIL line that says why.
+set -u
+cd "$(dirname "$0")/../.." || exit 1
+fail() { echo "FAIL: $*"; exit 1; }
+started=$(date +%s)
+
+[ -d .fi/aot/flashinfer_jit_cache ] || fail ".fi/aot not here: carry .fi"
+ls .fi/*.whl >/dev/null 2>&1 || fail "no wheels in .fi: carry .fi"
+so=$(ls .fi/aot/flashinfer_jit_cache/jit_cache/*/*.so 2>/dev/null | head -1)
+[ -n "$so" ] || fail "no prebuilt module in .fi/aot/flashinfer_jit_cache/jit_cache"
+echo "prebuilt: $so ($(du -h "$so" | cut -f1))"
+command -v cuobjdump >/dev/null && { timeout 10 cuobjdump --list-elf "$so" | head -5; }
+
+timeout 45 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/fisite .fi/*.whl || fail "pip install of the .fi wheels (exit $?)"
+
+export PYTHONPATH="/tmp/fisite:$PWD/.fi/aot${PYTHONPATH:+:$PYTHONPATH}"
+export FLASHINFER_DISABLE_JIT=1
+export FLASHINFER_WORKSPACE_BASE=/tmp/fiws  # FlashInfer's log and generated sources; nothing is built there
+export FLASHINFER_LOGGING_LEVEL=warning
+# tvm-ffi would JIT-build a torch DLPack addon if torch lacked the native exchange API; torch's own is used
+# either way when present (the probe prints whether it is)
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+export PYTHONUNBUFFERED=1
+mkdir -p /tmp/fiws
+
+timeout 30 python3 -c "import flashinfer, tvm_ffi; print('flashinfer', flashinfer.__version__, 'tvm_ffi', tvm_ffi.__version__)" \
+  || fail "import flashinfer (exit $?)"
+
+timeout 150 python3 bench/probes/flashinfer_probe.py "$@"
+rc=$?
+[ $rc -eq 124 ] && fail "flashinfer_probe.py ran past 150 s"
+# any ninja/nvcc output FlashInfer would have written had it compiled
+if [ -d /tmp/fiws/.cache/flashinfer ] && find /tmp/fiws/.cache/flashinfer -name '*.o' -o -name 'build.ninja' | grep -q .; then
+  echo "FAIL: FlashInfer wrote build files under /tmp/fiws (it tried to compile)"; rc=1
+fi
+echo "flashinfer_check: $(( $(date +%s) - started )) s, exit $rc"
+exit $rc

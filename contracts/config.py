@@ -60,6 +60,18 @@ class KvServeConfig(BaseSettings):
     cold_max_wait_secs: float = Field(
         30.0, ge=0.0, description="warm_first: a cold request waiting this long is scheduled as if warm"
     )
+    # 50 ms: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs beside them;
+    # on the H200 a 4K-token chunk held every decoder for 150-470 ms.
+    decode_step_budget_ms: float = Field(
+        50.0,
+        ge=0.0,
+        description="while sequences decode, a step's prefill is cut so its predicted time stays within this; "
+        "0 = off (prefill takes max_num_batched_tokens)",
+    )
+    # 256 tokens (16 blocks of 16): progress for prefill even when the decodes alone fill the budget.
+    min_prefill_chunk_tokens: int = Field(
+        256, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
+    )
 
     # --- L1 (kvstore) ---
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")

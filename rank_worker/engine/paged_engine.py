@@ -53,6 +53,8 @@ class EngineSettings:
     max_cold_prefills: int = 0
     cold_max_wait_secs: float = 30.0
     l1_restore_cost: float = 0.05  # the router's, so the load the rank reports is in its unit
+    decode_step_budget_ms: float = 50.0  # a step with decoders: prefill cut to fit its predicted time; 0 = off
+    min_prefill_chunk_tokens: int = 256  # prefill every step gets under that budget
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
     cuda_graph_max_kv_tokens: int = 0  # 0: graph_kv_token_cap decides
     decode_attention: str = "auto"  # "auto" | "triton" | "sdpa"
@@ -65,6 +67,8 @@ class EngineSettings:
             self.max_cold_prefills,
             self.cold_max_wait_secs,
             self.l1_restore_cost,
+            self.decode_step_budget_ms,
+            self.min_prefill_chunk_tokens,
         )
 
 
@@ -222,7 +226,11 @@ class PagedEngine(Engine):
             if self.l1 is not None and self.l1.has_pending:
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
-        sampled = self.runner.run(batch)
+        started = time.perf_counter()
+        sampled = self.runner.run(batch)  # synchronous when it samples: the tokens are read back
+        if not sampled and self.kv_cache.is_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)  # mid-prompt chunks only: time the work, not its launch
+        self.scheduler.observe_step(batch, time.perf_counter() - started)  # the step-cost model's measurement
         self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))
         now = time.monotonic()
         outputs: list[RequestOutput] = []

@@ -18,6 +18,13 @@ Two policies:
   back by the cap), so a steady stream of warm work cannot starve it. Preempted sequences keep their place
   at the front of the queue; when blocks run out, cold prefills are preempted first.
 
+Decoders are not stalled by prefill (both policies): while running sequences are decoding, a step's prefill
+tokens are capped so that the step's predicted time (step_cost.py, fitted to the steps the engine measured)
+stays within decode_step_budget_ms, each chunk cut to a whole number of blocks; the chunks go in the policy's
+order (warm ones first under warm_first), and each step still gets min_prefill_chunk_tokens of prefill, so a
+prefill is never starved by decoders whose own steps fill the budget. With nobody decoding (or a budget of 0)
+prefill takes the whole max_num_batched_tokens, as one long step stalls no one.
+
 The load the rank reports (prefill_load) is prefill still to do: for each waiting request its prompt tokens
 not in L0 (those the host tier is known to hold at l1_restore_cost each), for each running one still in
 prefill what is left of it. It is the unit of the router's own estimate and score, so the two add up.
@@ -34,6 +41,7 @@ from typing import Literal
 from contracts.config import DEFAULTS
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.engine.step_cost import StepCostModel, StepLoad
 
 PolicyName = Literal["fifo", "warm_first"]
 # How long a computed prefill load is reused (a load signal, heard once a heartbeat).
@@ -47,6 +55,8 @@ class SchedulingPolicy:
     max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
     cold_max_wait_secs: float = 30.0  # a cold request waiting this long is scheduled as if warm
     l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
+    decode_step_budget_ms: float = DEFAULTS.decode_step_budget_ms  # a step with decoders; 0 = no cap on prefill
+    min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy
 
     @property
     def warm_first(self) -> bool:
@@ -61,6 +71,26 @@ class ScheduledBatch:
     @property
     def num_tokens(self) -> int:
         return sum(n for _, n in self.entries)
+
+    @property
+    def load(self) -> StepLoad:
+        """What the step carries, for the step-cost model (read before the step advances its sequences)."""
+        return step_load(self.entries)
+
+
+def step_load(entries: Iterable[tuple[Sequence, int]], load: StepLoad = StepLoad()) -> StepLoad:
+    """`load` plus these (sequence, tokens to compute) entries: a 1-token entry is a decoding row (the model
+    runner runs it as one), longer ones prefill chunks over the sequence's computed tokens."""
+    rows, kv, tokens, attention = load.decode_rows, load.decode_kv_tokens, load.prefill_tokens, load.prefill_attention
+    for seq, num_new in entries:
+        cached = seq.num_computed_tokens
+        if num_new == 1:
+            rows += 1
+            kv += cached + 1
+        else:
+            tokens += num_new
+            attention += num_new * (cached + num_new / 2)
+    return StepLoad(rows, kv, tokens, attention)
 
 
 @dataclass(frozen=True)
@@ -80,6 +110,9 @@ class _Step:
     batch: ScheduledBatch = field(default_factory=ScheduledBatch)
     cold_in_prefill: int = 0
     closed: bool = False  # no more admissions this step
+    time_budget_s: float | None = None  # what the step may take, while sequences are decoding (None: no cap)
+    # What it carries so far (kept under a time budget only): its decodes from the start, then each prefill chunk.
+    load: StepLoad = field(default_factory=StepLoad)
 
 
 class Scheduler:
@@ -90,12 +123,14 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: SchedulingPolicy | None = None,
         clock: Callable[[], float] = time.monotonic,
+        step_cost: StepCostModel | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy or SchedulingPolicy()
         self.clock = clock  # the clock of arrival times (tests and the simulator set their own)
+        self.step_cost = step_cost or StepCostModel()  # fed by observe_step with every step the model ran
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -166,8 +201,18 @@ class Scheduler:
         """Running sequences admitted cold whose prefill has not completed yet."""
         return sum(1 for seq in self.running if seq.num_computed_tokens < seq.cold_until)
 
+    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
+        """The model took `seconds` for this batch: call before its sequences advance (their computed tokens are
+        the chunks' cached context)."""
+        self.step_cost.observe(batch.load, seconds)
+
     def schedule(self) -> ScheduledBatch:
         step = _Step(budget=self.max_num_batched_tokens, now=self.clock())
+        if self.policy.decode_step_budget_ms > 0:
+            decoding = [(seq, 1) for seq in self.running if seq.num_uncomputed_tokens == 1]
+            if decoding:
+                step.time_budget_s = self.policy.decode_step_budget_ms / 1000
+                step.load = step_load(decoding)
         if not self.policy.warm_first:
             order = list(self.running)
             self._run(order, 0, len(order), step)
@@ -196,7 +241,10 @@ class Scheduler:
         batch = step.batch
         while index < min(stop, len(order)) and step.budget > 0:
             seq = order[index]
-            num_new = min(seq.num_uncomputed_tokens, step.budget)
+            num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
+            if num_new == 0:
+                index += 1  # the step's time is spent: this prefill continues in a later step
+                continue
             while not self.kv.allocate(seq, num_new):
                 victim = order.pop()
                 self._preempt(victim, batch)
@@ -206,6 +254,8 @@ class Scheduler:
                 break  # it preempted itself: nothing further back can run either
             batch.entries.append((seq, num_new))
             step.budget -= num_new
+            if num_new > 1 and step.time_budget_s is not None:  # decoding rows are in step.load already
+                step.load = step.load.with_chunk(num_new, seq.num_computed_tokens)
             index += 1
         return index
 
@@ -221,13 +271,16 @@ class Scheduler:
                 return
             if capped and cap and step.cold_in_prefill >= cap:
                 continue  # the cap holds it back; warm requests behind it may still go
+            if self._time_spent(step):
+                step.closed = True  # the decoders' time budget is spent: whoever waits, waits a step
+                return
             if self.kv.waits_for_host(seq, step.budget):
                 continue  # WAITING_FOR_L1: its blocks are being restored off the engine thread; admitted after
             fresh = seq.num_cached_tokens is None
             cached, restored = self.kv.attach_cached_prefix(seq)
             self.restored_tokens += restored
-            num_new = min(seq.num_uncomputed_tokens, step.budget)
-            if not self.kv.allocate(seq, num_new):
+            num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
+            if num_new == 0 or not self.kv.allocate(seq, num_new):
                 self.kv.free(seq)  # give the prefix back; try again next step
                 step.closed = True
                 return
@@ -246,6 +299,28 @@ class Scheduler:
             self.running.append(seq)
             batch.entries.append((seq, num_new))
             step.budget -= num_new
+            if step.time_budget_s is not None:
+                step.load = step_load([(seq, num_new)], step.load)
+
+    # --- the decoders' time budget ---
+
+    def _tokens_within_time(self, seq: Sequence, wanted: int, step: _Step) -> int:
+        """Of `wanted` tokens of a prefill, those that keep the step within its time budget (all when it has
+        none), cut to whole blocks; at least what is left of the step's min_prefill_chunk_tokens."""
+        if step.time_budget_s is None or wanted <= 1:
+            return wanted
+        fits = self.step_cost.max_chunk_tokens(step.load, seq.num_computed_tokens, step.time_budget_s)
+        if fits >= wanted:
+            return wanted
+        fits -= fits % self.kv.block_size
+        floor = self.policy.min_prefill_chunk_tokens - step.load.prefill_tokens
+        return min(wanted, max(fits, floor, 0))
+
+    def _time_spent(self, step: _Step) -> bool:
+        """Not one more prefill token (even over no cached context) fits the step's time budget."""
+        if step.time_budget_s is None or step.load.prefill_tokens < self.policy.min_prefill_chunk_tokens:
+            return False
+        return self.step_cost.max_chunk_tokens(step.load, 0, step.time_budget_s) == 0
 
     # --- the policy ---
 

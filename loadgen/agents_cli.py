@@ -1,5 +1,6 @@
 """`kvserve bench agents`: N concurrent agents replay traces against the gateway, in steps of increasing N;
-per step TTFT (warm/cold), per-agent tok/s, cache hit (L0/L1), errors and the verdict; JSON, PNGs, a table.
+per step TTFT (warm/cold), per-agent and per-call tok/s, cache hit (L0/L1), errors and the verdict; JSON, PNGs,
+a table.
 
     kvserve bench agents --url http://127.0.0.1:8080 --agents 2,4,8 --duration 300
     kvserve bench agents --trace mooncake --agents 16 --turns 20 --think-time trace
@@ -164,7 +165,8 @@ def main(argv: list[str]) -> int:
         steps.append(stats)
         requests += [{"step": index, "agents": agents, **dataclasses.asdict(r)} for r in result.records]
         verdict = "PASS" if stats["passed"] else "fail: " + ", ".join(stats["failed"])
-        err.print(f"step {agents} agents: {stats['requests']} calls, {verdict}")
+        rates = f"tok/s p50 {stats['tok_s_p50']} per agent, {stats['request_tok_s_p50']} per call"
+        err.print(f"step {agents} agents: {stats['requests']} calls, {rates}, {verdict}")
 
     best = largest_passing(steps)
     results = {

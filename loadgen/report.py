@@ -3,6 +3,10 @@
 A step passes when TTFT p95 <= 15 s, per-agent output tok/s p50 >= 20 and p10 >= 10, at least 90% of
 input tokens came from cache and fewer than 1% of requests failed (all thresholds adjustable). A
 statistic with no samples (no answered request, no decode time) fails its criterion.
+
+Beside the per-agent rate, which pools an agent's calls, the per-request rate (request_tok_s_p50/p10, not a
+criterion) shows how each call decoded: a call whose decode was stalled by other requests' prefills is slow
+there even when its agent's other calls make up for it.
 """
 
 from __future__ import annotations
@@ -66,6 +70,16 @@ def agent_tok_s(records: Iterable[RequestRecord]) -> dict[int, float]:
     return {agent: tokens[agent] / seconds[agent] for agent in tokens if seconds[agent] > 0}
 
 
+def request_tok_s(records: Iterable[RequestRecord]) -> list[float]:
+    """Per answered call: its output tokens after the first / the time spent decoding them (a call that never
+    decoded for a measurable time has no rate)."""
+    return [
+        (record.output_tokens - 1) / record.decode_s
+        for record in records
+        if record.error is None and record.ttft_s is not None and record.output_tokens > 1 and record.decode_s > 0
+    ]
+
+
 def _ratio(numerator: float, denominator: float) -> float | None:
     return numerator / denominator if denominator > 0 else None
 
@@ -89,6 +103,7 @@ def step_stats(
     warm_ttfts = [r.ttft_s for r in warm if r.ttft_s is not None]
     cold_ttfts = [r.ttft_s for r in cold if r.ttft_s is not None]
     rates = list(agent_tok_s(records).values())
+    request_rates = request_tok_s(records)
     input_tokens = sum(r.input_tokens for r in answered)
     cached_tokens = sum(r.cached_tokens for r in answered)
     expected_input = sum(r.expected_input_tokens for r in records)
@@ -109,6 +124,8 @@ def step_stats(
         "ttft_p95_cold": _rounded(percentile(cold_ttfts, 95)),
         "tok_s_p50": _rounded(percentile(rates, 50), 2),
         "tok_s_p10": _rounded(percentile(rates, 10), 2),
+        "request_tok_s_p50": _rounded(percentile(request_rates, 50), 2),
+        "request_tok_s_p10": _rounded(percentile(request_rates, 10), 2),
         "input_tokens": input_tokens,
         "cached_tokens": cached_tokens,
         "output_tokens": sum(r.output_tokens for r in answered),
@@ -165,16 +182,19 @@ def step_row(stats: dict[str, Any]) -> list[str]:
     def share(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
 
-    rate = "-" if stats["tok_s_p50"] is None else f"{stats['tok_s_p50']:.1f}"
-    rate_tail = "-" if stats["tok_s_p10"] is None else f"{stats['tok_s_p10']:.1f}"
+    def rate(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
+
     return [
         str(stats["agents"]),
         str(stats["requests"]),
         seconds(stats["ttft_p50"]),
         seconds(stats["ttft_p95"]),
         f"{seconds(stats['ttft_p95_warm'])} / {seconds(stats['ttft_p95_cold'])}",
-        rate,
-        rate_tail,
+        rate(stats["tok_s_p50"]),
+        rate(stats["tok_s_p10"]),
+        # Older result files (and the simulator's calibration input) may not have the per-request rate.
+        f"{rate(stats.get('request_tok_s_p50'))} / {rate(stats.get('request_tok_s_p10'))}",
         share(stats["cache_hit"]),
         f"{share(stats['cache_hit_l0'])} / {share(stats['cache_hit_l1'])}",
         share(stats["errors"]),
@@ -190,6 +210,7 @@ TABLE_COLUMNS = (
     "p95 warm / cold",
     "tok/s p50",
     "tok/s p10",
+    "call tok/s p50 / p10",
     "cache hit",
     "L0 / L1",
     "errors",

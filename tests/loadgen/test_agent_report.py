@@ -5,7 +5,17 @@ from __future__ import annotations
 import pytest
 
 from loadgen.agent import RequestRecord
-from loadgen.report import Thresholds, agent_tok_s, failed_criteria, largest_passing, percentile, step_stats
+from loadgen.report import (
+    TABLE_COLUMNS,
+    Thresholds,
+    agent_tok_s,
+    failed_criteria,
+    largest_passing,
+    percentile,
+    request_tok_s,
+    step_row,
+    step_stats,
+)
 
 
 def _record(
@@ -54,6 +64,31 @@ def test_agent_tok_s_counts_tokens_after_the_first() -> None:
         _record(agent=2, output=1, decode=0.0),  # one token: no decode time, no rate
     ]
     assert agent_tok_s(records) == {0: 30.0, 1: 10.0}
+
+
+def test_request_tok_s_rates_each_answered_call_on_its_own() -> None:
+    records = [
+        _record(agent=0, output=101, decode=2.0),  # 50 tok/s
+        _record(agent=0, output=51, decode=5.0),  # 10 tok/s: the agent's pooled rate (150 / 7 s) hides it
+        _record(agent=1, output=11, decode=0.5),  # 20 tok/s
+        _record(agent=1, error="http 529", ttft=None, output=0, decode=0.0),
+        _record(agent=2, output=1, decode=0.0),  # one token: no decode time, no rate
+        _record(agent=2, output=5, decode=0.0),  # tokens but no measurable time: no rate
+    ]
+    assert request_tok_s(records) == [50.0, 10.0, 20.0]
+    stats = step_stats(records, agents=3)
+    assert stats["request_tok_s_p50"] == 20.0
+    assert stats["request_tok_s_p10"] == 12.0  # linear between 10 and 20
+    assert agent_tok_s(records)[0] == pytest.approx(150 / 7), "per agent, the slow call is pooled away"
+    assert step_stats([], 3)["request_tok_s_p50"] is None
+
+
+def test_the_table_shows_the_per_call_rate_beside_the_per_agent_one() -> None:
+    stats = step_stats([_record(agent=0, output=101, decode=2.0), _record(agent=1, output=21, decode=2.0)], 2)
+    row = dict(zip(TABLE_COLUMNS, step_row(stats), strict=True))
+    assert row["tok/s p50"] == "30.0" and row["call tok/s p50 / p10"] == "30.0 / 14.0"
+    older = dict(zip(TABLE_COLUMNS, step_row(stats | {"request_tok_s_p50": None}), strict=True))
+    assert older["call tok/s p50 / p10"] == "- / 14.0"
 
 
 def test_a_good_step_passes() -> None:

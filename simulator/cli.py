@@ -74,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--warm-prefix-fraction", type=float, default=None)
     policy.add_argument("--max-cold-prefills", type=int, default=None)
     policy.add_argument("--cold-max-wait", type=float, default=None, help="seconds")
+    policy.add_argument("--decode-step-budget-ms", type=float, default=None, help="a step with decoders; 0 = off")
+    policy.add_argument("--min-prefill-chunk", type=int, default=None, help="prefill tokens a step always gets")
 
     work = parser.add_argument_group("workload (as kvserve bench agents; --calibrate fills what is not given)")
     work.add_argument("--trace", choices=("claude_code", "mooncake"), default=None, help="default claude_code")
@@ -135,6 +137,8 @@ _FROM_CONFIG = {
     "warm_prefix_fraction": "warm_prefix_fraction",
     "max_cold_prefills": "max_cold_prefills",
     "cold_max_wait": "cold_max_wait_secs",
+    "decode_step_budget_ms": "decode_step_budget_ms",
+    "min_prefill_chunk": "min_prefill_chunk_tokens",
 }
 
 
@@ -268,7 +272,13 @@ def main(argv: list[str]) -> int:
     started = time.monotonic()
     for name in policies:
         policy = SchedulingPolicy(
-            name, args.warm_prefix_fraction, args.max_cold_prefills, args.cold_max_wait, args.l1_restore_cost
+            name,
+            args.warm_prefix_fraction,
+            args.max_cold_prefills,
+            args.cold_max_wait,
+            args.l1_restore_cost,
+            args.decode_step_budget_ms,
+            args.min_prefill_chunk,
         )
         node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
         runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
@@ -293,6 +303,8 @@ def main(argv: list[str]) -> int:
             "warm_prefix_fraction": args.warm_prefix_fraction,
             "max_cold_prefills": args.max_cold_prefills,
             "cold_max_wait_secs": args.cold_max_wait,
+            "decode_step_budget_ms": args.decode_step_budget_ms,
+            "min_prefill_chunk_tokens": args.min_prefill_chunk,
         },
         "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
         "route": dataclasses.asdict(route),

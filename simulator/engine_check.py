@@ -124,6 +124,8 @@ def _engine(shape: str, rank: RankSettings, max_len: int) -> PagedEngine:
         warm_prefix_fraction=policy.warm_prefix_fraction,
         max_cold_prefills=policy.max_cold_prefills,
         cold_max_wait_secs=policy.cold_max_wait_secs,
+        decode_step_budget_ms=policy.decode_step_budget_ms,
+        min_prefill_chunk_tokens=policy.min_prefill_chunk_tokens,
     )
     return PagedEngine(model, settings)
 

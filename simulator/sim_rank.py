@@ -4,7 +4,9 @@ a model runner that computes nothing and instead says how long the step took on 
 step() follows PagedEngine.step: schedule, advance every scheduled sequence by its tokens, register full
 blocks, append a token to each sequence that reached its end (a made-up id: outputs are never reused, as
 in the load generator, whose next turn is the trace's content), write through to L1 at the first output,
-finish at max_tokens or max_model_len. Output lengths come from the trace (ignore_eos).
+finish at max_tokens or max_model_len. Output lengths come from the trace (ignore_eos). As the engine measures
+its steps, the scheduler's step-cost model is told each step's modelled time, so its decode time budget
+(decode_step_budget_ms) cuts prefill chunks as it would on the GPU the step-time model was fitted to.
 """
 
 from __future__ import annotations
@@ -108,6 +110,8 @@ class SimulatedRank:
                 decodes.append(seq.num_computed_tokens + 1)
         restored = self.scheduler.restored_tokens - restored_before
         duration = self.step_time.step_s(prefills, decodes) if batch.entries else 0.0
+        if batch.entries:
+            self.scheduler.observe_step(batch, duration)  # the model's run: the restore below is not part of it
         duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
         end = now + duration
         outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])

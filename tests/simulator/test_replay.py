@@ -129,3 +129,22 @@ def test_the_largest_passing_n_grows_with_ranks() -> None:
     assert best[1]["largest_passing"] is not None
     assert best[2]["largest_passing"] > best[1]["largest_passing"]
     assert best[2]["input_tokens_per_s"] > best[1]["input_tokens_per_s"]
+
+
+def test_the_decode_step_budget_keeps_calls_decoding_beside_long_cold_prefills() -> None:
+    # Agents decoding 200-token answers over 8K contexts while others send 38K-token cold prompts: with the
+    # budget (the engine's default) their steps stay short; without it each 32K-token chunk holds them ~1 s.
+    decoding = [growing_session(f"d{i}", (i + 1) * 1_000_000, 120, 2, 6, 200) for i in range(4)]
+    cold = [cold_session(f"c{i}", (i + 101) * 1_000_000, 600, 3, 4) for i in range(4)]
+    work = [session for pair in zip(decoding, cold, strict=True) for session in pair]
+    workload = WorkloadSettings(agents=8, turns=3, think=ThinkTime(fixed=1.0))
+    stats = {}
+    for budget_ms in (0.0, 50.0):
+        settings = node(1)
+        policy = replace(settings.rank.policy, decode_step_budget_ms=budget_ms)
+        settings = replace(settings, rank=replace(settings.rank, policy=policy))
+        stats[budget_ms] = step_stats(replay(work, workload, settings, STEP_TIME).records, 8)
+    off, on = stats[0.0], stats[50.0]
+    assert on["request_tok_s_p10"] > 2 * off["request_tok_s_p10"]
+    assert on["request_tok_s_p10"] >= 15  # near the 20 tok/s bar even in the calls that met the cold prefills
+    assert on["ttft_p95_cold"] < 2 * off["ttft_p95_cold"]  # the cold prefills take longer, not forever

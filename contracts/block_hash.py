@@ -54,7 +54,12 @@ def prefix_block_hashes(
     return hashes
 
 
+def lookup_block_count(num_tokens: int, block_size: int) -> int:
+    """How many leading full blocks of num_tokens tokens may come from a cache: lookups stop one token short
+    of the end, because the last token must be computed to produce the next output's logits."""
+    return max(num_tokens - 1, 0) // block_size
+
+
 def lookup_block_hashes(namespace: BlockHash, prompt_token_ids: Sequence[int], block_size: int) -> list[BlockHash]:
-    """The blocks of a prompt that may come from a cache: lookups stop one token short of the end,
-    because the last prompt token must be computed to produce the first output's logits."""
+    """The hashes of the blocks of a prompt that may come from a cache (lookup_block_count of them)."""
     return prefix_block_hashes(namespace, prompt_token_ids[: max(len(prompt_token_ids) - 1, 0)], block_size)

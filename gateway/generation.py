@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 
 import grpc
 
-from contracts.block_hash import lookup_block_hashes
 from gateway.chat import ChatRequest
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.parsing.events import OutputEvent, ToolCallStart
+from gateway.prompt_hashes import prompt_block_hashes, route_block_hashes
 from gateway.rank_choice import RankChoice, RankChooser, RouteQuery
 from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream, RequestFailed, rank_at_fault
 from gateway.served_model import ServedModel
@@ -102,6 +102,7 @@ class PreparedRequest:
     prompt_ids: list[int]
     max_tokens: int
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prompt_hashes)
 
     @property
     def prompt_tokens(self) -> int:
@@ -134,7 +135,8 @@ class Generation:
         self.rank_stall_s = rank_stall_s  # no token nor progress (nor acceptance) for this long: the rank is hung
 
     def prepare(self, chat: ChatRequest) -> PreparedRequest:
-        """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped."""
+        """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped. The
+        prompt's block hashes too: like tokenizing, this runs off the event loop (chat_endpoint)."""
         self.model.check_name(chat.model)
         text = self.prompts.render(chat)
         ids = self.model.encode(text)
@@ -146,7 +148,8 @@ class Generation:
             )
         room = limit - len(ids)
         wanted = chat.max_tokens if chat.max_tokens is not None else room
-        return PreparedRequest(chat, text, ids, max(1, min(wanted, room)))
+        hashes = prompt_block_hashes(self.model.info, ids)
+        return PreparedRequest(chat, text, ids, max(1, min(wanted, room)), block_hashes=hashes)
 
     def count_tokens(self, chat: ChatRequest) -> int:
         self.model.check_name(chat.model)
@@ -177,15 +180,19 @@ class Generation:
             sampling.seed = chat.seed
         request_id = f"{prepared.request_id}+{len(extra)}" if extra else prepared.request_id
         session_id = routing_session_id(chat.session_id)
+        info = self.model.info
+        hashes = prepared.block_hashes
+        if extra:  # the continued prompt's chain goes on from the prompt's (a long output: off the loop too)
+            hashes = await asyncio.to_thread(prompt_block_hashes, info, prompt_ids, hashes)
         request = pb.GenerateRequest(
-            request_id=request_id, prompt_token_ids=prompt_ids, sampling=sampling, session_id=session_id
+            request_id=request_id,
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            session_id=session_id,
+            prompt_block_hashes=hashes,
+            block_hash_namespace=info.hash_namespace if hashes else b"",
         )
-        hashes = (
-            lookup_block_hashes(self.model.info.hash_namespace, prompt_ids, self.model.info.block_size)
-            if self.chooser.wants_block_hashes
-            else []
-        )
-        query = RouteQuery(request_id, session_id, len(prompt_ids), hashes)
+        query = RouteQuery(request_id, session_id, len(prompt_ids), route_block_hashes(info, len(prompt_ids), hashes))
         avoid = set(avoid)
         tried = full = 0
         last_error: RankRefused | None = None

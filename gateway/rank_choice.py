@@ -52,12 +52,10 @@ class RouteQuery:
     request_id: str
     session_id: str
     prompt_tokens: int
-    block_hashes: list[bytes]
+    block_hashes: list[bytes]  # the prompt's lookup hashes (contracts.block_hash), computed once per request
 
 
 class RankChooser(Protocol):
-    wants_block_hashes: bool
-
     async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
         """The rank to try next, never one whose rank_id is in `avoid`; None when none is left."""
         ...
@@ -95,8 +93,6 @@ def router_away_error(exc: grpc.aio.AioRpcError) -> bool:
 class StaticRanks:
     """A fixed list of rank addresses (no router): the address is the rank's id."""
 
-    wants_block_hashes = False
-
     def __init__(self, addresses: list[str]) -> None:
         if not addresses:
             raise ValueError("no rank workers configured")
@@ -118,8 +114,6 @@ class StaticRanks:
 class RouterRanks:
     """Routing by the router. While it does not answer, the last rank list it gave (or the static fallback
     list) is used with the session-hashed preference, so serving never depends on the router being up."""
-
-    wants_block_hashes = True  # the router scores ranks by the prompt's cached prefix
 
     def __init__(self, router_address: str, fallback_addresses: list[str]) -> None:
         self.router_address = router_address

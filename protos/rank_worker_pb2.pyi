@@ -38,16 +38,20 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_tokens: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_id")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "session_id", "prompt_block_hashes", "block_hash_namespace")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     session_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ...) -> None: ...
+    prompt_block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    block_hash_namespace: bytes
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., prompt_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hash_namespace: _Optional[bytes] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions", "l1_cached_tokens")

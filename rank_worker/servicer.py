@@ -56,7 +56,13 @@ def engine_request(message: pb.GenerateRequest) -> EngineRequest:
         ignore_eos=wire.ignore_eos,
     )
     request_id = message.request_id or f"rw-{uuid.uuid4().hex}"
-    return EngineRequest(request_id=request_id, prompt_token_ids=list(message.prompt_token_ids), sampling=sampling)
+    return EngineRequest(
+        request_id=request_id,
+        prompt_token_ids=list(message.prompt_token_ids),
+        sampling=sampling,
+        prompt_block_hashes=list(message.prompt_block_hashes),
+        block_hash_namespace=message.block_hash_namespace,
+    )
 
 
 def finished_message(output: RequestOutput) -> pb.GenerateResponse:

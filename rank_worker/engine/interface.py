@@ -57,6 +57,10 @@ class EngineRequest:
     prompt_token_ids: list[int]
     sampling: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float | None = None  # time.monotonic(); set by add_request when None
+    # The client's chained hashes of the prompt's full blocks and the namespace it computed them in: used
+    # instead of hashing the prompt again when that is the engine's namespace and the count is right.
+    prompt_block_hashes: list[bytes] = field(default_factory=list)
+    block_hash_namespace: bytes = b""
 
 
 @dataclass

@@ -4,13 +4,18 @@ and release when the sequence ends (its registered blocks written through to L1 
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
+from collections.abc import Sequence as Tokens
 from typing import Protocol
 
-from contracts.block_hash import chain_block_hash, prefix_block_hashes
+from contracts.block_hash import chain_block_hash, lookup_block_count, prefix_block_hashes
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.host_fetch import HostFetch
+
+log = logging.getLogger(__name__)
+HASH_BYTES = 16  # contracts.block_hash: 128-bit xxh3
 
 
 class HostCacheTier(Protocol):
@@ -38,6 +43,29 @@ class KvCacheManager:
         self.block_size = block_size
         self.namespace = hash_namespace
         self.host_tier = host_tier
+        self._refusals_logged: set[str] = set()  # why sent hashes were not used, each said once
+
+    def sent_prompt_hashes(self, prompt: Tokens[int], sent: Tokens[bytes], namespace: bytes) -> list[bytes]:
+        """The hash chain a new sequence starts with: the client's hashes of the prompt's full blocks when they
+        are in this rank's namespace and there is one per full block, else none (the rank hashes the prompt
+        itself when it first looks it up, as without them)."""
+        if not sent and not namespace:
+            return []  # a client that sends none
+        full_blocks = len(prompt) // self.block_size
+        if namespace != self.namespace:
+            self._refused("namespace", f"namespace {namespace.hex()} is not this rank's {self.namespace.hex()}")
+        elif len(sent) != full_blocks:
+            self._refused("count", f"{len(sent)} hashes for a prompt of {full_blocks} full blocks")
+        elif any(len(block_hash) != HASH_BYTES for block_hash in sent):
+            self._refused("size", f"a hash that is not {HASH_BYTES} bytes long")
+        else:
+            return list(sent)  # our own list: the sequence extends it with its output blocks
+        return []
+
+    def _refused(self, reason: str, detail: str) -> None:
+        if reason not in self._refusals_logged:
+            self._refusals_logged.add(reason)
+            log.debug("prompt block hashes sent with a request not used, hashed again here: %s", detail)
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size)
@@ -110,15 +138,16 @@ class KvCacheManager:
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be
-        computed for logits). Kept on the sequence and only extended (a preempted sequence has grown), since
-        a long prompt's hashes cost milliseconds and the scheduler asks for them every step it waits."""
+        computed for logits). The chain is kept on the sequence and only extended (a preempted sequence has
+        grown), since a long prompt's hashes cost milliseconds and the scheduler asks for them every step it
+        waits. It may hold one block more (the client sent the hash of a prompt's last full block)."""
         hashes = seq.lookup_hashes
-        wanted = max(seq.num_tokens - 1, 0) // self.block_size
+        wanted = lookup_block_count(seq.num_tokens, self.block_size)
         if len(hashes) < wanted:
             begin = len(hashes) * self.block_size
             tokens = seq.token_ids[begin : wanted * self.block_size]
             hashes.extend(prefix_block_hashes(self.namespace, tokens, self.block_size, hashes[-1] if hashes else None))
-        return hashes
+        return hashes if len(hashes) == wanted else hashes[:wanted]
 
     def peek_cached_tokens(self, seq: Sequence, enough: int | None = None) -> int:
         """Prompt tokens the caches hold for this sequence now (the L0 run, then the run the host tier is known
@@ -172,14 +201,16 @@ class KvCacheManager:
         Called right after each forward pass, so a finished sequence's blocks are cache entries before
         they are released."""
         num_full = seq.num_computed_tokens // self.block_size
-        known = seq.lookup_hashes  # same chain over the same tokens: reuse what lookups already hashed
+        chain = seq.lookup_hashes  # same chain over the same tokens: reuse what lookups (or the client) hashed
         for index in range(len(seq.block_hashes), num_full):
-            if index < len(known):
-                block_hash = known[index]
+            if index < len(chain):
+                block_hash = chain[index]
             else:
                 parent = seq.block_hashes[-1] if seq.block_hashes else self.namespace
                 begin = index * self.block_size
                 block_hash = chain_block_hash(parent, seq.token_ids[begin : begin + self.block_size])
+                if index == len(chain):  # an output block: a recompute after preemption looks it up, not hashes it
+                    chain.append(block_hash)
             seq.block_hashes.append(block_hash)
             self.pool.register(seq.block_table[index], block_hash)
 

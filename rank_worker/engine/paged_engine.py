@@ -189,6 +189,9 @@ class PagedEngine(Engine):
             sampling=request.sampling,
             arrival_time=request.arrival_time if request.arrival_time is not None else time.monotonic(),
             generator=generator,
+            lookup_hashes=self.kv.sent_prompt_hashes(
+                request.prompt_token_ids, request.prompt_block_hashes, request.block_hash_namespace
+            ),
         )
         self.requests[seq.request_id] = seq
         self.scheduler.add(seq)

@@ -41,7 +41,9 @@ class Sequence:
     stop_token_id: int | None = None
     preemptions: int = 0
     generator: torch.Generator | None = None
-    lookup_hashes: list[bytes] = field(default_factory=list)  # cache lookup keys, computed once (KvCacheManager)
+    # The chain of hashes over the full blocks of token_ids, as far as known: computed once (or sent with the
+    # request), only extended. The cache lookup keys are its first (num_tokens - 1) // block_size (KvCacheManager).
+    lookup_hashes: list[bytes] = field(default_factory=list)
     cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
     host_fetch: HostFetch | None = None  # its restore from the host tier while WAITING_FOR_L1 (KvCacheManager)
 

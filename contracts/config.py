@@ -35,15 +35,14 @@ class KvServeConfig(BaseSettings):
     kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
     num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
     prefix_cache: bool = True
-    cuda_graphs: bool = Field(True, description="replay decode steps from CUDA graphs (CUDA only)")
-    cuda_graph_max_kv_tokens: int = Field(
-        0,
-        ge=0,
-        description="largest decode step replayed from a graph (rows x padded context); larger ones run eagerly; "
-        "0 = every shape with the Triton decode kernel, 524288 with SDPA (whose padded copies the graphs hold)",
+    cuda_graphs: bool = Field(
+        True, description="replay decode steps from CUDA graphs, one per batch-size bucket, recorded at start-up"
     )
-    decode_attention: Literal["auto", "triton", "sdpa"] = Field(
-        "auto", description="decode attention: the Triton kernel reading the pool in place (CUDA), or gather + SDPA"
+    attention_backend: Literal["auto", "triton", "flashinfer", "sdpa"] = Field(
+        "auto",
+        description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), FlashInfer's "
+        "FA3 kernel for prefill over a cached prefix (CUDA, opt-in: the kvserve[cuda] extra), or gather + SDPA "
+        "(the CPU path); auto takes our kernels wherever they run",
     )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 import torch
 
 from contracts.config import KvServeConfig
+from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
@@ -115,6 +116,7 @@ def _profile_peak_bytes(
         max_num_batched_tokens=tokens,
         prefix_cache=False,
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
+        attention_backend=config.attention_backend,  # its kernels' workspace, and their autotuning done now
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -156,22 +158,23 @@ def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_mode
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         prefix_cache=False,
-        cuda_graph_max_kv_tokens=config.cuda_graph_max_kv_tokens,
-        decode_attention=config.decode_attention,
+        attention_backend=config.attention_backend,
+        cuda_graphs=False,  # the largest bucket is run eagerly below: the same buffers and activations
     )
     probe = PagedEngine(model, settings)
-    graphs = probe.runner.decode_graphs
-    assert graphs is not None  # a CUDA engine with cuda_graphs on
-    largest = graphs.largest_key()
+    if not probe.attention.graph_safe:
+        return 0
+    graphs = DecodeGraphs(model, probe.kv_cache, probe.runner.inputs, config.max_num_seqs)
+    largest = max(graphs.buckets)
     torch.cuda.reset_peak_memory_stats(device)
-    if largest is not None:
-        with torch.inference_mode():
-            graphs.forward(largest)
+    with torch.inference_mode():
+        probe.runner.inputs.fill_padding(largest)
+        graphs.forward(largest)
     torch.cuda.synchronize(device)
     reserved = torch.cuda.max_memory_allocated(device) - before
     del probe, graphs
     torch.cuda.empty_cache()
-    log.info("decode graphs: %.2f GB held for buckets up to %s", reserved / 1e9, largest)
+    log.info("decode graphs: %.2f GB held for batches up to %d", reserved / 1e9, largest)
     return reserved
 
 
@@ -223,8 +226,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         decode_step_budget_ms=config.decode_step_budget_ms,
         min_prefill_chunk_tokens=config.min_prefill_chunk_tokens,
         cuda_graphs=config.cuda_graphs,
-        cuda_graph_max_kv_tokens=config.cuda_graph_max_kv_tokens,
-        decode_attention=config.decode_attention,
+        attention_backend=config.attention_backend,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -13,7 +13,6 @@ import torch
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
-from rank_worker.engine.decode_graphs import DecodeGraphs, graph_kv_token_cap
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -31,8 +30,8 @@ from rank_worker.engine.scheduler import PolicyName, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
+from rank_worker.model.attention.backend import BackendName, choose_backend
 from rank_worker.model.llama import LlamaForCausalLM
-from rank_worker.model.paged_decode_kernel import use_kernel
 
 
 @dataclass(frozen=True)
@@ -55,9 +54,8 @@ class EngineSettings:
     l1_restore_cost: float = 0.05  # the router's, so the load the rank reports is in its unit
     decode_step_budget_ms: float = 50.0  # a step with decoders: prefill cut to fit its predicted time; 0 = off
     min_prefill_chunk_tokens: int = 256  # prefill every step gets under that budget
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs (CUDA only)
-    cuda_graph_max_kv_tokens: int = 0  # 0: graph_kv_token_cap decides
-    decode_attention: str = "auto"  # "auto" | "triton" | "sdpa"
+    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
+    attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -106,10 +104,24 @@ class PagedEngine(Engine):
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
-        self.paged_kernel = use_kernel(settings.decode_attention, self.kv_cache.is_cuda, model.cfg.head_dim)
+        cfg = model.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        self.attention = choose_backend(settings.attention_backend, device, dtype, cfg.head_dim, group)
         self.runner = ModelRunner(
-            model, self.kv_cache, settings.block_size, self._decode_graphs(model, settings), self.paged_kernel
+            model,
+            self.kv_cache,
+            settings.block_size,
+            self.attention,
+            max_num_seqs=settings.max_num_seqs,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_model_len,
+            scratch_block=settings.num_blocks,
+            cuda_graphs=settings.cuda_graphs,
         )
+        # Kernels compiled and graphs recorded now, not on first use while serving (each costs a request
+        # seconds: a Triton compile takes 1-5 s, a graph recording 0.1-0.5 s).
+        self.runner.warm_up()
+        self.graph_capture_s = self.runner.capture_graphs()
         self.eos_token_ids = frozenset(tokenizer.eos_token_ids if tokenizer else ())
         self.requests: dict[str, Sequence] = {}
         self.finished_requests = 0
@@ -123,21 +135,6 @@ class PagedEngine(Engine):
             block_size=settings.block_size,
             hash_namespace=self.namespace,
             tokenizer=tokenizer,
-        )
-
-    def _decode_graphs(self, model: LlamaForCausalLM, settings: EngineSettings) -> DecodeGraphs | None:
-        if not (settings.cuda_graphs and self.kv_cache.is_cuda):
-            return None
-        return DecodeGraphs(
-            model,
-            self.kv_cache,
-            settings.block_size,
-            max_batch=settings.max_num_seqs,
-            max_blocks=-(-settings.max_model_len // settings.block_size),
-            max_kv_tokens=graph_kv_token_cap(settings.cuda_graph_max_kv_tokens, self.paged_kernel),
-            scratch_block=settings.num_blocks,
-            capture=True,
-            paged_kernel=self.paged_kernel,
         )
 
     @property
@@ -284,6 +281,7 @@ class PagedEngine(Engine):
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
         del self.requests[seq.request_id]
+        self.runner.release(seq)
         self.finished_requests += 1
 
     def _request_stats(self, seq: Sequence) -> RequestStats:

@@ -20,7 +20,7 @@ from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.decode_kernel import paged_decode_attention
 from rank_worker.model.attention.prefill_kernel import PACK_GQA, paged_prefill_attention, prefill_tiles, tile_tokens
 from rank_worker.model.attention.sdpa_backend import causal_sdpa
-from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 
 
 @dataclass
@@ -38,6 +38,9 @@ class TritonAttention(AttentionBackend):
 
     def __init__(self, dtype: torch.dtype, group: int, pack_gqa: bool = PACK_GQA) -> None:
         self.pack_gqa = pack_gqa
+        # Flash SDPA takes 16-bit inputs only; float32 SDPA falls to the math kernel, whose n x n scores do
+        # not fit (a 32K-token chunk wanted 128 GiB on the H200): float32 cold chunks run our kernel too.
+        self.cold_to_sdpa = dtype in (torch.bfloat16, torch.float16)
         self.tile_tokens = tile_tokens(dtype, group, pack_gqa)  # the prefill kernel's new tokens per program
         # Reused every step (pinning memory costs more than the copy): a step has finished reading it by the
         # time the next one writes it, since sampling waits for the step's results.
@@ -48,10 +51,12 @@ class TritonAttention(AttentionBackend):
         if not batch.prefills:
             batch.attention = None
             return
-        cold = [(p.token_start, p.num_new) for p in batch.prefills if p.context_len == p.num_new]
-        pieces = [
-            (p.table_row, p.token_start, p.num_new, p.context_len) for p in batch.prefills if p.context_len > p.num_new
-        ]
+
+        def is_cold(piece: PrefillSlice) -> bool:
+            return self.cold_to_sdpa and piece.context_len == piece.num_new
+
+        cold = [(p.token_start, p.num_new) for p in batch.prefills if is_cold(p)]
+        pieces = [(p.table_row, p.token_start, p.num_new, p.context_len) for p in batch.prefills if not is_cold(p)]
         tile_piece, tile_m = prefill_tiles(pieces, self.tile_tokens)
         flat = [value for piece in pieces for value in piece] + tile_piece + tile_m
         device = self._upload(flat, batch.input_ids.device)

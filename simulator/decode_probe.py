@@ -114,7 +114,7 @@ def measure(engine: PagedEngine, contexts: list[int], prefill: tuple[int, int] |
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
-    parser.add_argument("--engine-results", default=str(ROOT / "bench" / "results" / "engine-h200.json"))
+    parser.add_argument("--engine-results", default=str(ROOT / "simulator" / "results" / "engine-h200.json"))
     parser.add_argument("--num-blocks", type=int, default=40_000)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="tiny cases (a CPU smoke run of the script)")

@@ -187,7 +187,7 @@ def run_scenario(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
-    parser.add_argument("--engine-results", default=str(ROOT / "bench" / "results" / "engine-h200.json"))
+    parser.add_argument("--engine-results", default=str(ROOT / "simulator" / "results" / "engine-h200.json"))
     parser.add_argument("--decode-results", default=str(ROOT / "simulator" / "results" / "decode-h200.json"))
     parser.add_argument("--num-blocks", type=int, default=40_000)
     parser.add_argument("--quick", action="store_true", help="tiny contexts (a CPU smoke run of the script)")

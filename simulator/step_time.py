@@ -1,5 +1,5 @@
 """How long one engine step takes on the GPU, fitted to measurements: the engine benchmark
-(bench/results/engine-h200.json, bench/engine.py) and, where there is one, the decode probe
+(simulator/results/engine-h200.json, a bench/engine.py run) and, where there is one, the decode probe
 (simulator/results/decode-h200.json, simulator/decode_probe.py).
 
 Prefill. A chunk of n new tokens over c tokens already in the KV pool costs
@@ -22,7 +22,7 @@ Decode. One step of B sequences is launch-bound at small batch and beyond that g
 
 kv is the tokens of all B contexts; B * longest - kv the padding. The engine once gathered every
 sequence's blocks padded to the longest (padding cost nearly as much as real KV); since decode steps are
-replayed from CUDA graphs and attention reads the pool in place (rank_worker/model/paged_decode_kernel.py),
+replayed from CUDA graphs and attention reads the pool in place (rank_worker/model/attention/decode_kernel.py),
 the probe puts the padding term at a quarter of the KV term (empty split-K slices still launch) and the
 floor at ~8 ms. The probe measured B x context from 4x4K to 4x128K and batches of one long context among
 short ones. Without a probe, only the benchmark's 4K points exist: padding is then costed as real KV.

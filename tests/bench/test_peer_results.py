@@ -17,7 +17,7 @@ import pytest
 from fake_vllm import FAKE_MODULE
 
 from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, record
-from bench.peer_results import assemble, engine_keys_missing, passing_ratio
+from bench.peer_results import assemble, engine_keys_missing, passing_ratio, with_reference
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -227,3 +227,31 @@ def test_peer_vllm_over_vllms_offline_api_writes_every_key_peer_results_reads(tm
     assert all(measures[f"decode_4k_b{b}"]["seconds"] > 0 for b in (1, 16, 64, 128))
     write(tmp_path / "raw", "ours-engine.json", engine_result("kvserve", {}))
     assert all(row["sizes_match"] is False for row in assemble(tmp_path / "raw")["engine"])  # quick vs full sizes
+
+
+def test_a_vllm_reference_from_another_session_is_reported_apart(tmp_path: Path) -> None:
+    """vLLM numbers measured elsewhere: ratios and the cache-aside largest passing against them sit under
+    vllm_reference, while the same-session fields stay empty of vLLM."""
+    write(tmp_path, "ours-engine.json", engine_result("kvserve", {"prefill_cold_8k": 0.2, "decode_4k_b1": 0.005}))
+    for n, passed in ((16, True), (32, True), (48, False)):
+        write(tmp_path, f"ours-agents-{n}.json", agent_step(n, passed))
+    result = assemble(tmp_path)
+    assert result["largest_passing_ratio"] is None and result["largest_passing_cache_aside"]["vllm"] is None
+    reference = {
+        "source": "elsewhere",
+        "engine_seconds": {"prefill_cold_8k": 0.19, "decode_4k_b1": 0.006},
+        "agents": [
+            {"agents": 32, "ttft_p95": 2.0, "tok_s_p50": 30.0, "tok_s_p10": 25.0},
+            {"agents": 64, "ttft_p95": 4.0, "tok_s_p50": 21.0, "tok_s_p10": 19.0},
+            {"agents": 96, "ttft_p95": 30.0, "tok_s_p50": 12.0, "tok_s_p10": 9.0},
+        ],
+    }
+    ref = with_reference(result, reference)
+    rows = {row["measure"]: row for row in ref["engine"]}
+    assert rows["prefill_cold_8k"]["ratio"] == pytest.approx(0.95) and rows["prefill_cold_8k"]["meets_target"]
+    assert rows["decode_4k_b1"]["ratio"] == pytest.approx(1.2)
+    assert rows["prefill_warm_8k_over_32k"]["ratio"] is None  # the reference has no such number
+    assert ref["engine_meets_target"] == "2 of 2"
+    assert ref["same_session"] is False
+    assert ref["largest_passing_cache_aside"] == {"ours": 32, "vllm_reference": 64}
+    assert ref["largest_passing_cache_aside_ratio"] == pytest.approx(0.5)

@@ -11,7 +11,7 @@ from simulator.sim_rank import RankSettings
 from simulator.step_time import StepTimeModel, fit_step_time, load_engine_results
 
 ROOT = Path(__file__).resolve().parents[2]
-ENGINE_RESULTS = ROOT / "bench" / "results" / "engine-h200.json"
+ENGINE_RESULTS = ROOT / "simulator" / "results" / "engine-h200.json"  # the calibration (simulator/cli.py)
 DECODE_PROBE = ROOT / "simulator" / "results" / "decode-h200.json"
 BLOCK = 64  # tokens per hash id, as in the Claude Code traces
 

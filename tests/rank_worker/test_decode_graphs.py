@@ -1,12 +1,11 @@
 """Decode steps padded to batch buckets over the persistent input buffers and block tables: the bucketing,
 and that padding changes nothing (logits, K/V written, tokens) against the unpadded eager step. On the CPU
-the padded forward runs eagerly; with CUDA the graphs are recorded at start-up and replayed."""
+the padded forward runs eagerly; recorded graphs against eager steps on CUDA: test_cuda_attention.py."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+from engine_fixtures import generate_greedy, greedy, make_engine, random_prompt
 
 from rank_worker.engine.decode_graphs import DecodeGraphs, bucket_for, size_buckets
 from rank_worker.engine.interface import EngineRequest
@@ -79,58 +78,16 @@ def test_padded_decode_step_equals_the_eager_step(smollm2) -> None:
     assert not torch.equal(engine.kv_cache[pool], before[pool])
 
 
-def _generate(engine: PagedEngine, prompts: list[list[int]], lengths: list[int]) -> list[list[int]]:
-    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
-        engine.add_request(EngineRequest(f"g{i}", prompt, greedy(n)))
-    outputs = run_to_completion(engine)
-    return [outputs[f"g{i}"].new_token_ids for i in range(len(prompts))]
-
-
 def test_engine_tokens_are_the_same_with_padded_decode_steps(smollm2) -> None:
     model, tokenizer = smollm2
     vocab = model.cfg.vocab_size
     prompts = [random_prompt(7 + 23 * i, vocab, seed=70 + i) for i in range(11)]
     lengths = [6 + 3 * (i % 4) for i in range(11)]  # rows finish at different steps: the batch shrinks
-    plain = _generate(make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=256), prompts, lengths)
+    plain = generate_greedy(
+        make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=256), prompts, lengths
+    )
     engine = make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=256)
     engine.runner.decode_graphs = padded(engine)
-    assert _generate(engine, prompts, lengths) == plain
+    assert generate_greedy(engine, prompts, lengths) == plain
     assert engine.runner.decode_graphs.steps > 10
     assert engine.stats().used_blocks == 0
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_recorded_graphs_give_the_eager_tokens_on_cuda(tmp_path) -> None:
-    import json
-
-    from contracts.config import KvServeConfig
-    from rank_worker.engine.factory import build_engine
-
-    config_path = tmp_path / "config.json"
-    config_path.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "vocab_size": 512,
-                "hidden_size": 256,
-                "intermediate_size": 512,
-                "num_hidden_layers": 4,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 4096,
-                "rms_norm_eps": 1e-6,
-            }
-        )
-    )
-    prompts = [random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
-    lengths = [10 + 5 * (i % 3) for i in range(13)]
-    runs = []
-    for graphs in (False, True):
-        config = KvServeConfig(
-            model=str(config_path), load_format="dummy", dtype="float32", num_kv_blocks=256, cuda_graphs=graphs
-        )
-        engine = build_engine(config)
-        runs.append(_generate(engine, prompts, lengths))
-        if graphs:
-            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.graphs
-    assert runs[0] == runs[1]

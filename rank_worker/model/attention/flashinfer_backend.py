@@ -28,8 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from rank_worker.model.attention.backend import AttentionBackend
-from rank_worker.model.attention.decode_kernel import paged_decode_attention
-from rank_worker.model.attention.sdpa_backend import causal_sdpa
+from rank_worker.model.attention.triton_backend import attend_cold, attend_decodes
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 
 # FlashInfer's recommended float workspace (split-KV partial results); FA3's plan keeps its schedule in
@@ -91,12 +90,7 @@ class FlashInferAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        n = batch.num_decodes
-        if n:
-            assert batch.decode_rows is not None and batch.decode_lens is not None
-            paged_decode_attention(
-                q[:n], k_cache, v_cache, batch.block_tables, batch.decode_rows, batch.decode_lens, scale, out=out[:n]
-            )
+        attend_decodes(q, k_cache, v_cache, batch, scale, out)
         plan = batch.attention
         if plan is None:
             return out
@@ -105,9 +99,7 @@ class FlashInferAttention(AttentionBackend):
             start, end = plan.span
             wrapper = self._planned(plan, q, k_cache, scale)
             wrapper.run(q[start:end], (k_cache, v_cache), out=out[start:end])
-        for start, count in plan.cold:
-            rows = slice(start, start + count)
-            out[rows] = causal_sdpa(q[rows], k[rows], v[rows], scale)
+        attend_cold(q, k, v, plan.cold, scale, out)
         return out
 
     def _planned(self, plan: FlashInferPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float):

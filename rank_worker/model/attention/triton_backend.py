@@ -79,12 +79,7 @@ class TritonAttention(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         out = torch.empty_like(q)
-        n = batch.num_decodes
-        if n:
-            assert batch.decode_rows is not None and batch.decode_lens is not None
-            paged_decode_attention(
-                q[:n], k_cache, v_cache, batch.block_tables, batch.decode_rows, batch.decode_lens, scale, out=out[:n]
-            )
+        attend_decodes(q, k_cache, v_cache, batch, scale, out)
         plan = batch.attention
         if plan is not None:
             assert isinstance(plan, TritonPlan)
@@ -100,9 +95,7 @@ class TritonAttention(AttentionBackend):
                 out,
                 self.pack_gqa,
             )
-            for start, count in plan.cold:
-                rows = slice(start, start + count)
-                out[rows] = causal_sdpa(q[rows], k[rows], v[rows], scale)
+            attend_cold(q, k, v, plan.cold, scale, out)
         return out
 
     def _upload(self, values: list[int], device: torch.device) -> torch.Tensor:
@@ -111,3 +104,24 @@ class TritonAttention(AttentionBackend):
         host = self._host[: len(values)]
         host.numpy()[:] = values
         return host.to(device, non_blocking=True)
+
+
+def attend_decodes(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch, scale: float, out: torch.Tensor
+) -> None:
+    """The step's decode rows (its first num_decodes tokens) by the split-K kernel, into out."""
+    n = batch.num_decodes
+    if n:
+        assert batch.decode_rows is not None and batch.decode_lens is not None
+        paged_decode_attention(
+            q[:n], k_cache, v_cache, batch.block_tables, batch.decode_rows, batch.decode_lens, scale, out=out[:n]
+        )
+
+
+def attend_cold(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cold: list[tuple[int, int]], scale: float, out: torch.Tensor
+) -> None:
+    """Chunks with nothing cached before them ((first token, new tokens) each) by flash SDPA over their own K/V."""
+    for start, count in cold:
+        rows = slice(start, start + count)
+        out[rows] = causal_sdpa(q[rows], k[rows], v[rows], scale)

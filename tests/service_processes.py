@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -149,6 +150,18 @@ def wait_http_ready(url: str, process: subprocess.Popen[bytes], timeout_s: float
             pass
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout_s} s")
+
+
+def request_log_line(log: Path, pattern: str, since: int = 0, timeout_s: float = 30) -> str:
+    """The first gateway request line after byte offset `since` that contains `pattern`, waited for: the
+    gateway logs a request once its response is out, so the client can read the log before the line is there."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace")[since:].splitlines():
+            if " request id=" in line and pattern in line:
+                return line
+        time.sleep(0.1)
+    raise AssertionError(f"no request line with {pattern!r} in: {log.read_text(errors='replace')[since:][-3000:]}")
 
 
 def start_gateway(

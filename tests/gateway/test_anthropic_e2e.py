@@ -10,7 +10,7 @@ from pathlib import Path
 import anthropic
 import httpx
 import pytest
-from service_processes import gateway_stack
+from service_processes import gateway_stack, request_log_line
 
 MODEL = "default"
 GREEDY = {"temperature": 0}  # the SDK no longer takes temperature as an argument; the API still does
@@ -265,9 +265,10 @@ def test_request_line_times_the_prepare_inside_the_time_to_first_token(
 ) -> None:
     text = "count the words of this long prompt " * 300  # ~2K tokens to tokenize
     reply = client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": text}])
-    lines = [line for line in (stack_dir / "gateway.log").read_text().splitlines() if f"request id={reply.id} " in line]
-    assert len(lines) == 1, lines
-    fields = dict(pair.split("=", 1) for pair in lines[0].split("request ", 1)[1].split(" "))
+    log = stack_dir / "gateway.log"
+    line = request_log_line(log, f"request id={reply.id} ")  # written once the response is out: waited for
+    assert sum(f"request id={reply.id} " in each for each in log.read_text().splitlines()) == 1
+    fields = dict(pair.split("=", 1) for pair in line.split("request ", 1)[1].split(" "))
     prepare_ms, ttft_ms = float(fields["prepare_ms"]), float(fields["ttft_ms"])
     assert 0 < float(fields["tokenize_ms"]) <= prepare_ms <= ttft_ms  # the time to first token counts from arrival
 

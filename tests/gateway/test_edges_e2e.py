@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_processes import ROOT, gateway_stack, service_env
+from service_processes import ROOT, gateway_stack, request_log_line, service_env
 
 from gateway.auth import create_key
 
@@ -45,13 +45,7 @@ class Stack:
 
     def request_line(self, since: int, pattern: str, timeout_s: float = 30) -> str:
         """The first request log line after byte offset `since` that contains `pattern`."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            for line in self.log_text()[since:].splitlines():
-                if " request id=" in line and pattern in line:
-                    return line
-            time.sleep(0.1)
-        raise AssertionError(f"no request line with {pattern!r} in: {self.log_text()[since:][-3000:]}")
+        return request_log_line(self.log, pattern, since, timeout_s)
 
 
 @pytest.fixture(scope="module")

@@ -305,14 +305,15 @@ def test_a_requests_own_sampling_failure_fails_it_alone(
 ) -> None:
     from rank_worker.engine import sampler
 
-    real_sample_row = sampler._sample_row
+    real_top_k = sampler._top_k
 
-    def failing_for_top_k_7(logits, params, generator):  # type: ignore[no-untyped-def]
+    def failing_for_top_k_7(params, vocab):  # type: ignore[no-untyped-def]
         if params.top_k == 7:
             raise RuntimeError("injected sampling fault")
-        return real_sample_row(logits, params, generator)
+        return real_top_k(params, vocab)
 
-    monkeypatch.setattr(sampler, "_sample_row", failing_for_top_k_7)  # fault injection into the real engine
+    # Fault injection into the real engine: the batched sampler fails, falls back row by row, and names the row.
+    monkeypatch.setattr(sampler, "_top_k", failing_for_top_k_7)
 
     async def run() -> None:
         others = [

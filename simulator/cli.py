@@ -23,7 +23,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from contracts.config import DEFAULTS, load_config
+from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS, load_config
 from loadgen.agent import ThinkTime
 from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
@@ -156,6 +156,8 @@ def _fill_from_config(args: argparse.Namespace) -> None:
     for name, key in _FROM_CONFIG.items():
         if getattr(args, name) is None:
             setattr(args, name, getattr(config, key))
+    if args.decode_step_budget_ms is None:  # unset in the config too: the simulated rank is a GPU's
+        args.decode_step_budget_ms = GPU_DECODE_STEP_BUDGET_MS
     if args.config is None:
         args.shape = args.shape or "llama-8b"
         args.l1_gb = 0.0 if args.l1_gb is None else args.l1_gb

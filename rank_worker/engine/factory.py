@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import torch
 
-from contracts.config import KvServeConfig
+from contracts.config import GPU_DECODE_STEP_BUDGET_MS, KvServeConfig
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
@@ -223,12 +223,19 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         max_cold_prefills=config.max_cold_prefills,
         cold_max_wait_secs=config.cold_max_wait_secs,
         l1_restore_cost=config.l1_restore_cost,
-        decode_step_budget_ms=config.decode_step_budget_ms,
+        decode_step_budget_ms=decode_step_budget_ms(config, device),
         min_prefill_chunk_tokens=config.min_prefill_chunk_tokens,
         cuda_graphs=config.cuda_graphs,
         attention_backend=config.attention_backend,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
+
+
+def decode_step_budget_ms(config: KvServeConfig, device: torch.device) -> float:
+    """The configured budget, or where unset GPU_DECODE_STEP_BUDGET_MS on CUDA and off on the CPU."""
+    if config.decode_step_budget_ms is not None:
+        return config.decode_step_budget_ms
+    return GPU_DECODE_STEP_BUDGET_MS if device.type == "cuda" else 0.0
 
 
 def _default_served_name(model_id: str) -> str:

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Literal
 
-from contracts.config import DEFAULTS
+from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepCostModel, StepLoad
@@ -55,7 +55,7 @@ class SchedulingPolicy:
     max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
     cold_max_wait_secs: float = 30.0  # a cold request waiting this long is scheduled as if warm
     l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
-    decode_step_budget_ms: float = DEFAULTS.decode_step_budget_ms  # a step with decoders; 0 = no cap on prefill
+    decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders; 0 = no cap on prefill
     min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy
 
     @property

@@ -177,3 +177,19 @@ def test_the_engine_feeds_each_step_time_to_the_model() -> None:
     assert engine.scheduler.step_cost.steps == steps == 3 + 4  # 150 tokens in 64-token chunks, 4 more decodes
     # The prior says ~8 ms for such a step (an H200's); every step here took 20 ms or more.
     assert engine.scheduler.step_cost.predict(StepLoad(decode_rows=1, decode_kv_tokens=155)) >= 0.015
+
+
+def test_the_budget_is_the_gpus_by_default_and_off_on_the_cpu_unless_configured() -> None:
+    """A CPU decode step alone outlasts 50 ms (SmolLM2: ~160 ms): there the budget would only cut every prefill
+    beside a decoder to the minimum chunk, so unset means off on the CPU and 50 ms on CUDA."""
+    import torch
+
+    from contracts.config import GPU_DECODE_STEP_BUDGET_MS, KvServeConfig
+    from rank_worker.engine.factory import decode_step_budget_ms
+
+    unset = KvServeConfig()
+    assert unset.decode_step_budget_ms is None
+    assert decode_step_budget_ms(unset, torch.device("cpu")) == 0.0
+    assert decode_step_budget_ms(unset, torch.device("cuda")) == GPU_DECODE_STEP_BUDGET_MS == 50.0
+    assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=80), torch.device("cpu")) == 80.0
+    assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=0), torch.device("cuda")) == 0.0

@@ -116,7 +116,7 @@ def _profile_peak_bytes(
         max_num_batched_tokens=tokens,
         prefix_cache=False,
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
-        attention_backend=config.attention_backend,  # its kernels' workspace, and their autotuning done now
+        attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -164,7 +164,7 @@ def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_mode
     probe = PagedEngine(model, settings)
     if not probe.attention.graph_safe:
         return 0
-    graphs = DecodeGraphs(model, probe.kv_cache, probe.runner.inputs, config.max_num_seqs)
+    graphs = DecodeGraphs(model, probe.kv_cache, probe.runner.inputs, config.max_num_seqs, capture=False)
     largest = max(graphs.buckets)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():

@@ -62,8 +62,8 @@ class StepInputs:
         host[LOGITS, : len(logits_rows)] = logits_rows
         host[DECODE_ROWS, :num_decodes] = rows[:num_decodes]
         host[DECODE_LENS, :num_decodes] = [seq.num_computed_tokens + 1 for seq, _ in decodes]
-        width = max(total, num_decodes, len(logits_rows))
-        self.dev[:, :width].copy_(self.host[:, :width], non_blocking=True)
+        # every row's entries lie within the step's tokens (decodes and logits rows are tokens too)
+        self.dev[:, :total].copy_(self.host[:, :total], non_blocking=True)
         return self.batch_view(total, num_decodes, len(logits_rows), pieces), sampled
 
     def build_padded_decode(self, seqs: list[Sequence], padded: int) -> None:

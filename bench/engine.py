@@ -14,6 +14,7 @@ worker serves with (build_engine), timed after torch.cuda.synchronize. Prints a 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import platform
@@ -250,6 +251,12 @@ def main() -> None:
     parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer", "sdpa"])
+    parser.add_argument(
+        "--only-measures",
+        default="",
+        help="comma-separated measure names of bench/peer_plan.py: just those (no match, no legacy prefill rows)",
+    )
     parser.add_argument("--only-match", action="store_true", help="just the warm-vs-cold match (e.g. in float32)")
     parser.add_argument(
         "--merge-into",
@@ -261,6 +268,12 @@ def main() -> None:
         parser.error("--merge-into goes with --only-match")
 
     plan = plan_for(args.quick)
+    if args.only_measures:
+        wanted = set(args.only_measures.split(","))
+        unknown = wanted - {m.name for m in plan.measures}
+        if unknown:
+            parser.error(f"--only-measures: no such measures {sorted(unknown)}")
+        plan = dataclasses.replace(plan, measures=tuple(m for m in plan.measures if m.name in wanted))
     match_plan = (2, 256, 32, 8) if args.quick else (8, 4096, 256, 64)
     legacy_prefill = [128, 256] if args.quick else [2048, 8192, 32768]
     config = load_config(
@@ -269,6 +282,7 @@ def main() -> None:
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
+        attention_backend=args.attention_backend,
         max_model_len=max(plan.max_model_len, match_plan[1] + match_plan[2] + match_plan[3] + 64),
     )
     t0 = time.perf_counter()
@@ -301,6 +315,7 @@ def main() -> None:
         "quick": args.quick,
         "settings": {
             "block_size": engine.settings.block_size,
+            "attention_backend": engine.attention.name,
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": config.max_model_len,
             "kv_blocks": engine.pool.num_blocks,
@@ -320,6 +335,9 @@ def main() -> None:
     result["decode"] = bench.decode_rows
     result["ttft"] = bench.ttft_rows(measures)
     write_partial(args.out, result)
+    if args.only_measures:
+        print_tables(result)
+        return
     match = bench.warm_cold_match(*match_plan)
     print("match", match, flush=True)
     result["warm_cold_match"] = match["position_match"]
@@ -350,7 +368,7 @@ def print_tables(result: dict) -> None:
     t = Table(title=f"prefill ({result['shape']}, {result['gpu']})")
     for col in ("tokens", "tokens/s", "MFU"):
         t.add_column(col, justify="right")
-    for r in result["prefill"]:
+    for r in result.get("prefill", []):
         t.add_row(f"{r['tokens']:,}", f"{r['tokens_per_s']:,.0f}", f"{r['mfu']:.0%}")
     console.print(t)
     t = Table(title="decode")
@@ -390,7 +408,9 @@ def print_tables(result: dict) -> None:
             f"{e.get('cached_tokens', ''):,}" if "cached_tokens" in e else "",
         )
     console.print(t)
-    detail = result["warm_cold_match_detail"]
+    detail = result.get("warm_cold_match_detail")
+    if detail is None:
+        return  # an --only-measures run
     console.print(
         f"greedy warm-vs-cold token match: {result['warm_cold_match']:.1%} of positions "
         f"({detail['prompts']} prompts x {detail['tokens']} tokens); first-token logits rel. error "

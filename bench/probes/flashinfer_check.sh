@@ -17,18 +17,8 @@ so=$(ls .fi/aot/flashinfer_jit_cache/jit_cache/*/*.so 2>/dev/null | head -1)
 echo "prebuilt: $so ($(du -h "$so" | cut -f1))"
 command -v cuobjdump >/dev/null && { timeout 10 cuobjdump --list-elf "$so" | head -5; }
 
-timeout 45 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/fisite .fi/*.whl || fail "pip install of the .fi wheels (exit $?)"
-
-export PYTHONPATH="/tmp/fisite:$PWD/.fi/aot${PYTHONPATH:+:$PYTHONPATH}"
-export FLASHINFER_DISABLE_JIT=1
-export FLASHINFER_WORKSPACE_BASE=/tmp/fiws  # FlashInfer's log and generated sources; nothing is built there
-export FLASHINFER_LOGGING_LEVEL=warning
-# tvm-ffi would JIT-build a torch DLPack addon if torch lacked the native exchange API; torch's own is used
-# either way when present (the probe prints whether it is)
-export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+source bench/fi_env.sh || fail "bench/fi_env.sh"
 export PYTHONUNBUFFERED=1
-mkdir -p /tmp/fiws
 
 timeout 30 python3 -c "import flashinfer, tvm_ffi; print('flashinfer', flashinfer.__version__, 'tvm_ffi', tvm_ffi.__version__)" \
   || fail "import flashinfer (exit $?)"

@@ -6,6 +6,7 @@ Triton against SDPA and graphs against eager steps."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,6 +20,9 @@ from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 from rank_worker.model.rotary import RotaryEmbedding
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not decode_kernel.available(), reason="needs CUDA and Triton")]
+# FlashInfer with its FA3 module prebuilt (kvserve[cuda]; on the GPU machine bench/probes/flashinfer_check.sh's
+# environment: the .fi wheels and module, FLASHINFER_DISABLE_JIT=1)
+needs_flashinfer = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="needs flashinfer")
 
 BLOCK_SIZE = 16
 
@@ -74,13 +78,11 @@ def test_decode_kernel_matches_sdpa_on_scattered_blocks(heads, kv_heads, head_di
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (8, 2, 64), (9, 3, 64)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("pack_gqa", [True, False])
-def test_prefill_kernel_matches_sdpa_with_and_without_a_prefix(heads, kv_heads, head_dim, dtype, pack_gqa) -> None:
+def _mixed_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
     """One step: three decode rows, then chunks (new tokens, cached tokens before them) of every shape the
-    scheduler makes: cold, warm over a long prefix, a chunk not starting on a tile, a 2-token chunk."""
-    torch.manual_seed(1)
+    scheduler makes: cold, warm over a long prefix, a chunk not starting on a tile, a 2-token chunk. Returns
+    q, the step's k and v (read back from the pool, as the SDPA path wants them for cold chunks), one
+    layer of the pool and the batch."""
     decodes = [33, 700, 1]
     chunks = [(300, 0), (129, 2000), (2, 77), (1000, 1000), (64, 15)]
     lengths = decodes + [new + cached for new, cached in chunks]
@@ -107,7 +109,6 @@ def test_prefill_kernel_matches_sdpa_with_and_without_a_prefix(heads, kv_heads, 
         prefills=pieces,
     )
     layer = pool[:, 0]
-    # The SDPA path attends a cold chunk to the k/v it is given: hand it the chunk's K/V from the pool.
     k = torch.empty(total, kv_heads, head_dim, device=dev, dtype=dtype)
     v = torch.empty_like(k)
     for piece in pieces:
@@ -116,15 +117,39 @@ def test_prefill_kernel_matches_sdpa_with_and_without_a_prefix(heads, kv_heads, 
         rows_at = slice(piece.token_start, piece.token_start + piece.num_new)
         k[rows_at] = layer[:, 0][blocks[tokens // BLOCK_SIZE], tokens % BLOCK_SIZE]
         v[rows_at] = layer[:, 1][blocks[tokens // BLOCK_SIZE], tokens % BLOCK_SIZE]
-    scale = head_dim**-0.5
-    triton_backend, sdpa = TritonAttention(dtype, heads // kv_heads, pack_gqa), SdpaAttention()
-    triton_backend.plan(batch)
-    out = triton_backend.attend(q, k, v, layer[:, 0], layer[:, 1], batch, scale)  # every row written anew
+    return q, k, v, layer, batch
+
+
+def _relative_error_to_sdpa(backend, q, k, v, layer, batch) -> float:
+    scale = q.shape[-1] ** -0.5
+    backend.plan(batch)
+    out = backend.attend(q, k, v, layer[:, 0], layer[:, 1], batch, scale)  # every row written anew
+    sdpa = SdpaAttention()
     sdpa.plan(batch)
     reference = sdpa.attend(q, k, v, layer[:, 0], layer[:, 1], batch, scale)
     assert not out.isnan().any()
-    error = (out.float() - reference.float()).norm() / reference.float().norm()
+    return float((out.float() - reference.float()).norm() / reference.float().norm())
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (8, 2, 64), (9, 3, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pack_gqa", [True, False])
+def test_prefill_kernel_matches_sdpa_with_and_without_a_prefix(heads, kv_heads, head_dim, dtype, pack_gqa) -> None:
+    torch.manual_seed(1)
+    q, k, v, layer, batch = _mixed_step(heads, kv_heads, head_dim, dtype)
+    error = _relative_error_to_sdpa(TritonAttention(dtype, heads // kv_heads, pack_gqa), q, k, v, layer, batch)
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5), error
+
+
+@needs_flashinfer
+def test_flashinfer_backend_matches_sdpa_on_a_mixed_step() -> None:
+    """FA3's paged prefill for the warm chunks (and the cold one between them), ours for the decodes."""
+    from rank_worker.model.attention.flashinfer_backend import FlashInferAttention
+
+    torch.manual_seed(1)
+    q, k, v, layer, batch = _mixed_step(32, 8, 128, torch.bfloat16)
+    error = _relative_error_to_sdpa(FlashInferAttention(torch.bfloat16, 4), q, k, v, layer, batch)
+    assert error < 1e-2, error
 
 
 def test_fused_norm_and_activation_equal_the_pytorch_ops_bitwise() -> None:
@@ -172,18 +197,18 @@ def test_fused_rotary_and_store_match_rotary_then_write_kv(heads: int, kv_heads:
     assert (pool != reference_pool).float().mean() < 0.01  # nearly all bitwise equal, and no slot left unwritten
 
 
-def _tiny_config(tmp_path) -> str:
+def _tiny_config(tmp_path, hidden: int = 256, heads: int = 8, kv_heads: int = 2) -> str:
     path = tmp_path / "config.json"
     path.write_text(
         json.dumps(
             {
                 "model_type": "llama",
                 "vocab_size": 512,
-                "hidden_size": 256,
-                "intermediate_size": 512,
+                "hidden_size": hidden,
+                "intermediate_size": 2 * hidden,
                 "num_hidden_layers": 4,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 2,
+                "num_attention_heads": heads,
+                "num_key_value_heads": kv_heads,
                 "max_position_embeddings": 4096,
                 "rms_norm_eps": 1e-6,
             }
@@ -222,3 +247,39 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
         assert engine.stats().prefix_hit_tokens > 0
     assert runs[("triton", False)] == runs[("sdpa", False)]
     assert runs[("triton", True)] == runs[("sdpa", False)]
+
+
+@needs_flashinfer
+def test_engines_with_flashinfer_and_triton_agree_in_bf16(tmp_path) -> None:
+    """The same prompts (shared prefixes, chunked prefill) through engines on the flashinfer and the triton
+    backend, in bf16 (FA3 has no float32), head_dim 128 (the prebuilt module's): the first token of every
+    prompt and nearly every later one agree (bf16 roundings differ; bold weights keep argmax off ties)."""
+    from engine_fixtures import embolden_weights, generate_greedy, random_prompt
+
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import build_engine
+
+    base = random_prompt(300, 512, seed=5)
+    prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
+    lengths = [8] * 13
+    runs = {}
+    for backend in ("flashinfer", "triton"):
+        config = KvServeConfig(
+            model=_tiny_config(tmp_path, hidden=512, heads=4, kv_heads=2),
+            load_format="dummy",
+            dtype="bfloat16",
+            num_kv_blocks=256,
+            max_num_batched_tokens=256,
+            attention_backend=backend,
+        )
+        engine = build_engine(config)
+        assert engine.attention.name == backend
+        torch.manual_seed(3)
+        embolden_weights(engine.model)
+        runs[backend] = generate_greedy(engine, prompts, lengths)
+        assert engine.stats().prefix_hit_tokens > 0
+    pairs = list(zip(runs["flashinfer"], runs["triton"], strict=True))
+    first = [a[0] == b[0] for a, b in pairs]
+    assert sum(first) >= 12, first
+    same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
+    assert same >= 0.8 * 13 * 8, same

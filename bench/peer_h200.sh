@@ -18,8 +18,8 @@
 #   carry [".peer/chunk00"] .. [".peer/chunk05"]: bash bench/peer_h200.sh chunk
 #   carry [".peer/chunk06"]:                      bash bench/peer_h200.sh chunk vllm-engine
 #   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
-#   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
-#   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
+#   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-engine
+#   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-agents   (until "all steps done")
 # (.peer/ from ../shared/tools/vllm-peer/build_chunks.sh, .whl/ from bench/gpu_kit.sh.)
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
@@ -46,6 +46,8 @@ have_kit() { ls .whl/*.whl >/dev/null 2>&1; }
 if have_kit; then
   OUT=$WORK source "$(dirname "$0")/stack_lib.sh"
 fi
+# FlashInfer's wheels and prebuilt FA3 module when carried (.fi): attention_backend auto then takes it
+if [ -d .fi ]; then source "$(dirname "$0")/fi_env.sh" || exit 1; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 
 left() { echo $((DEADLINE - SECONDS)); }

@@ -44,8 +44,9 @@ class KvServeConfig(BaseSettings):
     attention_backend: Literal["auto", "triton", "flashinfer", "sdpa"] = Field(
         "auto",
         description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), FlashInfer's "
-        "FA3 kernel for prefill over a cached prefix (CUDA, opt-in: the kvserve[cuda] extra), or gather + SDPA "
-        "(the CPU path); auto takes our kernels wherever they run",
+        "FA3 kernel for prefill over a cached prefix with ours for decode (CUDA: the kvserve[cuda] extra with "
+        "FlashInfer's prebuilt modules), or gather + SDPA (the CPU path); auto takes FlashInfer where it runs "
+        "without compiling, else our kernels wherever they run, else SDPA",
     )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)

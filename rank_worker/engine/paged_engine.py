@@ -107,7 +107,7 @@ class PagedEngine(Engine):
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         cfg = model.cfg
         group = cfg.num_heads // cfg.num_kv_heads
-        self.attention = choose_backend(settings.attention_backend, device, dtype, cfg.head_dim, group)
+        self.attention = choose_backend(settings.attention_backend, device, dtype, cfg.num_heads, cfg.head_dim, group)
         self.runner = ModelRunner(
             model,
             self.kv_cache,

@@ -263,7 +263,7 @@ def test_engines_with_flashinfer_and_triton_agree_in_bf16(tmp_path) -> None:
     prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
     lengths = [8] * 13
     runs = {}
-    for backend in ("flashinfer", "triton"):
+    for backend in ("auto", "triton"):  # auto takes FlashInfer where it runs without compiling, as here
         config = KvServeConfig(
             model=_tiny_config(tmp_path, hidden=512, heads=4, kv_heads=2),
             load_format="dummy",
@@ -273,12 +273,12 @@ def test_engines_with_flashinfer_and_triton_agree_in_bf16(tmp_path) -> None:
             attention_backend=backend,
         )
         engine = build_engine(config)
-        assert engine.attention.name == backend
+        assert engine.attention.name == ("flashinfer" if backend == "auto" else backend)
         torch.manual_seed(3)
         embolden_weights(engine.model)
         runs[backend] = generate_greedy(engine, prompts, lengths)
         assert engine.stats().prefix_hit_tokens > 0
-    pairs = list(zip(runs["flashinfer"], runs["triton"], strict=True))
+    pairs = list(zip(runs["auto"], runs["triton"], strict=True))
     first = [a[0] == b[0] for a, b in pairs]
     assert sum(first) >= 12, first
     same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))

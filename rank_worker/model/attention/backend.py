@@ -4,9 +4,11 @@ runs decode, plain prefill and prefill over a cached prefix for each layer (atte
 
 Three backends: SdpaAttention (PyTorch SDPA over gathered blocks: the CPU path, exact against transformers in
 float32), TritonAttention (CUDA: our kernels, reading K/V in place through the block table) and
-FlashInferAttention (CUDA, opt-in: FlashInfer's FA3 paged kernel for prefill over a cached prefix, ours for
-decode; needs the kvserve[cuda] extra). Measured on the H200 (one llama-8b layer, 8K new over a 32K prefix):
-FlashInfer 9.2 ms, ours 11.3 ms, gather + SDPA 14.4 ms (bench/results/flashinfer-probe-h200.json).
+FlashInferAttention (CUDA: FlashInfer's FA3 paged kernel for prefill over a cached prefix, ours for decode;
+needs the kvserve[cuda] extra with FlashInfer's prebuilt modules). Measured on the H200 (one llama-8b layer,
+8K new over a 32K prefix): FlashInfer 9.2 ms, ours 11.3 ms, gather + SDPA 14.4 ms
+(bench/results/flashinfer-probe-h200.json); whole engines, 8K over 32K: 0.487 s against 0.557 s, 4K over
+100K: 0.515 s against 0.669 s (bench/results/engine-flashinfer-h200.json).
 """
 
 from __future__ import annotations
@@ -48,21 +50,22 @@ class AttentionBackend(ABC):
 
 
 def choose_backend(
-    setting: BackendName, device: torch.device, dtype: torch.dtype, head_dim: int, group: int
+    setting: BackendName, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, group: int
 ) -> AttentionBackend:
-    """group: query heads per kv head. auto: the Triton kernels wherever they run (CUDA, Triton, a power-of-two
-    head_dim >= 16), else SDPA."""
+    """group: query heads per kv head. auto: FlashInfer where it runs without compiling (16-bit, its prebuilt
+    modules installed: flashinfer_backend.usable), else the Triton kernels wherever they run (CUDA, Triton, a
+    power-of-two head_dim >= 16), else SDPA."""
     from rank_worker.model.attention import decode_kernel
     from rank_worker.model.attention.sdpa_backend import SdpaAttention
 
     fits = device.type == "cuda" and decode_kernel.available() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
     if setting in ("triton", "flashinfer") and not fits:
         raise RuntimeError(f"attention_backend: {setting} needs CUDA, Triton and a power-of-two head_dim >= 16")
-    if setting == "flashinfer":
-        # Opt-in until a whole engine has run on it on the GPU (its kernel is measured, the engine is not).
-        from rank_worker.model.attention.flashinfer_backend import FlashInferAttention
+    if setting in ("flashinfer", "auto") and fits:
+        from rank_worker.model.attention import flashinfer_backend
 
-        return FlashInferAttention(dtype, group)
+        if setting == "flashinfer" or flashinfer_backend.usable(device, dtype, heads, heads // group, head_dim):
+            return flashinfer_backend.FlashInferAttention(dtype, group)
     if fits and setting != "sdpa":
         from rank_worker.model.attention.triton_backend import TritonAttention
 

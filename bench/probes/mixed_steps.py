@@ -81,19 +81,24 @@ class Probe:
     def decode_step_s(self, steps: int) -> float:
         return statistics.median(self.timed_step()[0] for _ in range(steps))
 
+    def add_chunks(self, chunks: list[int], cached: int) -> None:
+        """Requests whose next step carries `chunks` (new tokens each), over freshly primed prefixes of `cached`
+        tokens when cached > 0; each ends with that step (one output token)."""
+        prefixes = [self.prompt(cached) for _ in chunks] if cached else [[] for _ in chunks]
+        for prefix in prefixes:
+            if prefix:
+                self.add(prefix, 1)
+        if cached:
+            self.settle()
+        for prefix, n in zip(prefixes, chunks, strict=True):
+            self.add(prefix + self.prompt(n), 1)
+
     def chunk_step_s(self, chunks: list[int], cached: int, repeats: int) -> dict:
         """Seconds of the step that carries `chunks` (new tokens each; over a primed prefix of `cached` tokens
         when cached > 0), median over repeats; the chunks' prompts end in that step (one output token)."""
         samples, carried = [], []
         for _ in range(repeats):
-            prefixes = [self.prompt(cached) for _ in chunks] if cached else [[] for _ in chunks]
-            for prefix in prefixes:
-                if prefix:
-                    self.add(prefix, 1)
-            if cached:
-                self.settle()
-            for prefix, n in zip(prefixes, chunks, strict=True):
-                self.add(prefix + self.prompt(n), 1)
+            self.add_chunks(chunks, cached)
             seconds, _, prefill = self.timed_step()
             samples.append(seconds)
             carried.append(prefill)
@@ -105,14 +110,7 @@ def profile_step(probe: Probe, chunks: list[int], cached: int, rows: int) -> dic
     """One mixed step under torch.profiler: its wall time, the CUDA kernels' summed time, and the top kernels."""
     from torch.profiler import ProfilerActivity, profile
 
-    prefixes = [probe.prompt(cached) for _ in chunks] if cached else [[] for _ in chunks]
-    for prefix in prefixes:
-        if prefix:
-            probe.add(prefix, 1)
-    if cached:
-        probe.settle()
-    for prefix, n in zip(prefixes, chunks, strict=True):
-        probe.add(prefix + probe.prompt(n), 1)
+    probe.add_chunks(chunks, cached)
     sync()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         seconds, _, prefill = probe.timed_step()

@@ -24,7 +24,7 @@ import torch
 
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import StepInputs
-from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class DecodeGraphs:
     """Decode-only steps padded to a batch bucket and replayed from the graph recorded for it."""
 
     def __init__(
-        self, model: LlamaForCausalLM, kv_cache: torch.Tensor, inputs: StepInputs, max_batch: int, capture: bool = True
+        self, model: CausalLM, kv_cache: torch.Tensor, inputs: StepInputs, max_batch: int, capture: bool = True
     ) -> None:
         self.model = model
         self.capture = capture

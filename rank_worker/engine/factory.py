@@ -13,7 +13,10 @@ from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
-from rank_worker.model.config import LlamaFamilyConfig
+from rank_worker.model.causal_lm import CausalLM
+from rank_worker.model.config import LlamaFamilyConfig, is_deepseek
+from rank_worker.model.deepseek import DeepseekForCausalLM
+from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.feature_check import check_supported
 from rank_worker.model.llama import RANDOM_INIT_SCHEME, LlamaForCausalLM
 from rank_worker.model_files.source import ModelSource, open_model_source
@@ -62,11 +65,19 @@ def resolve_max_model_len(config: KvServeConfig, trained: int) -> int:
 
 def build_model(
     source: ModelSource, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
-) -> LlamaForCausalLM:
-    cfg = LlamaFamilyConfig.from_hf(source.hf_config)
-    check_supported(source.hf_config, max_positions)  # before any weight is read: a refusal takes a second
-    with _default_dtype(dtype), torch.device(device):
-        model = LlamaForCausalLM(cfg, max_positions=max_positions)
+) -> CausalLM:
+    """The model of source's config.json (Llama family or DeepSeek), its features checked before any weight
+    is read (a refusal takes a second), then loaded or given random weights."""
+    model: CausalLM
+    if is_deepseek(source.hf_config):
+        deepseek = DeepseekConfig.from_hf(source.hf_config)  # raises UnsupportedModelError naming what is not
+        with _default_dtype(dtype), torch.device(device):
+            model = DeepseekForCausalLM(deepseek, max_positions=max_positions)
+    else:
+        cfg = LlamaFamilyConfig.from_hf(source.hf_config)
+        check_supported(source.hf_config, max_positions)
+        with _default_dtype(dtype), torch.device(device):
+            model = LlamaForCausalLM(cfg, max_positions=max_positions)
     if source.load_weights is None:
         log.info("random weights (load_format dummy), seed %d", seed)
         model.init_random_weights(seed)
@@ -84,7 +95,7 @@ def weights_digest(source: ModelSource, seed: int, device: torch.device) -> str:
 
 
 def size_kv_pool(
-    config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
+    config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights,
     the activation peak of a full-size step and the memory decode graphs hold; on the CPU kv_cache_memory_gb."""
@@ -104,9 +115,7 @@ def size_kv_pool(
     return budget // block_bytes
 
 
-def _profile_peak_bytes(
-    config: KvServeConfig, model: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
-) -> int:
+def _profile_peak_bytes(config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> int:
     """Run one prefill of max_num_batched_tokens through a throwaway pool and read the allocator's peak."""
     tokens = config.max_num_batched_tokens
     settings = EngineSettings(
@@ -133,7 +142,7 @@ def _profile_peak_bytes(
     return peak
 
 
-def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> LlamaForCausalLM:
+def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> CausalLM:
     """Random weights in the shape of a config.json, bf16 on the GPU when there is one, else float32 on the CPU:
     the model benchmarks and probes time."""
     device = resolve_device("auto")
@@ -142,7 +151,7 @@ def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> L
     )
 
 
-def _decode_graph_bytes(config: KvServeConfig, model: LlamaForCausalLM, max_model_len: int) -> int:
+def _decode_graph_bytes(config: KvServeConfig, model: CausalLM, max_model_len: int) -> int:
     """What decode graphs keep for themselves: their static buffers and the activations of the largest graph
     (graphs share one memory pool, so it grows to the largest one's peak, and eager steps cannot use it).
     Measured by running that step eagerly in a throwaway engine of one block (its graphs set up as a serving

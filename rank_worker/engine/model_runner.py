@@ -4,6 +4,8 @@ after this step. Decode-only steps replay a CUDA graph recorded at start-up wher
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from rank_worker.engine.block_tables import BlockTables
@@ -14,27 +16,27 @@ from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import StepInputs
 from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.forward_batch import PrefillSlice
-from rank_worker.model.llama import LlamaForCausalLM
 
 # Block-table rows beyond max_num_seqs: preempted sequences keep theirs until a row is needed.
 SPARE_TABLE_ROWS = 16
 
 
-def kv_pool_shape(model: LlamaForCausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
-    cfg = model.cfg
-    return (num_blocks, cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+def kv_pool_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
+    """Block-major: [num_blocks, *the model's block] (Llama [layers, 2, bs, kv_heads, head_dim]; MLA
+    [layers, 1, bs, 1, latent_dim]), so one block is one contiguous chunk for the L1 copies."""
+    return (num_blocks, *model.kv_block_shape(block_size))
 
 
-def kv_block_bytes(model: LlamaForCausalLM, block_size: int, dtype: torch.dtype) -> int:
-    cfg = model.cfg
-    return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * dtype.itemsize
+def kv_block_bytes(model: CausalLM, block_size: int, dtype: torch.dtype) -> int:
+    return math.prod(model.kv_block_shape(block_size)) * dtype.itemsize
 
 
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         kv_cache: torch.Tensor,
         block_size: int,
         backend: AttentionBackend,

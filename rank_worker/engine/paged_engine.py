@@ -1,5 +1,5 @@
 """Our engine rank: paged KV pool + L0 prefix cache (+ the L1 host tier when given a kvstore client) +
-continuous batching around the Llama-family model."""
+continuous batching around the model (the Llama family or DeepSeek: model/causal_lm.py)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ from rank_worker.engine.scheduler import PolicyName, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
-from rank_worker.model.attention.backend import BackendName, choose_backend
-from rank_worker.model.llama import LlamaForCausalLM
+from rank_worker.model.attention.backend import BackendName
+from rank_worker.model.causal_lm import CausalLM
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class EngineSettings:
 class PagedEngine(Engine):
     def __init__(
         self,
-        model: LlamaForCausalLM,
+        model: CausalLM,
         settings: EngineSettings,
         tokenizer: TokenizerBundle | None = None,
         l1_client: KvStoreClient | None = None,
@@ -105,9 +105,8 @@ class PagedEngine(Engine):
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
-        cfg = model.cfg
-        group = cfg.num_heads // cfg.num_kv_heads
-        self.attention = choose_backend(settings.attention_backend, device, dtype, cfg.num_heads, cfg.head_dim, group)
+        # The model picks: an MLA model always takes its own path (no Triton/FlashInfer MLA kernel yet).
+        self.attention = model.choose_attention(settings.attention_backend, device, dtype)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -136,6 +135,7 @@ class PagedEngine(Engine):
             block_size=settings.block_size,
             hash_namespace=self.namespace,
             tokenizer=tokenizer,
+            model_type=model.cfg.model_type,
         )
 
     @property

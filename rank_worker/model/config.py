@@ -1,4 +1,5 @@
-"""The architecture facts the model code needs, read from a Hugging Face style config.json dict."""
+"""The architecture facts the model code needs, read from a Hugging Face style config.json dict: the Llama
+family here, the DeepSeek family in deepseek_config.py; is_deepseek() tells which one a config.json is."""
 
 from __future__ import annotations
 
@@ -7,7 +8,10 @@ from typing import Any
 
 from rank_worker.model.feature_check import rope_layer_flags
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3")
+# MLA attention over a compressed latent KV, MoE feed-forward (deepseek_config.py, deepseek.py).
+DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
 
 # Types whose `attention_bias` puts a bias on o_proj as well as q/k/v (Qwen2's o_proj never has one; Mistral
 # has no attention biases at all, whatever its config says).
@@ -56,7 +60,7 @@ class LlamaFamilyConfig:
     @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaFamilyConfig:
         model_type = str(hf.get("model_type", "llama"))
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in LLAMA_MODEL_TYPES:
             raise ValueError(
                 f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
             )
@@ -89,3 +93,8 @@ class LlamaFamilyConfig:
             # GGUF files say it per tensor (attention_output_bias); HF configs through attention_bias.
             output_bias=bool(hf.get("attention_output_bias", attention_bias and model_type in _OUTPUT_BIAS_TYPES)),
         )
+
+
+def is_deepseek(hf: dict[str, Any]) -> bool:
+    """Whether this config.json describes a DeepSeek-V2/V3 (MLA + MoE) model rather than a Llama-family one."""
+    return str(hf.get("model_type", "llama")) in DEEPSEEK_MODEL_TYPES

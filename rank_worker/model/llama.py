@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rank_worker.model import fused_ops
-from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.attention.backend import AttentionBackend, BackendName, choose_backend
 from rank_worker.model.attention.sdpa_backend import SdpaAttention, write_kv
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.forward_batch import ForwardBatch
@@ -142,6 +142,16 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else _param(cfg.vocab_size, cfg.hidden_size)
         self.backend: AttentionBackend = SdpaAttention()
         self.fused = False
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        """One pool block: [num_layers, 2 (K, V), block_size, kv_heads, head_dim]."""
+        cfg = self.cfg
+        return (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+
+    def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+        cfg = self.cfg
+        group = cfg.num_heads // cfg.num_kv_heads
+        return choose_backend(setting, device, dtype, cfg.num_heads, cfg.head_dim, group)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Attention by `backend`; with a CUDA backend the elementwise work runs as fused kernels too."""

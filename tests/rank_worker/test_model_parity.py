@@ -1,4 +1,5 @@
-"""Our Llama-family code against Hugging Face transformers on the same weights: logits and greedy tokens."""
+"""Our model code (the Llama family, DeepSeek-V2/V3) against Hugging Face transformers on the same weights:
+logits and greedy tokens."""
 
 from __future__ import annotations
 
@@ -22,6 +23,20 @@ COMMON = dict(
     num_attention_heads=4,
     max_position_embeddings=512,
 )
+# MLA (a 32-value latent) and MoE (8 routed experts in 2 groups, top-2, one shared), layer 0 dense, layer 1 MoE.
+MLA_MOE = dict(
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    n_group=2,
+    topk_group=1,
+)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64, beta_fast=32)
 
 CASES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0)),
@@ -68,6 +83,42 @@ CASES = {
         transformers.SmolLM3Config,
         transformers.SmolLM3ForCausalLM,
         dict(num_key_value_heads=2, no_rope_layer_interval=2, pad_token_id=None, bos_token_id=None, eos_token_id=None),
+    ),
+    # DeepSeek-V2 without q compression (as V2-Lite), group-limited routing, YaRN with the softmax-scale mscale.
+    "deepseek-v2-yarn": (
+        transformers.DeepseekV2Config,
+        transformers.DeepseekV2ForCausalLM,
+        dict(
+            MLA_MOE,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            topk_method="group_limited_greedy",
+            rope_parameters=dict(YARN, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+        ),
+    ),
+    # V2-Lite's routing: plain greedy top-k over softmax scores, no groups.
+    "deepseek-v2-greedy": (
+        transformers.DeepseekV2Config,
+        transformers.DeepseekV2ForCausalLM,
+        dict(MLA_MOE, q_lora_rank=None, qk_rope_head_dim=8, topk_method="greedy", n_group=1, routed_scaling_factor=1.5),
+    ),
+    # DeepSeek-V3: q compression, sigmoid noaux_tc routing normalized then scaled, interleaved rope pairs.
+    "deepseek-v3": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(MLA_MOE, q_lora_rank=24, qk_rope_head_dim=16),
+    ),
+    # V3's YaRN (mscale = mscale_all_dim = 1: cos/sin unscaled, softmax scale corrected), half-split rope.
+    "deepseek-v3-yarn-halfsplit": (
+        transformers.DeepseekV3Config,
+        transformers.DeepseekV3ForCausalLM,
+        dict(
+            MLA_MOE,
+            q_lora_rank=24,
+            qk_rope_head_dim=16,
+            rope_interleave=False,
+            rope_parameters=dict(YARN, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+        ),
     ),
 }
 

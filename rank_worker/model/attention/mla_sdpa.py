@@ -1,0 +1,133 @@
+"""Multi-head latent attention (MLA) over the paged latent pool in plain PyTorch (SDPA): the CPU path, exact
+against transformers in float32, and what CUDA runs too until an MLA kernel exists (not graph-safe: decode
+steps run eagerly, no CUDA graphs).
+
+A layer's pool view is [blocks, block_size, 1, kv_lora_rank + rope_dim]: per token the normalized latent c
+and the rotated rope key k_pe, shared by every head. kv_b_proj expands c into each head's k_nope and v.
+- Prefill (a chunk, with or without a cached prefix): the context's latents are expanded into per-head K/V
+  (k = [k_nope, k_pe], v) and attended with causal SDPA, as transformers does.
+- Decode (absorbed): q_nope is folded into W_UK (q_lat = q_nope W_UK, one r-vector per head), so scores are
+  [q_lat, q_pe] . [c, k_pe], read straight off the pool, and the output is the attention-weighted latent
+  taken through W_UV: per-head K/V are never formed, and a decode step reads r + rope values per token.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.forward_batch import ForwardBatch
+
+
+class MlaSdpaAttention(AttentionBackend):
+    name = "mla_sdpa"
+
+    def plan(self, batch: ForwardBatch) -> None:
+        """The decode rows' block tables, picked out of the persistent table once per step (not per layer)."""
+        batch.attention = None
+        if batch.num_decodes:
+            assert batch.decode_rows is not None
+            batch.attention = batch.block_tables[batch.decode_rows.long()]
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        raise TypeError("MLA attends through attend_mla: its pool holds latents, not per-head K/V")
+
+    def attend_mla(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        kv_b_proj: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """q_nope [T, H, nope], q_pe [T, H, rope] (rotated); latent: this step's [T, r + rope], already in the
+        pool; latent_cache: one layer's [blocks, block_size, 1, r + rope]; kv_b_proj [H * (nope + v), r].
+        Returns [T, H, v]."""
+        heads, nope = q_nope.shape[1], q_nope.shape[2]
+        rank = kv_b_proj.shape[1]
+        w_kv = kv_b_proj.view(heads, -1, rank)  # [H, nope + v, r]
+        w_uk, w_uv = w_kv[:, :nope], w_kv[:, nope:]
+        out = q_nope.new_empty(q_nope.shape[0], heads, w_uv.shape[1])
+        n = batch.num_decodes
+        if n:
+            out[:n] = _absorbed_decode(q_nope[:n], q_pe[:n], latent_cache, w_uk, w_uv, batch, scale)
+        block_size = latent_cache.shape[1]
+        for piece in batch.prefills:
+            rows = slice(piece.token_start, piece.token_start + piece.num_new)
+            if piece.context_len == piece.num_new:
+                context, mask, causal = latent[rows], None, True  # nothing cached before this chunk
+            else:
+                table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
+                context = latent_cache[table].reshape(-1, latent_cache.shape[-1])[: piece.context_len]
+                mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
+            out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
+        return out
+
+
+def _expanded_prefill(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    context: torch.Tensor,
+    kv_b_proj: torch.Tensor,
+    nope: int,
+    scale: float,
+    mask: object,
+    causal: bool,
+) -> torch.Tensor:
+    """A chunk over its context's latents [m, r + rope], expanded into per-head K/V: [n, H, v]."""
+    heads = q_nope.shape[1]
+    rank = kv_b_proj.shape[1]
+    c, k_pe = context[:, :rank], context[:, rank:]
+    kv = F.linear(c, kv_b_proj).view(context.shape[0], heads, -1)
+    k_nope, v = kv[..., :nope], kv[..., nope:]
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
+    return o.squeeze(0).transpose(0, 1)
+
+
+def _absorbed_decode(
+    q_nope: torch.Tensor,
+    q_pe: torch.Tensor,
+    latent_cache: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    batch: ForwardBatch,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence over its whole context, in latent space; sequences padded to the longest
+    and masked. Returns [B, H, v]."""
+    assert batch.decode_lens is not None
+    block_size = latent_cache.shape[1]
+    rank = w_uk.shape[2]
+    lens = batch.decode_lens.long()
+    max_blocks = -(-int(lens.max()) // block_size)
+    tables = batch.attention[:, :max_blocks].long()
+    num_seqs = tables.shape[0]
+    keys = latent_cache[tables].reshape(
+        num_seqs, 1, max_blocks * block_size, latent_cache.shape[-1]
+    )  # [B, 1, S, r+rope]
+    positions = torch.arange(max_blocks * block_size, device=q_nope.device)
+    mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(num_seqs, 1, 1, -1)
+    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)  # q_nope folded into W_UK
+    query = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, r + rope]
+    heads = query.shape[1]
+    # One latent head for all query heads (MQA in latent space); values are the latents' first r dims.
+    k = keys.expand(-1, heads, -1, -1)
+    v = keys[..., :rank].expand(-1, heads, -1, -1)
+    o_lat = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale).squeeze(2)  # [B, H, r]
+    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)

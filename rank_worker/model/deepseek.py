@@ -1,0 +1,141 @@
+"""DeepSeek-V2/V3 (MLA attention over a compressed latent KV, MoE feed-forward) over a paged latent pool: the
+same interface the engine uses for the Llama family (forward over a ForwardBatch, set_attention_backend,
+choose_attention, kv_block_shape, load_hf_weights, init_random_weights).
+
+The pool keeps per token per layer only the latent, kv_lora_rank + qk_rope_head_dim values (576 in the
+V2-Lite/V3 shape, against 2 * heads * head_dim for a GQA model), block-major as the Llama pool, so a block
+is still one contiguous chunk for the L1 copies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rank_worker.model.attention.backend import AttentionBackend, BackendName
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.deepseek_config import DeepseekConfig
+from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.llama import RMSNorm
+from rank_worker.model.mla import LatentAttention
+from rank_worker.model.moe import GatedMLP, MoE, empty_param
+from rank_worker.model.yarn_rope import DeepseekRotary
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, index: int, rotary: DeepseekRotary) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LatentAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp: MoE | GatedMLP = (
+            MoE(cfg) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), kv_layer, batch)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, max_positions: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.rotary = DeepseekRotary(
+            cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave, max_positions
+        )
+        self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size)
+        self.backend: AttentionBackend = MlaSdpaAttention()
+
+    # --- what the engine asks of a model ---
+
+    def kv_block_shape(self, block_size: int) -> tuple[int, ...]:
+        """One pool block: [num_layers, 1, block_size, 1, kv_lora_rank + rope_dim] (the latent, one 'head')."""
+        return (self.cfg.num_layers, 1, block_size, 1, self.cfg.latent_dim)
+
+    def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+        """MLA has one attention path, in PyTorch (no MLA kernel yet): auto and sdpa take it on any device."""
+        if setting not in ("auto", "sdpa"):
+            raise RuntimeError(
+                f"attention_backend: {setting} has no MLA kernel; DeepSeek models run attention_backend auto or sdpa"
+            )
+        return MlaSdpaAttention()
+
+    def set_attention_backend(self, backend: AttentionBackend) -> None:
+        if not isinstance(backend, MlaSdpaAttention):
+            raise TypeError(f"a DeepSeek model attends through MLA, not the {backend.name} backend")
+        self.backend = backend
+        for layer in self.layers:
+            layer.self_attn.backend = backend
+
+    def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
+        """kv_cache: [num_blocks, num_layers, 1, block_size, 1, latent_dim]. Returns float32 logits [S, vocab]."""
+        self.backend.plan(batch)
+        x = F.embedding(batch.input_ids, self.embed_tokens)
+        for index, layer in enumerate(self.layers):
+            x = layer(x, kv_cache[:, index], batch)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        return F.linear(self.norm(x[batch.logits_indices]), head).float()
+
+    # --- weights ---
+
+    def hf_targets(self) -> dict[str, torch.Tensor]:
+        """Every Hugging Face tensor name this model reads -> the parameter (or part of one) it fills."""
+        targets = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight}
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = self.lm_head
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}"
+            targets[f"{prefix}.input_layernorm.weight"] = layer.input_layernorm.weight
+            targets[f"{prefix}.post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+            targets.update(layer.self_attn.hf_targets(f"{prefix}.self_attn"))
+            targets.update(layer.mlp.hf_targets(f"{prefix}.mlp"))
+        return targets
+
+    def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors in; every parameter must be covered. V3's multi-token-prediction
+        layers (model.layers.{num_layers}...) are not part of the forward and are skipped."""
+        targets = self.hf_targets()
+        filled: set[str] = set()
+        for name, tensor in weights:
+            target = targets.get(name)
+            if target is None:
+                if name.endswith("rotary_emb.inv_freq") or self._is_mtp(name):
+                    continue
+                if name == "lm_head.weight":
+                    continue  # tied checkpoints sometimes carry a copy
+                raise ValueError(f"unexpected tensor {name} for this {self.cfg.model_type} model")
+            if tuple(target.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(tensor.to(device=target.device, dtype=target.dtype))
+            filled.add(name)
+        missing = [name for name in targets if name not in filled]
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
+
+    def _is_mtp(self, name: str) -> bool:
+        parts = name.split(".")
+        if parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+            return False
+        index = int(parts[2])
+        return self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_mtp_layers
+
+    def init_random_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks (llama.RANDOM_INIT_SCHEME): normal(0, 0.02) in named_parameters order,
+        norms 1, biases (the router's correction bias) 0."""
+        generator = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.fill_(1.0)
+                elif name.endswith("bias"):
+                    param.zero_()
+                else:
+                    param.normal_(0.0, 0.02, generator=generator)

@@ -1,0 +1,75 @@
+"""A DeepSeek attention layer (multi-head latent attention): the projections, the rotary part, and the write
+of each token's latent (kv_a_layernorm(c), rotated k_pe) into the paged pool; the attention itself runs in
+attention/mla_sdpa.py."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.deepseek_config import DeepseekConfig
+from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.llama import RMSNorm
+from rank_worker.model.moe import empty_param
+from rank_worker.model.yarn_rope import DeepseekRotary, softmax_scale
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: DeepseekConfig, rotary: DeepseekRotary) -> None:
+        super().__init__()
+        self.cfg = cfg
+        heads = cfg.num_heads
+        if cfg.q_lora_rank is None:
+            self.q_proj: torch.Tensor | None = empty_param(heads * cfg.qk_head_dim, cfg.hidden_size)
+            self.q_a_proj = self.q_b_proj = None
+            self.q_a_layernorm = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = empty_param(cfg.q_lora_rank, cfg.hidden_size)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
+            self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
+        self.kv_a_proj_with_mqa = empty_param(cfg.latent_dim, cfg.hidden_size)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = empty_param(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        self.o_proj = empty_param(cfg.hidden_size, heads * cfg.v_head_dim)
+        self.rotary = rotary
+        self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
+        self.backend = MlaSdpaAttention()
+
+    def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+        """x [T, hidden]; kv_layer: this layer's pool view [blocks, 1, block_size, 1, latent_dim]."""
+        cfg = self.cfg
+        if self.q_proj is not None:
+            q = F.linear(x, self.q_proj)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+        q = q.view(-1, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        kv_a = F.linear(x, self.kv_a_proj_with_mqa)
+        c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        q_pe = self.rotary(batch.positions, q_pe)
+        k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [T, latent_dim]: what the pool keeps
+        latent_cache = kv_layer[:, 0]  # [blocks, block_size, 1, latent_dim]
+        latent_cache[batch.slot_blocks, batch.slot_offsets] = latent.unsqueeze(1)
+        out = self.backend.attend_mla(q_nope, q_pe, latent, latent_cache, self.kv_b_proj, batch, self.scale)
+        return F.linear(out.reshape(-1, cfg.num_heads * cfg.v_head_dim), self.o_proj)
+
+    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
+        targets = {
+            f"{prefix}.kv_a_proj_with_mqa.weight": self.kv_a_proj_with_mqa,
+            f"{prefix}.kv_a_layernorm.weight": self.kv_a_layernorm.weight,
+            f"{prefix}.kv_b_proj.weight": self.kv_b_proj,
+            f"{prefix}.o_proj.weight": self.o_proj,
+        }
+        if self.q_proj is not None:
+            targets[f"{prefix}.q_proj.weight"] = self.q_proj
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
+            targets[f"{prefix}.q_a_proj.weight"] = self.q_a_proj
+            targets[f"{prefix}.q_a_layernorm.weight"] = self.q_a_layernorm.weight
+            targets[f"{prefix}.q_b_proj.weight"] = self.q_b_proj
+        return targets

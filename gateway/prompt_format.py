@@ -21,7 +21,11 @@ class PromptFormat:
     def for_model(cls, model: ServedModel) -> PromptFormat:
         info = model.info
         vocab = set(model.tokenizer.get_vocab(with_added_tokens=True))
-        return cls(ModelTemplate.for_model(info.model_id, info.chat_template, info.bos_token, info.eos_token, vocab))
+        return cls(
+            ModelTemplate.for_model(
+                info.model_id, info.chat_template, info.bos_token, info.eos_token, vocab, info.model_type
+            )
+        )
 
     def render(self, chat: ChatRequest) -> str:
         return render_prompt(chat, self.template)

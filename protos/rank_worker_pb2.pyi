@@ -162,7 +162,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfoResponse(_message.Message):
-    __slots__ = ("served_model_name", "model_id", "vocab_size", "max_model_len", "trained_context_len", "block_size", "hash_namespace", "tokenizer_json", "chat_template", "bos_token_id", "eos_token_ids", "bos_token", "eos_token", "add_bos_token")
+    __slots__ = ("served_model_name", "model_id", "vocab_size", "max_model_len", "trained_context_len", "block_size", "hash_namespace", "tokenizer_json", "chat_template", "bos_token_id", "eos_token_ids", "bos_token", "eos_token", "add_bos_token", "model_type")
     SERVED_MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,7 @@ class ModelInfoResponse(_message.Message):
     BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
     ADD_BOS_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
     served_model_name: str
     model_id: str
     vocab_size: int
@@ -191,4 +192,5 @@ class ModelInfoResponse(_message.Message):
     bos_token: str
     eos_token: str
     add_bos_token: bool
-    def __init__(self, served_model_name: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., trained_context_len: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos_token: _Optional[bool] = ...) -> None: ...
+    model_type: str
+    def __init__(self, served_model_name: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_model_len: _Optional[int] = ..., trained_context_len: _Optional[int] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., tokenizer_json: _Optional[str] = ..., chat_template: _Optional[str] = ..., bos_token_id: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., bos_token: _Optional[str] = ..., eos_token: _Optional[str] = ..., add_bos_token: _Optional[bool] = ..., model_type: _Optional[str] = ...) -> None: ...

@@ -90,6 +90,7 @@ def model_info_message(info: ModelInfo) -> pb.ModelInfoResponse:
         block_size=info.block_size,
         hash_namespace=info.hash_namespace,
         bos_token_id=-1,
+        model_type=info.model_type,
     )
     tokenizer = info.tokenizer
     if tokenizer is not None:

@@ -1,8 +1,9 @@
 """A ChatRequest rendered into the prompt text its model was trained on, through the model's own template.
 
 Three ways to show tools, calls, results and reasoning, by what the model knows:
+- the DeepSeek family (V2, V3, V3.2...): DeepSeek's turns with DSML calls, written by deepseek_prompt
+  without the template (its docstring says why);
 - its template handles tools itself (Qwen2.5/Qwen3): Hugging Face structures, the template decides;
-- DeepSeek V3.2 and later: DSML, folded into plain messages (dsml_prompt);
 - anything else (SmolLM2): Hermes <tool_call> JSON, folded into plain messages (hermes_prompt).
 The same request always renders to the same text, and a conversation that only grows renders to a
 text that only grows: both are what lets the KV cache reuse earlier turns.
@@ -24,7 +25,7 @@ from gateway.prompt.conversation import (
     tool_result_text,
     tools_in_force,
 )
-from gateway.prompt.dsml_prompt import dsml_messages
+from gateway.prompt.deepseek_prompt import deepseek_prompt, markers_for
 from gateway.prompt.family import FAMILIES, family_for, prompt_opens_reasoning, thinks
 from gateway.prompt.hermes_prompt import hermes_messages
 
@@ -47,16 +48,18 @@ class ModelTemplate:
 
     @classmethod
     def for_model(
-        cls, model_id: str, chat_template: str, bos_token: str = "", eos_token: str = "", vocab: set[str] | None = None
+        cls,
+        model_id: str,
+        chat_template: str,
+        bos_token: str = "",
+        eos_token: str = "",
+        vocab: set[str] | None = None,
+        model_type: str = "",
     ) -> ModelTemplate:
-        """Family and thinking detected from the model's name, template and vocabulary."""
-        return cls(
-            chat_template,
-            bos_token,
-            eos_token,
-            family_for(model_id, chat_template, vocab),
-            thinks(model_id, chat_template, vocab),
-        )
+        """Family and thinking detected from the model's architecture (config.json model_type), name, template
+        and vocabulary."""
+        family = family_for(model_id, chat_template, vocab, model_type)
+        return cls(chat_template, bos_token, eos_token, family, thinks(model_id, chat_template, vocab, family))
 
     @property
     def handles_tools(self) -> bool:
@@ -68,17 +71,18 @@ def render_prompt(chat: ChatRequest, template: ModelTemplate) -> str:
     """The prompt text for `chat`, ending with the template's generation prompt.
 
     Raises gateway.prompt.chat_template.ChatTemplateError when the template refuses the conversation."""
-    extra: dict[str, Any] = {}
     if template.family == "deepseek_dsml":
-        messages = dsml_messages(chat)
-    elif template.handles_tools:
+        markers = markers_for(template.chat_template)
+        return deepseek_prompt(chat, markers, thinks=template.thinks, eos_token=template.eos_token)
+    extra: dict[str, Any] = {}
+    if template.handles_tools:
         messages, tools = _native_messages(chat, template)
         if tools:
             extra["tools"] = tools
     else:
         messages = hermes_messages(chat, thinks=template.thinks)
     if chat.reasoning is not None:
-        # Qwen3 reads enable_thinking, DeepSeek templates read thinking; other templates ignore both.
+        # Qwen3 reads enable_thinking, some templates thinking; other templates ignore both.
         extra["enable_thinking"] = extra["thinking"] = chat.reasoning
     return render_chat(
         template.chat_template,

@@ -129,6 +129,7 @@ class ModelInfo:
     block_size: int
     hash_namespace: bytes
     tokenizer: TokenizerBundle | None
+    model_type: str = ""  # config.json model_type: the gateway's prompt format follows the model family
 
 
 class Engine(ABC):

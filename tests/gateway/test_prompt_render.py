@@ -1,6 +1,6 @@
 """Prompt rendering through the model's own template: SmolLM2's real ChatML template (Hermes tools folded
-in), a Qwen3-like template that handles tools itself, and a DeepSeek-like one (DSML). Stable and
-prefix-stable renderings are what make the KV cache hit across turns."""
+in) and a Qwen3-like template that handles tools itself (DeepSeek's format: test_deepseek_prompt.py). Stable
+and prefix-stable renderings are what make the KV cache hit across turns."""
 
 from __future__ import annotations
 
@@ -115,9 +115,9 @@ def test_rendering_is_stable(smollm2: ModelTemplate) -> None:
     assert render_prompt(turn(len(SESSION)), smollm2) == render_prompt(turn(len(SESSION)), smollm2)
 
 
-@pytest.mark.parametrize("family", ["smollm2", "qwen3", "deepseek"])
+@pytest.mark.parametrize("family", ["smollm2", "qwen3"])
 def test_each_turn_is_a_prefix_of_the_next(family: str, smollm2: ModelTemplate) -> None:
-    template = {"smollm2": smollm2, "qwen3": QWEN3, "deepseek": DEEPSEEK}[family]
+    template = {"smollm2": smollm2, "qwen3": QWEN3}[family]
     renders = [render_prompt(turn(end), template) for end in TURN_ENDS]
     for earlier, later in itertools.pairwise(renders):
         assert later.startswith(earlier)
@@ -223,61 +223,7 @@ def test_qwen3_like_template_required_tool_goes_into_the_system_message() -> Non
     assert text.startswith("<|im_start|>system\nYou are a coding agent. Be concise.\n\nIn this reply you must call")
 
 
-# A DeepSeek-like template: it knows system/user/assistant and thinking; DSML is folded in by us.
-
-DEEPSEEK_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m.role == 'system' %}{{ m.content }}"
-    "{% elif m.role == 'user' %}<｜User｜>{{ m.content }}"
-    "{% elif m.role == 'assistant' %}<｜Assistant｜></think>{{ m.content }}<｜end▁of▁sentence｜>{% endif %}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<｜Assistant｜>{% if thinking %}<think>{% else %}</think>{% endif %}{% endif %}"
-)
-DEEPSEEK = ModelTemplate.for_model(
-    "deepseek-ai/DeepSeek-V3.2", DEEPSEEK_TEMPLATE, "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", {"<think>"}
-)
-
-
-def test_deepseek_tools_are_json_schemas_with_the_dsml_grammar() -> None:
-    assert DEEPSEEK.family == "deepseek_dsml" and DEEPSEEK.thinks
-    text = render_prompt(turn(2), DEEPSEEK)
-    assert text.startswith("<｜begin▁of▁sentence｜>You are a coding agent. Be concise.\n\n## Tools\n")
-    assert f"<{D}function_calls>\n<{D}invoke name=" in text
-    assert 'string="true|false"' in text
-    schemas = text.split("<functions>\n")[1].split("\n</functions>")[0].splitlines()
-    assert [json.loads(line) for line in schemas] == [
-        {"name": t.name, "description": t.description, "parameters": t.parameters} for t in (BASH, READ)
-    ]
-
-
-def test_deepseek_calls_in_dsml_and_results_in_function_results() -> None:
-    text = render_prompt(turn(5), DEEPSEEK)
-    assert (
-        f"<｜Assistant｜></think>Let me look.\n\n<{D}function_calls>\n"
-        f'<{D}invoke name="Bash">\n'
-        f'<{D}parameter name="command" string="true">ls src/</{D}parameter>\n'
-        f'<{D}parameter name="timeout" string="false">30</{D}parameter>\n'
-        f"</{D}invoke>\n"
-        f'<{D}invoke name="Read">\n'
-        f'<{D}parameter name="file_path" string="true">src/main.py</{D}parameter>\n'
-        f"</{D}invoke>\n"
-        f"</{D}function_calls><｜end▁of▁sentence｜>"
-    ) in text
-    assert (
-        "<｜User｜><function_results>\n<result>main.py\nutil.py</result>\n<result>print('hi')</result>\n"
-        "</function_results><｜Assistant｜></think>"
-    ) in text
-
-
-def test_deepseek_thinking_opens_reasoning_in_the_prompt() -> None:
-    text = render_prompt(turn(2, reasoning=True), DEEPSEEK)
-    assert text.endswith("<｜Assistant｜><think>") and prompt_opens_reasoning(text)
-
-
-def test_deepseek_rendered_calls_parse_back_to_the_same_calls() -> None:
-    text = render_prompt(turn(4), DEEPSEEK)
-    assistant = text.split("<｜Assistant｜></think>")[1].split("<｜end▁of▁sentence｜>")[0]
-    assert parsed_calls("deepseek_dsml", assistant) == [(c.name, c.arguments) for c in SESSION[2].tool_calls]
+# DeepSeek's format is written without the template: tests/gateway/test_deepseek_prompt.py.
 
 
 def parsed_calls(family: str, text: str) -> list[tuple[str, dict[str, object]]]:
@@ -301,6 +247,8 @@ def test_family_for() -> None:
     assert family_for("deepseek-ai/DeepSeek-V4", "", None) == "deepseek_dsml"
     assert family_for("deepseek-ai/DeepSeek-V3", "", None) == "hermes"
     assert family_for("my-finetune", "", {f"<{D}invoke"}) == "deepseek_dsml"
+    assert family_for("/models/local", "", None, "deepseek_v2") == "deepseek_dsml"
+    assert family_for("/models/local", "", None, "llama") == "hermes"
 
 
 def test_thinks() -> None:

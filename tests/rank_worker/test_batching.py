@@ -1,5 +1,5 @@
-"""Continuous batching on the real embedded model: batched equals one-at-a-time, chunked prefill, a pool
-smaller than the work, and aborts that return every block."""
+"""Continuous batching on the real embedded model and a tiny DeepSeek-V3 (engine_model): batched equals
+one-at-a-time, chunked prefill, a pool smaller than the work, and aborts that return every block."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ def _prompts(count: int, vocab: int, low: int, high: int, seed: int) -> list[lis
     return [random_prompt(rng.randint(low, high), vocab, seed=seed * 1000 + i) for i in range(count)]
 
 
-def test_32_concurrent_requests_match_one_at_a_time(smollm2) -> None:
-    model, tokenizer = smollm2
+def test_32_concurrent_requests_match_one_at_a_time(engine_model) -> None:
+    model, tokenizer = engine_model
     prompts = _prompts(32, model.cfg.vocab_size, 5, 90, seed=1)
     lengths = [4 + i % 9 for i in range(32)]
     alone = [
@@ -31,16 +31,16 @@ def test_32_concurrent_requests_match_one_at_a_time(smollm2) -> None:
     assert engine.stats().used_blocks == 0
 
 
-def test_chunked_prefill_matches_single_pass(smollm2) -> None:
-    model, tokenizer = smollm2
+def test_chunked_prefill_matches_single_pass(engine_model) -> None:
+    model, tokenizer = engine_model
     prompt = random_prompt(300, model.cfg.vocab_size, seed=2)
     whole = generate_one(make_engine(model, tokenizer, max_num_batched_tokens=1024), prompt, greedy(10))
     chunked = generate_one(make_engine(model, tokenizer, max_num_batched_tokens=64), prompt, greedy(10))
     assert chunked.new_token_ids == whole.new_token_ids
 
 
-def test_more_work_than_blocks_preempts_and_still_finishes_correctly(smollm2) -> None:
-    model, tokenizer = smollm2
+def test_more_work_than_blocks_preempts_and_still_finishes_correctly(engine_model) -> None:
+    model, tokenizer = engine_model
     prompts = _prompts(10, model.cfg.vocab_size, 40, 110, seed=3)
     expected = [generate_one(make_engine(model, tokenizer), p, greedy(40)).new_token_ids for p in prompts]
     # 20 blocks of 16 = 320 tokens for 10 requests needing 80-150 tokens each.
@@ -54,8 +54,8 @@ def test_more_work_than_blocks_preempts_and_still_finishes_correctly(smollm2) ->
     assert stats.used_blocks == 0 and stats.free_blocks == stats.total_blocks
 
 
-def test_aborts_mid_stream_return_the_pool_to_baseline(smollm2) -> None:
-    model, tokenizer = smollm2
+def test_aborts_mid_stream_return_the_pool_to_baseline(engine_model) -> None:
+    model, tokenizer = engine_model
     engine = make_engine(model, tokenizer, num_blocks=64, max_num_seqs=16)
     baseline = engine.stats()
     rng = random.Random(4)

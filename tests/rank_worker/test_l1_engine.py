@@ -34,8 +34,8 @@ def assert_pool_idle(engine: PagedEngine) -> None:
     assert stats.l1_copies_in_flight == 0
 
 
-def test_session_evicted_from_l0_is_restored_from_l1_with_the_same_tokens(smollm2, tmp_path: Path) -> None:
-    model, tokenizer = smollm2
+def test_session_evicted_from_l0_is_restored_from_l1_with_the_same_tokens(engine_model, tmp_path: Path) -> None:
+    model, tokenizer = engine_model  # each family: Llama's K/V blocks and DeepSeek's latent blocks
     vocab = model.cfg.vocab_size
     port = free_port()
     with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):

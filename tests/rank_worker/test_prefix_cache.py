@@ -1,4 +1,5 @@
-"""The L0 prefix cache on the real embedded model: what is cached, when, and that it changes no token."""
+"""The L0 prefix cache on the real embedded model (and a tiny DeepSeek-V3 where a test takes engine_model): what is
+cached, when, and that it changes no token."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ def _chat_prompt(tokenizer, text: str) -> list[int]:
 
 
 @pytest.mark.parametrize("extra", [0, 5])  # prompt length a multiple of the block size, and not
-def test_same_prompt_twice_hits_every_full_block_but_the_last_tokens(smollm2, extra: int) -> None:
-    model, tokenizer = smollm2
+def test_same_prompt_twice_hits_every_full_block_but_the_last_tokens(engine_model, extra: int) -> None:
+    model, tokenizer = engine_model
     prompt = random_prompt(6 * BLOCK + extra, model.cfg.vocab_size, seed=11)
     engine = make_engine(model, tokenizer, block_size=BLOCK)
     first = generate_one(engine, prompt, greedy(8), "first")

@@ -1,0 +1,187 @@
+"""DeepSeek-V2/V3 in our engine against transformers on tiny random checkpoints the tests write: the absorbed
+decode and the prefill over a cached latent prefix (one mixed step) within float32 tolerance, warm == cold
+through the prefix cache with chunked prefill, the latent pool's shape and bytes, loading (V3's MTP layer
+skipped, random weights from a config.json) and the refusals. Prefill logits and greedy tokens of each
+variant are in test_model_parity; batching, preemption and L1 restore run on both families through the
+engine_model fixture (test_batching, test_prefix_cache, test_l1_engine)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from deepseek_checkpoints import V2, V3, VOCAB, load_ours, reference_greedy, write_deepseek
+from engine_fixtures import generate_one, greedy, make_engine, random_prompt
+from safetensors.torch import load_file, save_file
+
+from rank_worker.engine.factory import build_model
+from rank_worker.engine.model_runner import kv_block_bytes, kv_pool_shape
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.deepseek_config import DeepseekConfig
+from rank_worker.model.feature_check import UnsupportedModelError
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+from rank_worker.model_files.hf_config import normalize_hf_config
+from rank_worker.model_files.source import open_model_source
+
+BLOCK = 8
+
+
+@pytest.fixture(scope="module", params=["deepseek_v2", "deepseek_v3"])
+def checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp(request.param)
+    hf = write_deepseek(request.param, directory)
+    model, tokenizer = load_ours(directory)
+    return hf, model, tokenizer, directory
+
+
+def _slots(table: list[int], start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    positions = torch.arange(start, start + count)
+    return torch.tensor(table)[positions // BLOCK], positions % BLOCK
+
+
+def test_absorbed_decode_and_prefill_over_a_latent_prefix_match_transformers(checkpoint) -> None:
+    """Sequence A prefills 21 tokens, B 13; then one mixed step: A decodes its 22nd token (absorbed, over the
+    latents in the pool) while B prefills 9 more over its 13 cached ones (latents expanded into K/V)."""
+    hf, model, _, _ = checkpoint
+    a, b = random_prompt(22, VOCAB, seed=1), random_prompt(22, VOCAB, seed=2)
+    engine = make_engine(model, num_blocks=16, block_size=BLOCK, max_model_len=128)
+    tables = [[3, 9, 1], [7, 2, 12]]  # scattered blocks: reads must go through the block table
+    block_tables = torch.tensor(tables, dtype=torch.int32)
+    with torch.inference_mode():
+        for row, (prompt, count) in enumerate([(a, 21), (b, 13)]):
+            blocks, offsets = _slots(tables[row], 0, count)
+            prefill = ForwardBatch(
+                input_ids=torch.tensor(prompt[:count]),
+                positions=torch.arange(count),
+                slot_blocks=blocks,
+                slot_offsets=offsets,
+                logits_indices=torch.tensor([count - 1]),
+                block_tables=block_tables,
+                prefills=[PrefillSlice(0, count, count, table_row=row)],
+            )
+            model(prefill, engine.kv_cache)
+        a_blocks, a_offsets = _slots(tables[0], 21, 1)
+        b_blocks, b_offsets = _slots(tables[1], 13, 9)
+        mixed = ForwardBatch(
+            input_ids=torch.tensor([a[21], *b[13:22]]),
+            positions=torch.tensor([21, *range(13, 22)]),
+            slot_blocks=torch.cat([a_blocks, b_blocks]),
+            slot_offsets=torch.cat([a_offsets, b_offsets]),
+            logits_indices=torch.arange(10),
+            block_tables=block_tables,
+            num_decodes=1,
+            decode_rows=torch.tensor([0]),
+            decode_lens=torch.tensor([22]),
+            prefills=[PrefillSlice(1, 9, 22, table_row=1)],
+        )
+        ours = model(mixed, engine.kv_cache)
+        ref_a = hf(torch.tensor([a])).logits[0, 21:22].float()
+        ref_b = hf(torch.tensor([b])).logits[0, 13:22].float()
+    torch.testing.assert_close(ours, torch.cat([ref_a, ref_b]), rtol=1e-4, atol=1e-4)
+
+
+def test_warm_and_chunked_prefill_give_the_cold_tokens(checkpoint) -> None:
+    hf, model, tokenizer, _ = checkpoint
+    prompt = random_prompt(61, VOCAB, seed=5)
+    cold = generate_one(make_engine(model, tokenizer, prefix_cache=False), prompt, greedy(12), "cold")
+    assert cold.new_token_ids == reference_greedy(hf, prompt, 12)
+    engine = make_engine(model, tokenizer, block_size=BLOCK, max_num_batched_tokens=16)  # chunks of 16
+    generate_one(engine, prompt[:45], greedy(3), "earlier-turn")
+    warm = generate_one(engine, prompt, greedy(12), "warm")
+    assert warm.stats.cached_tokens == 40  # the five full blocks of the earlier turn's 45 tokens
+    assert warm.new_token_ids == cold.new_token_ids
+
+
+def test_the_pool_keeps_only_the_latent_per_token_and_layer(checkpoint) -> None:
+    _, model, tokenizer, _ = checkpoint
+    cfg = model.cfg
+    latent = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    assert kv_pool_shape(model, 10, BLOCK) == (10, cfg.num_layers, 1, BLOCK, 1, latent)
+    assert kv_block_bytes(model, BLOCK, torch.bfloat16) == cfg.num_layers * BLOCK * latent * 2
+    engine = make_engine(model, tokenizer, num_blocks=6, block_size=BLOCK)
+    assert tuple(engine.kv_cache.shape) == (7, cfg.num_layers, 1, BLOCK, 1, latent)  # + the scratch block
+    assert engine.kv_cache[0].is_contiguous()  # a block is one chunk for the L1 copies
+
+
+def test_deepseek_v2_lite_latent_is_576_values_about_30_kb_per_token() -> None:
+    """The issue's numbers, from the V2-Lite config.json's shape: 27 layers of 512 + 64 values in bf16."""
+    lite = dict(V2, num_hidden_layers=27, kv_lora_rank=512, qk_rope_head_dim=64, hidden_size=2048)
+    lite.update(num_attention_heads=16, model_type="deepseek_v2", rope_parameters=None)
+    cfg = DeepseekConfig.from_hf(normalize_hf_config(lite))
+    assert cfg.latent_dim == 576
+    model = _meta_model(cfg)
+    assert kv_block_bytes(model, 1, torch.bfloat16) == 27 * 576 * 2 == 31104
+
+
+def _meta_model(cfg: DeepseekConfig) -> torch.nn.Module:
+    from rank_worker.model.deepseek import DeepseekForCausalLM
+
+    with torch.device("meta"):
+        return DeepseekForCausalLM(cfg, max_positions=16)
+
+
+def test_mtp_layer_tensors_are_skipped_and_unknown_ones_refused(tmp_path: Path) -> None:
+    """V3 checkpoints carry a multi-token-prediction layer after the last one; it is not part of the forward."""
+    hf = write_deepseek("deepseek_v3", tmp_path, num_mtp_layers=1)
+    shard = tmp_path / "model.safetensors"
+    tensors = load_file(shard)
+    layers = hf.config.num_hidden_layers
+    tensors[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    tensors[f"model.layers.{layers}.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    model, tokenizer = load_ours(tmp_path)
+    prompt = random_prompt(20, VOCAB, seed=3)
+    assert generate_one(make_engine(model, tokenizer), prompt, greedy(6)).new_token_ids == reference_greedy(
+        hf, prompt, 6
+    )
+    tensors["model.layers.0.mlp.experts.0.up_proj.weight"] = torch.zeros(32, 64)  # layer 0 is dense
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"unexpected tensor model\.layers\.0\.mlp\.experts"):
+        load_ours(tmp_path)
+
+
+def test_random_weights_from_a_config_json_alone(tmp_path: Path) -> None:
+    config = dict(V3, model_type="deepseek_v3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = open_model_source(str(tmp_path / "config.json"))
+    assert source.load_weights is None
+    model = build_model(source, torch.device("cpu"), torch.bfloat16, max_positions=256, seed=0)
+    assert model.embed_tokens.dtype == torch.bfloat16
+    router = model.layers[1].mlp.gate
+    assert router.weight.dtype == torch.float32  # routing in float32 whatever the model's dtype
+    assert not router.e_score_correction_bias.any()
+    out = generate_one(make_engine(model), random_prompt(30, VOCAB, seed=4), greedy(5))
+    assert len(out.new_token_ids) == 5
+
+
+def test_attention_backend_is_the_mla_path_and_kernels_are_refused(checkpoint) -> None:
+    _, model, tokenizer, _ = checkpoint
+    cpu = torch.device("cpu")
+    assert isinstance(model.choose_attention("auto", cpu, torch.float32), MlaSdpaAttention)
+    assert isinstance(make_engine(model, tokenizer, attention_backend="sdpa").attention, MlaSdpaAttention)
+    for setting in ("triton", "flashinfer"):
+        with pytest.raises(RuntimeError, match="no MLA kernel"):
+            model.choose_attention(setting, cpu, torch.float32)
+    assert not MlaSdpaAttention.graph_safe  # decode steps run eagerly: no CUDA graphs are recorded for MLA
+
+
+@pytest.mark.parametrize(
+    ("base", "change", "message"),
+    [
+        (V3, {"quantization_config": {"quant_method": "fp8"}}, "quantized checkpoints"),
+        (V3, {"scoring_func": "softmax"}, "routes with sigmoid scores"),
+        (V3, {"topk_method": "greedy"}, "routes by noaux_tc"),
+        (V2, {"topk_method": "noaux_tc"}, "routes by greedy or group_limited_greedy"),
+        (V2, {"norm_topk_prob": True}, "norm_topk_prob"),
+        (V2, {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0}}, "rope scaling 'dynamic'"),
+        (V3, {"n_routed_experts": 6, "n_group": 4}, "not a multiple of n_group"),
+        (V3, {"attention_bias": True}, "attention biases"),
+    ],
+)
+def test_unsupported_configs_are_refused_by_name(base: dict, change: dict, message: str) -> None:
+    model_type = "deepseek_v3" if base is V3 else "deepseek_v2"
+    config = normalize_hf_config(dict(base, model_type=model_type, **change))
+    with pytest.raises(UnsupportedModelError, match=message):
+        DeepseekConfig.from_hf(config)

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from rank_worker.model.config import LlamaFamilyConfig
+from bench import model_cost
 
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "bench" / "shapes"
 
@@ -16,7 +16,7 @@ SHAPES_DIR = Path(__file__).resolve().parent.parent / "bench" / "shapes"
 @dataclass(frozen=True)
 class ShapeFacts:
     name: str
-    kv_bytes_per_token: int  # every layer's K and V
+    kv_bytes_per_token: int  # every layer's K and V (MLA: its latent and rotary key)
     weight_bytes: int
     max_context: int  # the trained window (max_position_embeddings)
 
@@ -29,13 +29,12 @@ def shape_facts(shape: str, dtype_bytes: int = 2) -> ShapeFacts:
     if not path.is_file():
         known = ", ".join(sorted(p.name for p in SHAPES_DIR.iterdir() if p.is_dir())) if SHAPES_DIR.is_dir() else ""
         raise FileNotFoundError(f"no model shape {shape!r} (bench/shapes has: {known})")
-    cfg = LlamaFamilyConfig.from_hf(json.loads(path.read_text()))
-    embeddings = cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)
+    config = json.loads(path.read_text())
     return ShapeFacts(
         name=path.parent.name,
-        kv_bytes_per_token=cfg.num_layers * 2 * cfg.kv_size * dtype_bytes,
-        weight_bytes=(cfg.num_params_excluding_embeddings + embeddings) * dtype_bytes,
-        max_context=cfg.max_position_embeddings,
+        kv_bytes_per_token=int(model_cost.kv_bytes_per_token(config, dtype_bytes)),
+        weight_bytes=model_cost.total_params(config) * dtype_bytes,  # every expert of an MoE is resident
+        max_context=int(config["max_position_embeddings"]),
     )
 
 

@@ -48,6 +48,11 @@ class KvServeConfig(BaseSettings):
         "FlashInfer's prebuilt modules), or gather + SDPA (the CPU path); auto takes FlashInfer where it runs "
         "without compiling, else our kernels wherever they run, else SDPA",
     )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="what the KV pool stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 (scale 1.0), half "
+        "a bf16 pool's bytes per token, so twice the tokens; runs on the sdpa attention path only for now",
+    )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)
     request_timeout_secs: float = Field(600.0, gt=0.0)

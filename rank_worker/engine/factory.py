@@ -13,6 +13,7 @@ from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.kvstore_client import KvStoreClient
+from rank_worker.model.attention.kv_quant import pool_dtype
 from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.config import LlamaFamilyConfig, is_deepseek
 from rank_worker.model.deepseek import DeepseekForCausalLM
@@ -98,8 +99,9 @@ def size_kv_pool(
     config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights,
-    the activation peak of a full-size step and the memory decode graphs hold; on the CPU kv_cache_memory_gb."""
-    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    the activation peak of a full-size step and the memory decode graphs hold; on the CPU kv_cache_memory_gb.
+    Blocks are sized in the pool's dtype (kv_cache_dtype): an fp8 pool holds 2x a bf16 one's blocks."""
+    block_bytes = kv_block_bytes(model, config.block_size, pool_dtype(config.kv_cache_dtype, dtype))
     if config.num_kv_blocks:
         return config.num_kv_blocks
     if device.type != "cuda":
@@ -126,6 +128,7 @@ def _profile_peak_bytes(config: KvServeConfig, model: CausalLM, device: torch.de
         prefix_cache=False,
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
         attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -168,6 +171,7 @@ def _decode_graph_bytes(config: KvServeConfig, model: CausalLM, max_model_len: i
         max_num_seqs=config.max_num_seqs,
         prefix_cache=False,
         attention_backend=config.attention_backend,
+        kv_cache_dtype=config.kv_cache_dtype,
         cuda_graphs=False,  # the largest bucket is run eagerly below: the same buffers and activations
     )
     probe = PagedEngine(model, settings)
@@ -205,7 +209,8 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
             "max_model_len lowered from %d to %d: one sequence must fit in the KV pool", max_model_len, capacity
         )
         max_model_len = capacity
-    block_bytes = kv_block_bytes(model, config.block_size, dtype)
+    kv_dtype = pool_dtype(config.kv_cache_dtype, dtype)
+    block_bytes = kv_block_bytes(model, config.block_size, kv_dtype)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.2f GB on %s (%s)",
         num_blocks,
@@ -213,7 +218,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         capacity,
         num_blocks * block_bytes / 1e9,
         device,
-        dtype,
+        kv_dtype,
     )
     settings = EngineSettings(
         num_blocks=num_blocks,
@@ -236,6 +241,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         min_prefill_chunk_tokens=config.min_prefill_chunk_tokens,
         cuda_graphs=config.cuda_graphs,
         attention_backend=config.attention_backend,
+        kv_cache_dtype=config.kv_cache_dtype,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

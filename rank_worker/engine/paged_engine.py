@@ -31,6 +31,7 @@ from rank_worker.engine.scheduler import PolicyName, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import BackendName
 from rank_worker.model.causal_lm import CausalLM
 
@@ -57,6 +58,7 @@ class EngineSettings:
     min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill every step gets under that budget
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
+    kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -85,17 +87,20 @@ class PagedEngine(Engine):
         self.tokenizer = tokenizer
         device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
+        kv_dtype = kv_quant.pool_dtype(settings.kv_cache_dtype, dtype)
+        # Refused by name before the pool is allocated or CUDA asked: the kernels do not read fp8.
+        attention_setting = kv_quant.check_backend(settings.attention_backend, kv_dtype)
         # zeros, not empty: padded decode slots are masked, but NaN garbage would still poison 0 * NaN.
         # One block past the pool is scratch: no sequence owns it; padded rows of graph steps write there.
         self.kv_cache = torch.zeros(
-            kv_pool_shape(model, settings.num_blocks + 1, settings.block_size), dtype=dtype, device=device
+            kv_pool_shape(model, settings.num_blocks + 1, settings.block_size), dtype=kv_dtype, device=device
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
             settings.model_id,
             fingerprint,
             settings.block_size,
-            str(dtype).removeprefix("torch."),
+            str(kv_dtype).removeprefix("torch."),  # the pool's: an fp8 rank never shares blocks with a bf16 one
             settings.weights_digest,
         )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
@@ -106,7 +111,7 @@ class PagedEngine(Engine):
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         # The model picks: an MLA model always takes its own path (no Triton/FlashInfer MLA kernel yet).
-        self.attention = model.choose_attention(settings.attention_backend, device, dtype)
+        self.attention = model.choose_attention(attention_setting, device, dtype)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -335,7 +340,9 @@ class PagedEngine(Engine):
 
     def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        self.kv_cache.index_copy_(0, index, data.to(self.kv_cache.device, self.kv_cache.dtype))
+        data = data.to(self.kv_cache.device, self.kv_cache.dtype).contiguous()
+        # As bytes: index_copy_ has no float8 kernel on the CPU, and a block is its bytes whatever the dtype.
+        self.kv_cache.view(torch.uint8).index_copy_(0, index, data.view(torch.uint8))
 
     def close(self) -> None:
         if self.l1 is not None:

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.forward_batch import ForwardBatch
@@ -54,7 +55,8 @@ class LatentAttention(nn.Module):
         k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
         latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [T, latent_dim]: what the pool keeps
         latent_cache = kv_layer[:, 0]  # [blocks, block_size, 1, latent_dim]
-        latent_cache[batch.slot_blocks, batch.slot_offsets] = latent.unsqueeze(1)
+        kv_quant.store(latent_cache, batch.slot_blocks, batch.slot_offsets, latent.unsqueeze(1))  # fp8: quantised
+        latent = kv_quant.round_trip(latent, latent_cache)  # a chunk attends to its own latents as stored
         out = self.backend.attend_mla(q_nope, q_pe, latent, latent_cache, self.kv_b_proj, batch, self.scale)
         return F.linear(out.reshape(-1, cfg.num_heads * cfg.v_head_dim), self.o_proj)
 

@@ -9,6 +9,7 @@ and the rotated rope key k_pe, shared by every head. kv_b_proj expands c into ea
 - Decode (absorbed): q_nope is folded into W_UK (q_lat = q_nope W_UK, one r-vector per head), so scores are
   [q_lat, q_pe] . [c, k_pe], read straight off the pool, and the output is the attention-weighted latent
   taken through W_UV: per-head K/V are never formed, and a decode step reads r + rope values per token.
+An fp8 pool (attention/kv_quant.py) is dequantised as it is gathered.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.forward_batch import ForwardBatch
 
@@ -72,6 +74,7 @@ class MlaSdpaAttention(AttentionBackend):
             else:
                 table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
                 context = latent_cache[table].reshape(-1, latent_cache.shape[-1])[: piece.context_len]
+                context = kv_quant.dequantize(context, q_nope.dtype)
                 mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
             out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
         return out
@@ -118,7 +121,7 @@ def _absorbed_decode(
     max_blocks = -(-int(lens.max()) // block_size)
     tables = batch.attention[:, :max_blocks].long()
     num_seqs = tables.shape[0]
-    keys = latent_cache[tables].reshape(
+    keys = kv_quant.dequantize(latent_cache[tables], q_nope.dtype).reshape(
         num_seqs, 1, max_blocks * block_size, latent_cache.shape[-1]
     )  # [B, 1, S, r+rope]
     positions = torch.arange(max_blocks * block_size, device=q_nope.device)

@@ -1,6 +1,7 @@
 """Attention over the paged KV pool in plain PyTorch (SDPA): the CPU backend, exact against transformers in
 float32. Each sequence's blocks are gathered into a contiguous copy first; decode rows are padded to the
-longest and masked.
+longest and masked. An fp8 pool (attention/kv_quant.py) is dequantised as it is gathered, and a chunk's own
+K/V are attended as the pool holds them.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.forward_batch import ForwardBatch
 
@@ -16,9 +18,10 @@ from rank_worker.model.forward_batch import ForwardBatch
 def write_kv(
     k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ForwardBatch
 ) -> None:
-    """Store this step's K/V ([T, Hkv, D]) at their slots; k_cache/v_cache are one layer's views."""
-    k_cache[batch.slot_blocks, batch.slot_offsets] = k
-    v_cache[batch.slot_blocks, batch.slot_offsets] = v
+    """Store this step's K/V ([T, Hkv, D]) at their slots (quantised in an fp8 pool); k_cache/v_cache are one
+    layer's views."""
+    kv_quant.store(k_cache, batch.slot_blocks, batch.slot_offsets, k)
+    kv_quant.store(v_cache, batch.slot_blocks, batch.slot_offsets, v)
 
 
 class SdpaAttention(AttentionBackend):
@@ -44,6 +47,8 @@ class SdpaAttention(AttentionBackend):
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         n = batch.num_decodes
+        # fp8 pool: the chunk attends to its own K/V as stored, as a later chunk over this prefix will.
+        k, v = kv_quant.round_trip(k, k_cache), kv_quant.round_trip(v, v_cache)
         if n:
             out[:n] = _decode_attention(q[:n], k_cache, v_cache, batch, scale)
         for piece in batch.prefills:
@@ -53,8 +58,8 @@ class SdpaAttention(AttentionBackend):
                 out[rows] = causal_sdpa(q[rows], k[rows], v[rows], scale)
             else:
                 table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
-                keys = _gather_sequence(k_cache, table, piece.context_len)
-                values = _gather_sequence(v_cache, table, piece.context_len)
+                keys = kv_quant.dequantize(_gather_sequence(k_cache, table, piece.context_len), q.dtype)
+                values = kv_quant.dequantize(_gather_sequence(v_cache, table, piece.context_len), q.dtype)
                 mask = causal_lower_right(piece.num_new, piece.context_len)
                 out[rows] = _sdpa(q[rows], keys, values, scale, mask=mask)
         return out
@@ -91,8 +96,9 @@ def _decode_attention(
     max_blocks = -(-int(lens.max()) // block_size)
     tables = batch.attention[:, :max_blocks].long()
     num_seqs = tables.shape[0]
-    keys = k_cache[tables].reshape(num_seqs, max_blocks * block_size, *k_cache.shape[2:])
-    values = v_cache[tables].reshape(num_seqs, max_blocks * block_size, *v_cache.shape[2:])
+    padded = (num_seqs, max_blocks * block_size, *k_cache.shape[2:])
+    keys = kv_quant.dequantize(k_cache[tables], q.dtype).reshape(padded)
+    values = kv_quant.dequantize(v_cache[tables], q.dtype).reshape(padded)
     positions = torch.arange(max_blocks * block_size, device=q.device)
     mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(num_seqs, 1, 1, -1)
     qh = q.unsqueeze(2)  # [B, Hq, 1, D]

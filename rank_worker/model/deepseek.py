@@ -19,7 +19,7 @@ from rank_worker.model.attention.backend import AttentionBackend, BackendName
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.forward_batch import ForwardBatch
-from rank_worker.model.llama import RMSNorm
+from rank_worker.model.llama import RMSNorm, init_random_weights
 from rank_worker.model.mla import LatentAttention
 from rank_worker.model.moe import GatedMLP, MoE, empty_param
 from rank_worker.model.yarn_rope import DeepseekRotary
@@ -130,12 +130,4 @@ class DeepseekForCausalLM(nn.Module):
     def init_random_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks (llama.RANDOM_INIT_SCHEME): normal(0, 0.02) in named_parameters order,
         norms 1, biases (the router's correction bias) 0."""
-        generator = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    param.normal_(0.0, 0.02, generator=generator)
+        init_random_weights(self, seed)

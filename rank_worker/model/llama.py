@@ -24,6 +24,20 @@ from rank_worker.model.rotary import RotaryEmbedding
 RANDOM_INIT_SCHEME = "normal(0, 0.02) in named_parameters order; norms 1, biases 0"
 
 
+def init_random_weights(model: nn.Module, seed: int = 0) -> None:
+    """RANDOM_INIT_SCHEME over any model of ours (the Llama and DeepSeek families share it, so a digest of the
+    seed and shape names the same weights wherever they are made)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
 def _param(*shape: int) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape), requires_grad=False)
 
@@ -242,15 +256,7 @@ class LlamaForCausalLM(nn.Module):
 
     def init_random_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks: the real shapes, FLOPs and bytes, nonsense text."""
-        generator = torch.Generator(device=self.embed_tokens.device).manual_seed(seed)
-        with torch.no_grad():
-            for name, param in self.named_parameters():
-                if name.endswith("norm.weight"):
-                    param.fill_(1.0)
-                elif name.endswith("bias"):
-                    param.zero_()
-                else:
-                    param.normal_(0.0, 0.02, generator=generator)
+        init_random_weights(self, seed)
 
 
 def _named_layer_param(layer: DecoderLayer, module: str, proj: str, kind: str, name: str) -> torch.Tensor:

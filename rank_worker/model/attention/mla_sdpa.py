@@ -20,6 +20,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.attention.sdpa_backend import plan_decode_tables
 from rank_worker.model.forward_batch import ForwardBatch
 
 
@@ -27,11 +28,7 @@ class MlaSdpaAttention(AttentionBackend):
     name = "mla_sdpa"
 
     def plan(self, batch: ForwardBatch) -> None:
-        """The decode rows' block tables, picked out of the persistent table once per step (not per layer)."""
-        batch.attention = None
-        if batch.num_decodes:
-            assert batch.decode_rows is not None
-            batch.attention = batch.block_tables[batch.decode_rows.long()]
+        plan_decode_tables(batch)
 
     def attend(
         self,

@@ -24,15 +24,19 @@ def write_kv(
     kv_quant.store(v_cache, batch.slot_blocks, batch.slot_offsets, v)
 
 
+def plan_decode_tables(batch: ForwardBatch) -> None:
+    """The decode rows' block tables, picked out of the persistent table once per step (not per layer)."""
+    batch.attention = None
+    if batch.num_decodes:
+        assert batch.decode_rows is not None
+        batch.attention = batch.block_tables[batch.decode_rows.long()]
+
+
 class SdpaAttention(AttentionBackend):
     name = "sdpa"
 
     def plan(self, batch: ForwardBatch) -> None:
-        """The decode rows' block tables, picked out of the persistent table once per step (not per layer)."""
-        batch.attention = None
-        if batch.num_decodes:
-            assert batch.decode_rows is not None
-            batch.attention = batch.block_tables[batch.decode_rows.long()]
+        plan_decode_tables(batch)
 
     def attend(
         self,

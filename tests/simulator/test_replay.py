@@ -141,7 +141,10 @@ def test_the_decode_step_budget_keeps_calls_decoding_beside_long_cold_prefills()
     stats = {}
     for budget_ms in (0.0, 50.0):
         settings = node(1)
-        policy = replace(settings.rank.policy, decode_step_budget_ms=budget_ms)
+        # 256-token minimum chunks, as when this bar was set: the simulator's linear step cost (calibrated on
+        # b10acc2) does not see what made the engine's default 1024 (a small chunk over a long prefix fills few
+        # multiprocessors: bench/results/mixed-steps-h200.json), only that bigger chunks hold decoders longer.
+        policy = replace(settings.rank.policy, decode_step_budget_ms=budget_ms, min_prefill_chunk_tokens=256)
         settings = replace(settings, rank=replace(settings.rank, policy=policy))
         stats[budget_ms] = step_stats(replay(work, workload, settings, STEP_TIME).records, 8)
     off, on = stats[0.0], stats[50.0]

@@ -16,22 +16,27 @@ from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model_files.source import open_model_source
 
 VOCAB = 96
-MLA_MOE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    moe_intermediate_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
+# MLA (a 32-value latent) and MoE (8 routed experts in 2 groups, top-2, one shared), the first layer dense:
+# the part test_model_parity's DeepSeek cases share with these checkpoints.
+MLA_MOE_LAYERS = dict(
     kv_lora_rank=32,
     qk_nope_head_dim=16,
     v_head_dim=16,
+    moe_intermediate_size=32,
     n_routed_experts=8,
     n_shared_experts=1,
     num_experts_per_tok=2,
     first_k_dense_replace=1,
     n_group=2,
     topk_group=1,
+)
+MLA_MOE = dict(
+    MLA_MOE_LAYERS,
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
     max_position_embeddings=512,
 )
 YARN = {

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from deepseek_checkpoints import MLA_MOE_LAYERS, YARN
 from engine_fixtures import embolden_weights, generate_one, greedy, make_engine, random_prompt, write_word_tokenizer
 
 from rank_worker.engine.factory import build_model
@@ -23,20 +24,7 @@ COMMON = dict(
     num_attention_heads=4,
     max_position_embeddings=512,
 )
-# MLA (a 32-value latent) and MoE (8 routed experts in 2 groups, top-2, one shared), layer 0 dense, layer 1 MoE.
-MLA_MOE = dict(
-    kv_lora_rank=32,
-    qk_nope_head_dim=16,
-    v_head_dim=16,
-    moe_intermediate_size=32,
-    n_routed_experts=8,
-    n_shared_experts=1,
-    num_experts_per_tok=2,
-    first_k_dense_replace=1,
-    n_group=2,
-    topk_group=1,
-)
-YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=64, beta_fast=32)
+MLA_MOE = MLA_MOE_LAYERS  # with COMMON's two layers: layer 0 dense, layer 1 MoE
 
 CASES = {
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(num_key_value_heads=2, rope_theta=10000.0)),
@@ -93,7 +81,7 @@ CASES = {
             q_lora_rank=None,
             qk_rope_head_dim=8,
             topk_method="group_limited_greedy",
-            rope_parameters=dict(YARN, beta_slow=1, mscale=0.707, mscale_all_dim=0.707),
+            rope_parameters=YARN,  # mscale = mscale_all_dim = 0.707
         ),
     ),
     # V2-Lite's routing: plain greedy top-k over softmax scores, no groups.
@@ -117,7 +105,7 @@ CASES = {
             q_lora_rank=24,
             qk_rope_head_dim=16,
             rope_interleave=False,
-            rope_parameters=dict(YARN, beta_slow=1, mscale=1.0, mscale_all_dim=1.0),
+            rope_parameters=dict(YARN, mscale=1.0, mscale_all_dim=1.0),
         ),
     ),
 }

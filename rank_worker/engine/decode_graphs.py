@@ -22,6 +22,7 @@ import time
 
 import torch
 
+from rank_worker.engine.gpu_timer import GpuTimer
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import StepInputs
 from rank_worker.model.causal_lm import CausalLM
@@ -76,7 +77,7 @@ class DecodeGraphs:
         return seconds
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> torch.Tensor | None:
+    def run(self, seqs: list[Sequence], timer: GpuTimer | None = None) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token), or None
         when the step fits no recorded graph (the caller runs it eagerly)."""
         batch = bucket_for(len(seqs), self.buckets)
@@ -84,10 +85,14 @@ class DecodeGraphs:
             return None
         self.inputs.build_padded_decode(seqs, batch)
         self.steps += 1
+        if timer is not None:
+            timer.start()
         if self.capture:
             self.graphs[batch].replay()
         else:
             self.forward(batch)
+        if timer is not None:
+            timer.stop()
         return self.logits[: len(seqs)]
 
     def forward(self, batch: int) -> None:

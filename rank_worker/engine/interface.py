@@ -186,6 +186,10 @@ class Engine(ABC):
         """(tokens computed, of which prefill tokens) in the last step, for step timing; (0, 0) if unknown."""
         return (0, 0)
 
+    def last_step_gpu_s(self) -> float | None:
+        """The GPU's own time for the last step's forward (CUDA events), for step timing; None if unknown."""
+        return None
+
     def close(self) -> None:
         """Let go of outside resources (an L1 arena mapping, connections) once the engine loop has stopped."""
         return None  # an engine that holds none has nothing to do

@@ -10,6 +10,7 @@ import torch
 
 from rank_worker.engine.block_tables import BlockTables
 from rank_worker.engine.decode_graphs import DecodeGraphs
+from rank_worker.engine.gpu_timer import GpuTimer
 from rank_worker.engine.interface import RequestsFailedError
 from rank_worker.engine.sampler import SamplingError, sample_tokens
 from rank_worker.engine.scheduler import ScheduledBatch
@@ -58,6 +59,7 @@ class ModelRunner:
         # A step carries at most max_num_batched_tokens; a padded decode step at most max_num_seqs rows.
         capacity = max(max_num_batched_tokens, max_num_seqs) + max_num_seqs
         self.inputs = StepInputs(capacity, block_size, self.tables, self.device)
+        self.gpu_timer = GpuTimer(self.device)  # the forward's GPU time, for the serving loop's step timing
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and backend.graph_safe:
             self.decode_graphs = DecodeGraphs(model, kv_cache, self.inputs, max_num_seqs)
@@ -89,7 +91,7 @@ class ModelRunner:
         """Forward the batch; returns the sampled next token of each sequence that reached its end."""
         if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):
             seqs = [seq for seq, _ in batch.entries]
-            logits = self.decode_graphs.run(seqs)
+            logits = self.decode_graphs.run(seqs, self.gpu_timer)
             if logits is not None:
                 # A one-token prefill chunk short of the prompt's end is computed but not sampled.
                 rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
@@ -97,7 +99,10 @@ class ModelRunner:
                     logits = logits[rows]
                 return self._sample(logits, [seqs[i] for i in rows])
         forward, sampling_seqs = self.inputs.build(batch.entries)
-        return self._sample(self.model(forward, self.kv_cache), sampling_seqs)
+        self.gpu_timer.start()
+        logits = self.model(forward, self.kv_cache)
+        self.gpu_timer.stop()
+        return self._sample(logits, sampling_seqs)
 
     @staticmethod
     def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, int]:

@@ -273,6 +273,9 @@ class PagedEngine(Engine):
     def last_step_tokens(self) -> tuple[int, int]:
         return self._last_step_tokens
 
+    def last_step_gpu_s(self) -> float | None:
+        return self.runner.gpu_timer.take_s()
+
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:

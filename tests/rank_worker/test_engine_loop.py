@@ -132,6 +132,35 @@ def test_concurrent_requests_each_get_their_own_tokens(engine_loop: EngineLoop) 
     asyncio.run(run())
 
 
+def test_a_steps_outputs_reach_their_streams_in_one_hand_over(engine_loop: EngineLoop) -> None:
+    """Eight requests decoding together: each step wakes the consumers' event loop once, not once per
+    request (call_soon_threadsafe is a syscall on the engine thread), and every stream still gets its own
+    tokens in order."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        hand_overs = 0
+        real = loop.call_soon_threadsafe
+
+        def counted(callback, *args, **kwargs):  # type: ignore[no-untyped-def]
+            nonlocal hand_overs
+            hand_overs += 1
+            return real(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counted  # type: ignore[method-assign]
+        prompts = [prompt_of(16, 40 + i) for i in range(8)]
+        streams = [engine_loop.submit(request(f"h{i}", p, max_tokens=12)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(collect(s) for s in streams))
+        loop.call_soon_threadsafe = real  # type: ignore[method-assign]
+        assert all(len(tokens) == 12 for tokens, _ in results)
+        # 8 x 12 outputs; per step at most one hand-over (plus the submit wake-ups, which are not this loop's)
+        assert hand_overs <= 12 + 4, hand_overs
+        alone, _ = await collect(engine_loop.submit(request("h-alone", prompts[5], max_tokens=12)))
+        assert alone == results[5][0]
+
+    asyncio.run(run())
+
+
 def test_abort_ends_the_stream_and_frees_blocks(engine_loop: EngineLoop) -> None:
     async def run() -> None:
         stream = engine_loop.submit(request("long", prompt_of(40, 3), max_tokens=400))

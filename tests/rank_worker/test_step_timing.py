@@ -44,3 +44,22 @@ def test_take_starts_a_new_window() -> None:
     clock.now += 2.0
     empty = timing.take()
     assert empty.steps == 0 and empty.window_s == pytest.approx(2.0) and empty.busy_fraction == 0.0
+
+
+def test_gpu_time_is_reported_beside_each_kinds_wall_time_where_measured() -> None:
+    clock = FakeClock()
+    timing = StepTiming(clock=clock)
+    for gpu in (0.006, 0.007, 0.008):  # decode steps of 10 ms wall, 6-8 ms on the GPU: host-bound by ~3 ms
+        timing.record(step_s=0.010, iteration_s=0.010, num_tokens=8, prefill_tokens=0, gpu_s=gpu)
+    timing.record(step_s=0.040, iteration_s=0.040, num_tokens=520, prefill_tokens=512, gpu_s=0.038)
+    clock.now += 1.0
+    summary = timing.take()
+    assert summary.decode_gpu_ms_p50 == pytest.approx(7.0)
+    assert summary.mixed_gpu_ms_p50 == pytest.approx(38.0)
+    text = summary.describe()
+    assert "at 10.0 ms p50 (GPU 7.0 ms)" in text and "at 40.0 ms p50 (GPU 38.0 ms)" in text
+    # the next window starts empty; a window with no GPU timing (the CPU) says nothing about the GPU
+    timing.record(step_s=0.010, iteration_s=0.010, num_tokens=8, prefill_tokens=0)
+    clock.now += 1.0
+    bare = timing.take()
+    assert bare.decode_gpu_ms_p50 is None and bare.mixed_gpu_ms_p50 is None and "GPU" not in bare.describe()

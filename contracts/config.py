@@ -87,6 +87,20 @@ class KvServeConfig(BaseSettings):
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
 
+    # The rank worker's engine thread shares the GIL with its gRPC threads, which turn every token into a
+    # stream message. When it comes back from the GPU (or any call that lets the GIL go) and a gRPC thread
+    # holds the GIL, CPython makes it wait up to the switch interval (5 ms by default) before forcing a
+    # hand-over; under the agent load on the H200 a decode step took ~3 ms longer in the serving process than
+    # on the GPU (the step log's GPU time). bench/probes/gil_wait.py reproduces that regime on the CPU (64
+    # streams, a 12 ms GIL-free "GPU" step): 5.8-7.3 ms of host time per step at 5 ms, 3.8-4.3 at 0.5 ms,
+    # 3.7-4.0 at 0.2 (bench/results/gil-wait-cpu.json). None leaves Python's interval.
+    gil_switch_interval_ms: float | None = Field(
+        0.5,
+        gt=0.0,
+        le=100.0,
+        description="rank worker: sys.setswitchinterval for its process, in ms (None: Python's own, 5 ms)",
+    )
+
     # --- L1 (kvstore) ---
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")
     l1_headroom_gb: float = Field(4.0, ge=0.0, description="RAM the arena must leave to everything else")

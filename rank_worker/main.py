@@ -74,7 +74,15 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
     return factory_build_engine(config, l1_client)
 
 
+def apply_gil_switch_interval(config: KvServeConfig) -> None:
+    """How long the engine thread may wait for the GIL the gRPC threads hold (contracts/config.py says why)."""
+    if config.gil_switch_interval_ms is not None:
+        sys.setswitchinterval(config.gil_switch_interval_ms / 1000.0)
+        log.info("GIL switch interval %.2f ms", config.gil_switch_interval_ms)
+
+
 async def serve(config: KvServeConfig) -> int:
+    apply_gil_switch_interval(config)
     address = service_main.listen_address(config.rank_worker_host, config.rank_worker_port)
     health_servicer = health.aio.HealthServicer()
     servicer = RankWorkerServicer(config.max_waiting_requests)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import platform
 import subprocess
 import sys
 import tempfile
@@ -31,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.probes.host_step import TINY, VOCAB  # noqa: E402
+from bench.probes.host_step import TINY, VOCAB, write_rows  # noqa: E402
 
 PROMPT_TOKENS = 64
 
@@ -155,10 +154,7 @@ def main() -> None:
                 f"{row['tokens_per_s']:.0f} tok/s over {args.streams} streams",
                 flush=True,
             )
-    if args.out:
-        result = {"probe": "gil_wait", "cpu": platform.processor() or platform.machine(), "rows": rows}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+    write_rows(args.out, "gil_wait", rows)
 
 
 if __name__ == "__main__":

@@ -102,10 +102,15 @@ def main() -> None:
         ms = host_step_ms(batch, args.steps, args.repeats, args.context)
         rows.append({"batch": batch, "host_ms_per_step": round(ms, 4), "host_us_per_row": round(ms * 1e3 / batch, 2)})
         print(f"batch {batch:4d}: {ms:.3f} ms host per decode step ({ms * 1e3 / batch:.1f} us a row)", flush=True)
-    if args.out:
-        result = {"probe": "host_step", "cpu": platform.processor() or platform.machine(), "rows": rows}
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-        print("wrote", args.out)
+    write_rows(args.out, "host_step", rows)
+
+
+def write_rows(out: str, probe: str, rows: list[dict]) -> None:
+    """A CPU probe's result file (nothing without --out)."""
+    if out:
+        result = {"probe": probe, "cpu": platform.processor() or platform.machine(), "rows": rows}
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+        print("wrote", out)
 
 
 if __name__ == "__main__":

@@ -268,6 +268,8 @@ class OpenGeneration:
             pending.append(text)
         if stop_sequence is None:
             pending.append(stops.finish())
+        elif owner.prompts.ends_turn(stop_sequence, prepared.chat.stop):
+            stop_sequence = None  # the model's own end of turn, written out as text
         events = [event for text in pending for event in parser.feed(text)] + parser.finish()
         for event in events:
             saw_tool_call |= isinstance(event, ToolCallStart)

@@ -1,15 +1,11 @@
-"""The Claude Code CLI (npm @anthropic-ai/claude-code: the current version behind .venv/bin/claude and an
-older one, both installed by `make setup`) in print mode against the real gateway and rank worker started
-from config/local.yaml, as `make up` starts them, with the environment `kvserve up` prints
-(launcher.claude_code_env). The embedded SmolLM2 runs past its trained window (Claude Code's first request
-alone is 12-23K tokens). Answer quality is not judged; the protocol and the cache are."""
+"""The Claude Code CLI (npm @anthropic-ai/claude-code: the current version behind .venv/bin/claude, installed by
+`make setup` with an older one, whose test is test_claude_code_older_e2e.py) in print mode against the real
+gateway and rank worker started from config/local.yaml, as `make up` starts them, with the environment `kvserve
+up` prints (launcher.claude_code_env). The embedded SmolLM2 runs past its trained window (Claude Code's first
+request alone is 12-23K tokens). Answer quality is not judged; the protocol and the cache are."""
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import shutil
 import subprocess
 import uuid
 from collections.abc import Iterator
@@ -17,67 +13,27 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-import httpx
 import pytest
+from claude_code_cli import (
+    CURRENT,
+    MODEL,
+    OLDER,
+    Stack,
+    answered,
+    cache_share,
+    claude_env,
+    installed_cli,
+    local_stack,
+    run_claude,
+    token_counters,
+)
 from claude_code_transcript import append_tool_turn, edit_turn, find_transcript, read_turn
-from service_processes import ROOT, gateway_stack
-
-from contracts.config import load_config
-from launcher.claude_code_env import claude_code_environment
-
-LOCAL_CONFIG_FILE = ROOT / "config" / "local.yaml"
-LOCAL = load_config(LOCAL_CONFIG_FILE)
-MODEL = LOCAL.served_model_name
-WRAPPER = ROOT / ".venv" / "bin" / "claude"  # what users run: the current version
-# The test machine talks to no one but our gateway; none of these changes what reaches it.
-OFFLINE = {
-    "DISABLE_TELEMETRY": "1",
-    "DISABLE_AUTOUPDATER": "1",
-    "DISABLE_ERROR_REPORTING": "1",
-    "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-}
-# Claude Code's own message when the model did not end its turn within the output cap (after its three
-# retries): not an API error. SmolLM2 past its trained window often does not end its turn.
-OUTPUT_CAP_HIT = "output token maximum"
-_REQUEST_LINE = re.compile(r"kvserve\.gateway\.requests: .*\bsession=(\S+) .*\bprompt_tokens=(\d+) cached_tokens=(\d+)")
-
-
-def makefile_value(name: str) -> str:
-    found = re.search(rf"^{name} \?= (\S+)$", (ROOT / "Makefile").read_text(), re.MULTILINE)
-    assert found, f"{name} is not set in the Makefile"
-    return found.group(1)
-
-
-CURRENT = makefile_value("CLAUDE_CODE_VERSION")
-OLDER = makefile_value("CLAUDE_CODE_OLDER_VERSION")
-
-
-def installed_cli(version: str) -> Path:
-    cli = WRAPPER if version == CURRENT else ROOT / ".claude-code" / version / "node_modules" / ".bin" / "claude"
-    if not cli.exists():
-        if shutil.which("npm"):
-            pytest.fail(f"the Claude Code CLI {version} is missing at {cli}: run `make setup`")
-        pytest.skip("npm is not installed, so neither is the Claude Code CLI")
-    return cli
-
-
-@dataclass(frozen=True)
-class Stack:
-    url: str
-    gateway_log: Path
-
-    def requests_of(self, session: str) -> list[tuple[int, int]]:
-        """(prompt tokens, cached tokens) of each request of `session`, in order, from the gateway's log."""
-        found = (_REQUEST_LINE.search(line) for line in self.gateway_log.read_text(errors="replace").splitlines())
-        return [(int(m.group(2)), int(m.group(3))) for m in found if m and m.group(1) == session]
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp = tmp_path_factory.mktemp("claude-code-stack")
-    settings = {"KVSERVE_CONFIG": str(LOCAL_CONFIG_FILE)}  # exactly what `make up` serves
-    with gateway_stack(tmp, settings, settings) as url:
-        yield Stack(url, tmp / "gateway.log")
+    with local_stack(tmp_path_factory) as stack:
+        yield stack
 
 
 CALC = "".join(f"def f{n}(x):\n    return x + {n}\n\n\n" for n in range(12)) + "def add(a, b):\n    return a - b\n"
@@ -105,48 +61,6 @@ def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
     for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "calc"]):
         subprocess.run([*git, *command], cwd=repo, check=True, capture_output=True)
     return Workspace(repo, home)
-
-
-def claude_env(stack: Stack, home: Path, **overrides: str) -> dict[str, str]:
-    """The exports `kvserve up` prints for this stack (its rank on the CPU), and `overrides` where a test says."""
-    assert LOCAL.max_model_len is not None
-    exports = claude_code_environment(stack.url, MODEL, LOCAL.max_model_len, LOCAL.request_timeout_secs, on_cpu=True)
-    return {"PATH": os.environ["PATH"], "HOME": str(home), **exports, **OFFLINE, **overrides}
-
-
-def run_claude(cli: Path, env: dict[str, str], cwd: Path, *args: str) -> dict:
-    result = subprocess.run(
-        [str(cli), "-p", "--output-format", "json", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3000,
-    )
-    assert result.stdout.strip(), f"claude printed nothing ({result.returncode}): {result.stderr[-2000:]}"
-    return json.loads(result.stdout.strip().splitlines()[-1])
-
-
-def answered(report: dict) -> bool:
-    """No API error: the gateway answered every request, and the turn ended or ran into the output cap."""
-    return report.get("api_error_status") is None and (
-        report["is_error"] is False or OUTPUT_CAP_HIT in report["result"]
-    )
-
-
-def cache_share(report: dict) -> float:
-    usage = report["usage"]
-    return usage["cache_read_input_tokens"] / (usage["input_tokens"] + usage["cache_read_input_tokens"])
-
-
-def token_counters(base_url: str) -> tuple[float, float]:
-    """(prompt tokens, cached tokens) served so far, from the gateway's /metrics."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-
-    def total(name: str) -> float:
-        return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(f"{name}{{"))
-
-    return total("kvserve_gateway_prompt_tokens_total"), total("kvserve_gateway_cached_tokens_total")
 
 
 def test_make_setup_installs_both_versions_and_puts_the_current_one_in_the_venv() -> None:
@@ -178,27 +92,6 @@ def test_first_call_with_the_printed_exports_is_answered(stack: Stack, workspace
     report = run_claude(installed_cli(CURRENT), env, workspace.repo, "Reply with one word: ready")
     assert answered(report), report
     assert token_counters(stack.url)[0] - before[0] > 10_000  # system prompt + tool definitions
-
-
-@pytest.mark.timeout(3000)  # the first call prefills ~23K tokens on the CPU: minutes
-def test_older_cli_past_the_trained_window_resumes_from_cache(stack: Stack, tmp_path: Path) -> None:
-    """The older CLI sends another first request (~23K tokens: more tools, another system prompt). Output is
-    capped lower than the exports do, to keep the test short."""
-    cli, env, session = (
-        installed_cli(OLDER),
-        claude_env(stack, tmp_path, CLAUDE_CODE_MAX_OUTPUT_TOKENS="8"),
-        str(uuid.uuid4()),
-    )
-    before = token_counters(stack.url)
-    first = run_claude(cli, env, tmp_path, "--session-id", session, "Reply with one word: ready")
-    assert answered(first), first
-    after_first = token_counters(stack.url)
-    assert after_first[0] - before[0] > 20_000
-    second = run_claude(cli, env, tmp_path, "--resume", session, "And again: ready")
-    assert answered(second), second
-    after_second = token_counters(stack.url)
-    prompt, cached = after_second[0] - after_first[0], after_second[1] - after_first[1]
-    assert cached / prompt > 0.9, (prompt, cached)
 
 
 @pytest.mark.timeout(3000)

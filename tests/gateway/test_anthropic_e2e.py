@@ -236,9 +236,10 @@ def test_bad_requests_get_400_in_the_api_shape(base_url: str) -> None:
 def test_prompt_over_the_context_is_refused_but_max_tokens_is_clamped(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError, match="prompt is too long"):
         client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": "word " * 5000}])
-    # Claude Code asks for 32000 on every call (streaming: the SDK insists for such a size).
+    # Claude Code asks for 32000 on every call (streaming: the SDK insists for such a size). The prompt renders to
+    # 4086 tokens (31 of them the template's), leaving 10 to generate before the context is full.
     with client.messages.stream(
-        model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": "word " * 4000}]
+        model=MODEL, max_tokens=32000, extra_body=GREEDY, messages=[{"role": "user", "content": "word " * 4055}]
     ) as stream:
         ok = stream.get_final_message()
     assert ok.stop_reason == "max_tokens"  # clamped to what the 4096-token context left

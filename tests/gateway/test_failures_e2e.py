@@ -4,6 +4,7 @@ rank is left), API keys (401/403)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -56,8 +57,11 @@ def test_full_rank_queue_answers_529_with_retry_after(tmp_path: Path) -> None:
         assert httpx.post(f"{url}/v1/messages", json=body, timeout=180).status_code == 200
 
 
-@pytest.fixture
-def two_ranks(tmp_path: Path) -> Iterator[tuple[str, dict[int, subprocess.Popen[bytes]]]]:
+TwoRanks = tuple[str, dict[int, subprocess.Popen[bytes]]]  # the gateway's URL, each rank's process by port
+
+
+@contextlib.contextmanager
+def _two_ranks(tmp: Path) -> Iterator[TwoRanks]:
     ports = [free_port(), free_port()]
     # small prefill chunks: a long prompt takes several steps, time enough to kill its rank mid-prefill
     settings = {
@@ -67,11 +71,25 @@ def two_ranks(tmp_path: Path) -> Iterator[tuple[str, dict[int, subprocess.Popen[
     }
     gateway_port = free_port()
     with (
-        start_rank_worker(tmp_path / "rank0.log", ports[0], **settings) as rank0,
-        start_rank_worker(tmp_path / "rank1.log", ports[1], **settings) as rank1,
-        start_gateway(tmp_path / "gateway.log", gateway_port, ports, KVSERVE_PING_INTERVAL_SECS="0.5"),
+        start_rank_worker(tmp / "rank0.log", ports[0], **settings) as rank0,
+        start_rank_worker(tmp / "rank1.log", ports[1], **settings) as rank1,
+        start_gateway(tmp / "gateway.log", gateway_port, ports, KVSERVE_PING_INTERVAL_SECS="0.5"),
     ):
         yield f"http://127.0.0.1:{gateway_port}", {ports[0]: rank0, ports[1]: rank1}
+
+
+@pytest.fixture
+def two_ranks(tmp_path: Path) -> Iterator[TwoRanks]:
+    """Two fresh ranks and a gateway, for a test that kills ranks."""
+    with _two_ranks(tmp_path) as stack:
+        yield stack
+
+
+@pytest.fixture(scope="module")
+def two_live_ranks(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoRanks]:
+    """The same two ranks and gateway, shared by the tests that kill none of them (a start costs ~60 s)."""
+    with _two_ranks(tmp_path_factory.mktemp("two-live-ranks")) as stack:
+        yield stack
 
 
 def _busy_rank(ranks: dict[int, subprocess.Popen[bytes]], deadline_s: float = 60) -> int:
@@ -205,8 +223,8 @@ def test_api_keys_401_and_403(tmp_path: Path) -> None:
         assert httpx.get(f"{url}/health").status_code == 200  # probes need no key
 
 
-def test_client_disconnect_cancels_the_rank_request(two_ranks) -> None:
-    url, ranks = two_ranks
+def test_client_disconnect_cancels_the_rank_request(two_live_ranks) -> None:
+    url, ranks = two_live_ranks
     body = {
         "model": "default",
         "max_tokens": 1500,
@@ -227,8 +245,8 @@ def test_client_disconnect_cancels_the_rank_request(two_ranks) -> None:
     assert stats.running == 0 and stats.used_blocks == 0  # cancelled, not left to write 1500 tokens
 
 
-def test_pings_flow_while_a_long_prefill_runs(two_ranks) -> None:
-    url, _ = two_ranks
+def test_pings_flow_while_a_long_prefill_runs(two_live_ranks) -> None:
+    url, _ = two_live_ranks
     body = {"model": "default", "max_tokens": 2, "stream": True, "messages": [{"role": "user", "content": LONG_PROMPT}]}
     names: list[str] = []
     with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=120) as response:

@@ -18,7 +18,7 @@ def _prompts(count: int, vocab: int, low: int, high: int, seed: int) -> list[lis
 def test_32_concurrent_requests_match_one_at_a_time(engine_model) -> None:
     model, tokenizer = engine_model
     prompts = _prompts(32, model.cfg.vocab_size, 5, 90, seed=1)
-    lengths = [4 + i % 9 for i in range(32)]
+    lengths = [2 + i % 7 for i in range(32)]  # finishing at 7 different steps
     alone = [
         generate_one(make_engine(model, tokenizer, prefix_cache=False), p, greedy(n)).new_token_ids
         for p, n in zip(prompts, lengths, strict=True)
@@ -41,12 +41,12 @@ def test_chunked_prefill_matches_single_pass(engine_model) -> None:
 
 def test_more_work_than_blocks_preempts_and_still_finishes_correctly(engine_model) -> None:
     model, tokenizer = engine_model
-    prompts = _prompts(10, model.cfg.vocab_size, 40, 110, seed=3)
-    expected = [generate_one(make_engine(model, tokenizer), p, greedy(40)).new_token_ids for p in prompts]
-    # 20 blocks of 16 = 320 tokens for 10 requests needing 80-150 tokens each.
-    engine = make_engine(model, tokenizer, num_blocks=20, max_model_len=320, max_num_seqs=10)
+    prompts = _prompts(10, model.cfg.vocab_size, 20, 60, seed=3)
+    expected = [generate_one(make_engine(model, tokenizer), p, greedy(24)).new_token_ids for p in prompts]
+    # 10 blocks of 16 = 160 tokens for 10 requests needing 44-84 tokens each.
+    engine = make_engine(model, tokenizer, num_blocks=10, max_model_len=160, max_num_seqs=10)
     for i, p in enumerate(prompts):
-        engine.add_request(EngineRequest(f"p{i}", p, greedy(40)))
+        engine.add_request(EngineRequest(f"p{i}", p, greedy(24)))
     outs = run_to_completion(engine)
     assert [outs[f"p{i}"].new_token_ids for i in range(10)] == expected
     stats = engine.stats()

@@ -36,12 +36,33 @@ def context(name: str, words: int = 300) -> str:
     return f"Session {name}. Notes: " + " ".join(f"{name}{i % 29} entry {i}" for i in range(words // 3))
 
 
+GATEWAY_SETTINGS = {"KVSERVE_PING_INTERVAL_SECS": "0.5"}
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    with whole_stack(
-        tmp_path, ranks=2, rank_settings=RANK_SETTINGS, gateway_settings={"KVSERVE_PING_INTERVAL_SECS": "0.5"}
-    ) as s:
+    """A fresh stack, for the test that kills a rank for good."""
+    with whole_stack(tmp_path, ranks=2, rank_settings=RANK_SETTINGS, gateway_settings=GATEWAY_SETTINGS) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def shared_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("service-failures")
+    with whole_stack(tmp, ranks=2, rank_settings=RANK_SETTINGS, gateway_settings=GATEWAY_SETTINGS) as s:
+        yield s
+
+
+@pytest.fixture
+def restarted_stack(shared_stack: Stack) -> Stack:
+    """One stack (a start is ~60 s) for the tests that restart what they kill (router, kvstore, Redis): each
+    finds every service up; one a failed test left down is started again here, on its port."""
+    dead = [service for service in shared_stack.services.values() if not service.alive()]
+    for service in dead:
+        service.start()
+    if dead:
+        shared_stack.wait_ranks_healthy(len(shared_stack.rank_names()))
+    return shared_stack
 
 
 def stream_story(url: str, session: str, on_delta=None, max_tokens: int = 80) -> tuple[list[str], str]:
@@ -102,7 +123,8 @@ def test_rank_killed_under_load(stack: Stack) -> None:
     assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0, usage
 
 
-def test_router_killed_and_restarted(stack: Stack) -> None:
+def test_router_killed_and_restarted(restarted_stack: Stack) -> None:
+    stack = restarted_stack
     sessions = ["s-a", "s-b", "s-c", "s-d"]
     homes: dict[str, str] = {}
     for session in sessions:
@@ -130,7 +152,8 @@ def test_router_killed_and_restarted(stack: Stack) -> None:
         assert served_by(before, finished_per_rank(stack)) == [homes[session]], session
 
 
-def test_kvstore_restart_serves_l0_only_then_l1_again(stack: Stack) -> None:
+def test_kvstore_restart_serves_l0_only_then_l1_again(restarted_stack: Stack) -> None:
+    stack = restarted_stack
     stack["kvstore"].kill()
     # L0 only: requests still succeed
     for i in range(3):
@@ -155,7 +178,8 @@ def test_kvstore_restart_serves_l0_only_then_l1_again(stack: Stack) -> None:
     assert cached_tokens_metric(stack.url)["l1"] - l1_before > 0, usage
 
 
-def test_redis_restart_router_survives_and_resyncs(stack: Stack) -> None:
+def test_redis_restart_router_survives_and_resyncs(restarted_stack: Stack) -> None:
+    stack = restarted_stack
     client = redis_client(stack["redis"].port, socket_timeout=5)
     chat_turn(stack.url, "before-outage", [{"role": "user", "content": "hello"}], 2)
     assert client.exists("kvserve:session:before-outage")

@@ -82,7 +82,13 @@ done
 
 # Import check under a Python 3.12 (pyenv's, if this machine has one): the kit over the few packages of the GPU
 # image that these imports touch; torch and tokenizers are left out, so only the modules that import neither.
-PY312=${PY312:-$(command -v python3.12 || ls "$HOME"/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1 || true)}
+# (the first that runs: pyenv's python3.12 shim exists but fails when 3.12 is not the selected version)
+if [ -z "${PY312:-}" ]; then
+  for candidate in $(command -v python3.12) "$HOME"/.pyenv/versions/3.12*/bin/python3.12; do
+    "$candidate" -c pass 2>/dev/null && { PY312=$candidate; break; }
+  done
+fi
+PY312=${PY312:-}
 if [ -n "$PY312" ]; then
   [ -x /tmp/gpu-kit-py312/bin/python ] || { "$PY312" -m venv /tmp/gpu-kit-py312 &&
     /tmp/gpu-kit-py312/bin/pip install -q anyio h11 click numpy pyyaml requests httpx xxhash jinja2 prometheus-client rich; }

@@ -77,13 +77,16 @@ class DecodeGraphs:
         return seconds
 
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], timer: GpuTimer | None = None) -> torch.Tensor | None:
-        """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token), or None
-        when the step fits no recorded graph (the caller runs it eagerly)."""
+    def run(
+        self, seqs: list[Sequence], timer: GpuTimer | None = None, in_flight: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token, or with
+        in_flight the token still on the device: StepInputs.build), or None when the step fits no recorded
+        graph (the caller runs it eagerly)."""
         batch = bucket_for(len(seqs), self.buckets)
         if batch is None or (self.capture and batch not in self.graphs):
             return None
-        self.inputs.build_padded_decode(seqs, batch)
+        self.inputs.build_padded_decode(seqs, batch, in_flight)
         self.steps += 1
         if timer is not None:
             timer.start()

@@ -242,6 +242,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         cuda_graphs=config.cuda_graphs,
         attention_backend=config.attention_backend,
         kv_cache_dtype=config.kv_cache_dtype,
+        pipeline_decode=config.pipeline_decode,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

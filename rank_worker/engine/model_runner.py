@@ -12,7 +12,7 @@ from rank_worker.engine.block_tables import BlockTables
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.gpu_timer import GpuTimer
 from rank_worker.engine.interface import RequestsFailedError
-from rank_worker.engine.sampler import SamplingError, sample_tokens
+from rank_worker.engine.sampler import PendingTokens, launch_sampling
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import StepInputs
@@ -22,6 +22,42 @@ from rank_worker.model.forward_batch import PrefillSlice
 
 # Block-table rows beyond max_num_seqs: preempted sequences keep theirs until a row is needed.
 SPARE_TABLE_ROWS = 16
+# Pinned buffers the sampled tokens are read through, in rotation: a step is read while the next one runs.
+TOKEN_BUFFERS = 3
+
+
+class LaunchedStep:
+    """A forward launched with its tokens drawn on the device (or nothing to sample: a mid-prompt chunk)."""
+
+    def __init__(self, seqs: list[Sequence], pending: PendingTokens | None, gpu_span: object) -> None:
+        self.seqs = seqs  # the sampled sequences, in the order of pending.tokens
+        self.pending = pending
+        self.gpu_span = gpu_span  # GpuTimer.stop's span (None on the CPU)
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        """The drawn tokens on the device (one per sampled sequence), for the next step's input ids."""
+        return self.pending.tokens if self.pending is not None else None
+
+    def read(self) -> tuple[dict[Sequence, int], dict[Sequence, BaseException]]:
+        """Each sampled sequence's token, and the sequences whose draw failed (not in the first) with why."""
+        if self.pending is None:
+            return {}, {}
+        tokens, failures = self.pending.read()
+        drawn = {
+            seq: token for row, (seq, token) in enumerate(zip(self.seqs, tokens, strict=True)) if row not in failures
+        }
+        return drawn, {self.seqs[row]: cause for row, cause in sorted(failures.items())}
+
+    def read_all(self) -> dict[Sequence, int]:
+        """Each sampled sequence's token; a failed draw fails the step before anything changed: the seeded
+        generators are put back and RequestsFailedError names the requests (the others retry unchanged)."""
+        tokens, failed = self.read()
+        if failed:
+            assert self.pending is not None
+            self.pending.restore_generators()
+            raise RequestsFailedError([seq.request_id for seq in failed], next(iter(failed.values())))
+        return tokens
 
 
 def kv_pool_shape(model: CausalLM, num_blocks: int, block_size: int) -> tuple[int, ...]:
@@ -60,6 +96,12 @@ class ModelRunner:
         capacity = max(max_num_batched_tokens, max_num_seqs) + max_num_seqs
         self.inputs = StepInputs(capacity, block_size, self.tables, self.device)
         self.gpu_timer = GpuTimer(self.device)  # the forward's GPU time, for the serving loop's step timing
+        pin = self.device.type == "cuda"
+        self._token_buffers = [
+            torch.empty(max_num_seqs + SPARE_TABLE_ROWS, dtype=torch.int64, pin_memory=pin)
+            for _ in range(TOKEN_BUFFERS)
+        ]
+        self._next_buffer = 0
         self.decode_graphs: DecodeGraphs | None = None
         if cuda_graphs and self.device.type == "cuda" and backend.graph_safe:
             self.decode_graphs = DecodeGraphs(model, kv_cache, self.inputs, max_num_seqs)
@@ -89,27 +131,42 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Forward the batch; returns the sampled next token of each sequence that reached its end."""
+        return self.launch(batch).read_all()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
+        """Forward the batch and draw the next token of each sequence that reaches its end, without reading them."""
         if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):
             seqs = [seq for seq, _ in batch.entries]
             logits = self.decode_graphs.run(seqs, self.gpu_timer)
             if logits is not None:
+                span = self.gpu_timer.last_span()
                 # A one-token prefill chunk short of the prompt's end is computed but not sampled.
                 rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
                 if len(rows) < len(seqs):
                     logits = logits[rows]
-                return self._sample(logits, [seqs[i] for i in rows])
+                return self._sampled(logits, [seqs[i] for i in rows], span)
         forward, sampling_seqs = self.inputs.build(batch.entries)
         self.gpu_timer.start()
         logits = self.model(forward, self.kv_cache)
-        self.gpu_timer.stop()
-        return self._sample(logits, sampling_seqs)
+        return self._sampled(logits, sampling_seqs, self.gpu_timer.stop())
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, seqs: list[Sequence]) -> dict[Sequence, int]:
+    @torch.inference_mode()
+    def launch_decode(self, seqs: list[Sequence], in_flight: torch.Tensor) -> LaunchedStep:
+        """A decode step of `seqs` whose input tokens are still on the device (`in_flight`, one per sequence in
+        order: the previous step's draws): launched before the host has read them, every row sampled."""
+        logits = self.decode_graphs.run(seqs, self.gpu_timer, in_flight) if self.decode_graphs is not None else None
+        if logits is not None:
+            return self._sampled(logits, seqs, self.gpu_timer.last_span())
+        forward, _ = self.inputs.build([(seq, 1) for seq in seqs], in_flight)
+        self.gpu_timer.start()
+        logits = self.model(forward, self.kv_cache)
+        return self._sampled(logits, seqs, self.gpu_timer.stop())
+
+    def _sampled(self, logits: torch.Tensor, seqs: list[Sequence], span: object) -> LaunchedStep:
         if not seqs:
-            return {}
-        try:
-            tokens = sample_tokens(logits, [s.sampling for s in seqs], [s.generator for s in seqs])
-        except SamplingError as exc:  # raised before the step changed anything: those requests fail alone
-            raise RequestsFailedError([seqs[row].request_id for row in exc.rows], exc.cause) from exc
-        return dict(zip(seqs, tokens, strict=True))
+            return LaunchedStep([], None, span)
+        buffer = self._token_buffers[self._next_buffer]
+        self._next_buffer = (self._next_buffer + 1) % len(self._token_buffers)
+        pending = launch_sampling(logits, [s.sampling for s in seqs], [s.generator for s in seqs], buffer)
+        return LaunchedStep(seqs, pending, span)

@@ -3,10 +3,11 @@ continuous batching around the model (the Llama family or DeepSeek: model/causal
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,6 +15,7 @@ from contracts.block_hash import hash_namespace, tokenizer_fingerprint
 from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.gpu_timer import span_s
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -22,18 +24,22 @@ from rank_worker.engine.interface import (
     InvalidRequestError,
     ModelInfo,
     RequestOutput,
+    RequestsFailedError,
     RequestStats,
     TokenizerBundle,
 )
 from rank_worker.engine.kv_cache_manager import KvCacheManager
-from rank_worker.engine.model_runner import ModelRunner, kv_pool_shape
-from rank_worker.engine.scheduler import PolicyName, Scheduler, SchedulingPolicy
+from rank_worker.engine.model_runner import LaunchedStep, ModelRunner, kv_pool_shape
+from rank_worker.engine.scheduler import PolicyName, ScheduledBatch, Scheduler, SchedulingPolicy, step_load
 from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.engine.step_cost import StepLoad
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import BackendName
 from rank_worker.model.causal_lm import CausalLM
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -59,6 +65,7 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
+    pipeline_decode: bool = False  # launch decode step N+1 before reading step N's tokens (see _launch_successor)
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -71,6 +78,27 @@ class EngineSettings:
             self.decode_step_budget_ms,
             self.min_prefill_chunk_tokens,
         )
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """A step launched on the device whose tokens the host has not read yet."""
+
+    batch: ScheduledBatch
+    launched: LaunchedStep
+    load: StepLoad  # what it carries, taken at launch (the step-cost model's row)
+    started: float  # perf_counter at launch
+    advanced: bool = False  # its sequences' computed tokens counted (at its successor's launch, or when read)
+    # Sequences that finished or were aborted while it ran: their blocks and table rows go back once it is read.
+    release_after: list[Sequence] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.members = {seq for seq, _ in self.batch.entries}
+
+    @property
+    def decode_only(self) -> bool:
+        """One token per sequence and every one sampled: a successor can take its tokens on the device."""
+        return len(self.launched.seqs) == len(self.batch.entries) and all(n == 1 for _, n in self.batch.entries)
 
 
 class PagedEngine(Engine):
@@ -131,6 +159,11 @@ class PagedEngine(Engine):
         self.requests: dict[str, Sequence] = {}
         self.finished_requests = 0
         self._last_step_tokens = (0, 0)
+        self._last_gpu_s: float | None = None
+        self._in_flight: _InFlight | None = None  # pipeline_decode: the step running while the host works
+        self._carried: list[RequestOutput] | None = None  # outputs read with a failed row: returned by the next step
+        self._last_read = 0.0  # perf_counter when the last step's tokens were read
+        self.pipelined_steps = 0  # decode steps launched before their predecessor was read
         self._info = ModelInfo(
             served_model_name=settings.served_model_name,
             model_id=settings.model_id,
@@ -208,7 +241,12 @@ class PagedEngine(Engine):
 
     def has_unfinished(self) -> bool:
         # L1 calls and copies in flight count: someone must step to finish them and let their blocks go.
-        return self.scheduler.has_work() or (self.l1 is not None and self.l1.has_pending)
+        return (
+            self.scheduler.has_work()
+            or self._in_flight is not None
+            or self._carried is not None
+            or (self.l1 is not None and self.l1.has_pending)
+        )
 
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         if self.l1 is not None:
@@ -224,30 +262,100 @@ class PagedEngine(Engine):
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:
+        """One step's outputs. With pipeline_decode a decode-only step is left running and the next call launches
+        its successor (the same sequences, input tokens taken on the device) before reading it, so the host's
+        work between steps (reading, stop checks, delivery, scheduling) overlaps the GPU's."""
         self._last_step_tokens = (0, 0)
+        if self._carried is not None:
+            outputs, self._carried = self._carried, None
+            return outputs
         if self.l1 is not None:
             self.l1.poll()
+        flight = self._in_flight
+        if flight is not None:
+            self._in_flight = self._launch_successor(flight)
+            return self._complete(flight)
         batch = self.scheduler.schedule()
         if not batch.entries:
             if self.l1 is not None and self.l1.has_pending:
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
+        load, started = batch.load, time.perf_counter()  # the load before the step advances its sequences
+        flight = _InFlight(batch, self.runner.launch(batch), load, started)
+        if self.settings.pipeline_decode and flight.decode_only:
+            self._in_flight = flight
+            return []
+        return self._complete(flight)
+
+    def _launch_successor(self, flight: _InFlight) -> _InFlight | None:
+        """The next decode step of the same sequences, launched before `flight` is read; None when the next step
+        must be scheduled with its tokens known: someone is waiting to be admitted (or restored from L1), a
+        sequence ends by length at `flight`, or the pool cannot give every sequence its next slot without
+        preempting. A sequence that ends at `flight` by a stop token is in the successor anyway: its row there
+        is discarded and its blocks go back after the successor is read."""
+        if not (self.settings.pipeline_decode and flight.decode_only) or self.scheduler.waiting:
+            return None
+        seqs = flight.launched.seqs
+        if len(seqs) != len(self.scheduler.running) or any(seq.is_finished for seq in seqs):
+            return None  # someone runs who is not in it, or left it (an abort)
+        limit = self.settings.max_model_len
+        for seq in seqs:
+            if seq.num_output_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limit:
+                return None
+        if sum(self.kv.blocks_needed(seq, 2) for seq in seqs) > self.pool.num_free:
+            return None
+        self._advance(flight)
+        for seq in seqs:
+            allocated = self.kv.allocate(seq, 1)
+            assert allocated, "counted above"
+        tokens = flight.launched.tokens
+        assert tokens is not None
+        batch = ScheduledBatch(entries=[(seq, 1) for seq in seqs])
+        load = step_load(batch.entries)
         started = time.perf_counter()
-        sampled = self.runner.run(batch)  # synchronous when it samples: the tokens are read back
-        if not sampled and self.kv_cache.is_cuda:
-            torch.cuda.synchronize(self.kv_cache.device)  # mid-prompt chunks only: time the work, not its launch
-        self.scheduler.observe_step(batch, time.perf_counter() - started)  # the step-cost model's measurement
-        self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))
-        now = time.monotonic()
-        outputs: list[RequestOutput] = []
-        for seq, num_new in batch.entries:
+        try:
+            launched = self.runner.launch_decode(seqs, tokens)
+        except Exception:  # the step is run the ordinary way after `flight` is read, where its failure is handled
+            log.exception("pipelined decode launch failed; the step runs after its predecessor is read")
+            return None
+        self.pipelined_steps += 1
+        return _InFlight(batch, launched, load, started)
+
+    def _advance(self, flight: _InFlight) -> None:
+        """Count the step's tokens as computed and register the blocks they filled (their token ids are known: a
+        step computes tokens already in token_ids)."""
+        if flight.advanced:
+            return
+        flight.advanced = True
+        for seq, num_new in flight.batch.entries:
             seq.num_computed_tokens += num_new
             # Register full blocks before anything can release them: a finished request must leave its
             # whole prefix behind as cache entries.
             self.kv.register_full_blocks(seq)
-            token = sampled.get(seq)
-            if token is None:
-                continue  # a prefill chunk that is not the prompt's last
+
+    def _complete(self, flight: _InFlight) -> list[RequestOutput]:
+        """Read the step's tokens and turn them into outputs."""
+        launched, batch = flight.launched, flight.batch
+        if not flight.advanced:
+            # Nothing has changed yet: a failed draw fails its requests and the others retry the same step.
+            tokens, failed = launched.read_all(), {}
+        else:
+            tokens, failed = launched.read()
+        if launched.pending is None and self.kv_cache.is_cuda:
+            torch.cuda.synchronize(self.kv_cache.device)  # mid-prompt chunks only: time the work, not its launch
+        read = time.perf_counter()
+        # A pipelined step's GPU work starts when its predecessor's ends, which is about when that was read.
+        self.scheduler.step_cost.observe(flight.load, read - max(flight.started, self._last_read))
+        self._last_read = read
+        self._last_gpu_s = span_s(launched.gpu_span)  # type: ignore[arg-type]
+        self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))
+        self._advance(flight)
+        now = time.monotonic()
+        outputs: list[RequestOutput] = []
+        for seq, _ in batch.entries:
+            token = tokens.get(seq)
+            if token is None or seq.is_finished:
+                continue  # a prefill chunk that is not the prompt's last, a failed draw, or one that left meanwhile
             seq.token_ids.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = now
@@ -268,13 +376,21 @@ class PagedEngine(Engine):
                 outputs.append(
                     RequestOutput(seq.request_id, new_tokens, True, reason, seq.stop_token_id, self._request_stats(seq))
                 )
+        for seq in flight.release_after:
+            self._release(seq)
+        if failed:
+            # Its successor is running already, so this step cannot be retried: the others keep their tokens
+            # (returned by the next call) and the failed requests fail alone.
+            self._carried = outputs
+            raise RequestsFailedError([seq.request_id for seq in failed], next(iter(failed.values())))
         return outputs
 
     def last_step_tokens(self) -> tuple[int, int]:
         return self._last_step_tokens
 
     def last_step_gpu_s(self) -> float | None:
-        return self.runner.gpu_timer.take_s()
+        seconds, self._last_gpu_s = self._last_gpu_s, None
+        return seconds
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.sampling
@@ -285,13 +401,23 @@ class PagedEngine(Engine):
         return None
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
-        self.scheduler.remove(seq)
+        # A step still running on the GPU writes this sequence's blocks: they go back once it is read.
+        running = self._in_flight if self._in_flight is not None and seq in self._in_flight.members else None
+        self.scheduler.remove(seq, release=running is None)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
         del self.requests[seq.request_id]
-        self.runner.release(seq)
+        if running is not None:
+            running.release_after.append(seq)
+        else:
+            self.runner.release(seq)
         self.finished_requests += 1
+
+    def _release(self, seq: Sequence) -> None:
+        """A finished sequence's blocks and block-table row, after the last step that wrote them was read."""
+        self.kv.free(seq)
+        self.runner.release(seq)
 
     def _request_stats(self, seq: Sequence) -> RequestStats:
         scheduled = seq.first_scheduled_time

@@ -49,33 +49,90 @@ def sample_tokens(
 
     Raises SamplingError naming the rows that could not be sampled. The seeded generators are then put back as
     they were, so the other rows draw the same tokens when the step is retried without the failed ones."""
+    pending = launch_sampling(logits, params, generators)
+    tokens, failures = pending.read()
+    if failures:
+        pending.restore_generators()
+        rows = sorted(failures)
+        raise SamplingError(rows, failures[rows[0]])
+    return tokens
+
+
+class PendingTokens:
+    """A batch's tokens drawn on the device and not read yet: `tokens` ([S] int64, on the logits' device) can
+    feed the next step's input ids before the host has seen them. On CUDA they are copied into `host` (pinned)
+    behind an event as soon as they are drawn, so read() waits for this step's work alone, not for whatever
+    was launched after it."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        sampled: list[int],
+        failures: dict[int, BaseException],
+        generators: list[torch.Generator | None],
+        states: dict[int, torch.Tensor],
+        host: torch.Tensor | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self._sampled = sampled
+        self._failures = failures
+        self._generators = generators
+        self._states = states
+        self._host: torch.Tensor | None = None
+        self._ready: torch.cuda.Event | None = None
+        if tokens.is_cuda:
+            if host is None or host.numel() < tokens.numel():
+                host = torch.empty(tokens.numel(), dtype=torch.int64, pin_memory=True)
+            self._host = host[: tokens.numel()]
+            self._host.copy_(tokens, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+
+    def read(self) -> tuple[list[int], dict[int, BaseException]]:
+        """The tokens, and the rows that could not be sampled (_NO_TOKEN in `tokens`) with why."""
+        if self._ready is not None and self._host is not None:
+            self._ready.synchronize()
+            values = self._host.tolist()
+        else:
+            values = self.tokens.tolist()
+        return _checked(values, self._sampled, dict(self._failures))
+
+    def restore_generators(self) -> None:
+        """Put the seeded rows' generators back as they were before this draw (for a retry without failed rows)."""
+        _restore(self._generators, self._states)
+
+
+def launch_sampling(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    host: torch.Tensor | None = None,
+) -> PendingTokens:
+    """Draw every row's token on the device without reading it back (sample_tokens reads at once). `host`: a
+    pinned int64 buffer of at least S elements to read through (one is allocated when it is missing)."""
     sampled = [row for row, row_params in enumerate(params) if not is_greedy(row_params)]
     if not sampled:
-        return logits.argmax(dim=-1).tolist()  # the common case: one argmax, one transfer
+        return PendingTokens(logits.argmax(dim=-1), [], {}, generators, {}, host)  # one argmax, one transfer
     states = {row: gen.get_state() for row in sampled if isinstance(gen := generators[row], torch.Generator)}
     try:
         tokens, failures = _sample_batch(logits, params, generators, sampled)
     except Exception:  # e.g. out of memory for the whole batch: row by row, so a failure is one row's again
         _restore(generators, states)
         tokens, failures = _sample_row_by_row(logits, params, generators, sampled)
-    if failures:
-        _restore(generators, states)
-        rows = sorted(failures)
-        raise SamplingError(rows, failures[rows[0]])
-    return tokens
+    return PendingTokens(tokens, sampled, failures, generators, states, host)
 
 
 def _sample_batch(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], sampled: list[int]
-) -> tuple[list[int], dict[int, BaseException]]:
+) -> tuple[torch.Tensor, dict[int, BaseException]]:
     tokens = logits.argmax(dim=-1)  # the greedy rows' tokens; the sampled rows' are written over them
     failures = _sample_rows(logits, params, generators, sampled, tokens)
-    return _checked(tokens.tolist(), sampled, failures)
+    return tokens, failures
 
 
 def _sample_row_by_row(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None], sampled: list[int]
-) -> tuple[list[int], dict[int, BaseException]]:
+) -> tuple[torch.Tensor, dict[int, BaseException]]:
     tokens = logits.argmax(dim=-1)
     failures: dict[int, BaseException] = {}
     for row in sampled:
@@ -83,7 +140,7 @@ def _sample_row_by_row(
             failures.update(_sample_rows(logits, params, generators, [row], tokens))
         except Exception as exc:  # one sequence's parameters or logits must not fail the whole batch
             failures[row] = exc
-    return _checked(tokens.tolist(), sampled, failures)
+    return tokens, failures
 
 
 def _checked(

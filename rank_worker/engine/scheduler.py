@@ -146,13 +146,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def remove(self, seq: Sequence) -> None:
-        """Take a sequence out of the queues and release its blocks (finish or abort)."""
+    def remove(self, seq: Sequence, release: bool = True) -> None:
+        """Take a sequence out of the queues and release its blocks (finish or abort); release=False leaves the
+        blocks to the caller (a step still running on the GPU writes them: the engine frees them after it)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.kv.free(seq)
+        if release:
+            self.kv.free(seq)
 
     def waiting_prefill_tokens(self) -> int:
         return self.prefill_load().tokens

@@ -14,6 +14,7 @@ from l1_fixtures import tiny_model
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.kv_cache_manager import KvCacheManager
+from rank_worker.engine.model_runner import LaunchedStep
 from rank_worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_cost import StepCost, StepCostModel, StepLoad
@@ -162,13 +163,13 @@ def test_warm_chunks_go_first_and_fifo_obeys_the_budget_too() -> None:
 
 def test_the_engine_feeds_each_step_time_to_the_model() -> None:
     engine = make_engine(tiny_model(), max_num_batched_tokens=64)
-    run = engine.runner.run
+    launch = engine.runner.launch
 
-    def slow_run(batch: ScheduledBatch) -> dict[Sequence, int]:
+    def slow_launch(batch: ScheduledBatch) -> LaunchedStep:
         time.sleep(0.02)  # a tiny model's step takes well under a millisecond: give it a real step's time
-        return run(batch)
+        return launch(batch)
 
-    engine.runner.run = slow_run  # type: ignore[method-assign]
+    engine.runner.launch = slow_launch  # type: ignore[method-assign]
     engine.add_request(EngineRequest("r", random_prompt(150, VOCAB, seed=80), greedy(5)))
     steps = 0
     while engine.has_unfinished():

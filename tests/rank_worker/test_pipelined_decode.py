@@ -1,0 +1,184 @@
+"""pipeline_decode: a decode step launched before the previous one's tokens are read (its input ids taken on the
+device) gives exactly the tokens of the plain engine, whatever ends a request meanwhile: a length limit, a stop
+token drawn by the step in flight, an abort, an arrival, a pool too small for everyone, a failed draw."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+
+from rank_worker.engine.interface import EngineRequest, FinishReason, RequestsFailedError, SamplingParams
+from rank_worker.engine.model_runner import LaunchedStep
+
+
+def _prompts(count: int, vocab: int, seed: int, low: int = 5, high: int = 70) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [random_prompt(rng.randint(low, high), vocab, seed=seed * 1000 + i) for i in range(count)]
+
+
+def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], pipelined: bool, **settings):
+    engine = make_engine(model, tokenizer, pipeline_decode=pipelined, **settings)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(EngineRequest(f"q{i}", prompt, params))
+    outputs = run_to_completion(engine)
+    return engine, [(outputs[f"q{i}"].new_token_ids, outputs[f"q{i}"].finish_reason) for i in range(len(requests))]
+
+
+def test_pipelined_steps_give_the_plain_engines_tokens(engine_model) -> None:
+    model, tokenizer = engine_model
+    prompts = _prompts(12, model.cfg.vocab_size, seed=1)
+    requests = [(p, greedy(3 + i % 9)) for i, p in enumerate(prompts)]  # ending at 9 different steps
+    _, plain = _run(model, tokenizer, requests, pipelined=False, max_num_seqs=16)
+    engine, pipelined = _run(model, tokenizer, requests, pipelined=True, max_num_seqs=16)
+    assert pipelined == plain
+    assert engine.pipelined_steps > 0
+    stats = engine.stats()
+    assert stats.used_blocks == 0 and stats.running == 0
+
+
+def test_a_stop_token_drawn_while_the_next_step_runs_ends_the_request_there(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = _prompts(6, model.cfg.vocab_size, seed=2)
+    _, free_running = _run(model, tokenizer, [(p, greedy(12)) for p in prompts], pipelined=False)
+    # Each request stops at its own 4th output token (the plain engine's), drawn by a step whose successor
+    # was launched already: the successor's row for it is discarded.
+    requests = [
+        (p, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[tokens[3]]))
+        for p, (tokens, _) in zip(prompts, free_running, strict=True)
+    ]
+    _, plain = _run(model, tokenizer, requests, pipelined=False)
+    engine, pipelined = _run(model, tokenizer, requests, pipelined=True)
+    assert pipelined == plain
+    assert all(reason is FinishReason.STOP for _, reason in pipelined)
+    assert engine.pipelined_steps > 0
+    assert engine.stats().used_blocks == 0
+
+
+def test_seeded_sampling_draws_the_same_tokens(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = _prompts(5, model.cfg.vocab_size, seed=3)
+    requests = [
+        (p, SamplingParams(temperature=0.9, top_p=0.9, max_tokens=10, ignore_eos=True, seed=50 + i))
+        for i, p in enumerate(prompts)
+    ]
+    _, plain = _run(model, tokenizer, requests, pipelined=False)
+    engine, pipelined = _run(model, tokenizer, requests, pipelined=True)
+    assert pipelined == plain
+    assert engine.pipelined_steps > 0
+
+
+def test_a_pool_too_small_for_everyone_still_gives_the_plain_tokens(smollm2) -> None:
+    model, tokenizer = smollm2
+    prompts = _prompts(8, model.cfg.vocab_size, seed=4, low=20, high=50)
+    requests = [(p, greedy(20)) for p in prompts]
+    settings = {"num_blocks": 10, "max_model_len": 160, "max_num_seqs": 8}
+    _, plain = _run(model, tokenizer, requests, pipelined=False, **settings)
+    engine, pipelined = _run(model, tokenizer, requests, pipelined=True, **settings)
+    assert pipelined == plain
+    stats = engine.stats()
+    assert stats.preemptions > 0 and engine.pipelined_steps > 0
+    assert stats.used_blocks == 0
+
+
+def test_arrivals_and_aborts_while_a_step_runs(smollm2) -> None:
+    """Requests arrive and are aborted between steps (so while one is in flight); the pool ends where it began
+    and every request that was not aborted has the tokens it has alone."""
+    model, tokenizer = smollm2
+    vocab = model.cfg.vocab_size
+    rng = random.Random(5)
+    prompts = [random_prompt(rng.randint(3, 40), vocab, seed=500 + i) for i in range(30)]
+    lengths = [rng.randint(2, 14) for _ in prompts]
+    engine = make_engine(model, tokenizer, num_blocks=96, max_num_seqs=8, pipeline_decode=True)
+    baseline = engine.stats()
+    tokens: dict[str, list[int]] = {}
+    finished: set[str] = set()
+    aborted: set[str] = set()
+
+    def take(outputs) -> None:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        engine.add_request(EngineRequest(f"a{i}", prompt, greedy(n)))
+        for _ in range(rng.randint(1, 4)):
+            take(engine.step())
+        live = sorted(set(engine.requests) - finished)
+        if live and rng.random() < 0.3:
+            victim = rng.choice(live)
+            assert engine.abort_request(victim) is not None
+            aborted.add(victim)
+    while engine.has_unfinished():
+        take(engine.step())
+    assert engine.pipelined_steps > 0
+    stats = engine.stats()
+    assert stats.used_blocks == baseline.used_blocks == 0 and stats.free_blocks == baseline.free_blocks
+    alone = make_engine(model, tokenizer)
+    for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+        if f"a{i}" in aborted:
+            continue
+        alone.add_request(EngineRequest(f"a{i}", prompt, greedy(n)))
+        expected = run_to_completion(alone)[f"a{i}"].new_token_ids
+        assert tokens[f"a{i}"] == expected, f"a{i}"
+
+
+def test_a_draw_that_fails_in_a_pipelined_step_fails_its_request_alone(smollm2) -> None:
+    """The successor runs already, so the step is not retried: the other requests' tokens of that step come
+    with the next call, and the failed request is the only one that ends."""
+    model, tokenizer = smollm2
+    prompts = _prompts(4, model.cfg.vocab_size, seed=6)
+    requests = [(p, greedy(8)) for p in prompts]
+    _, plain = _run(model, tokenizer, requests, pipelined=False)
+
+    engine = make_engine(model, tokenizer, pipeline_decode=True)
+    launch_decode = engine.runner.launch_decode
+    broken: list[str] = []
+
+    def failing_once(seqs, in_flight) -> LaunchedStep:
+        launched = launch_decode(seqs, in_flight)
+        if not broken:
+            broken.append(seqs[0].request_id)
+            read = launched.read
+
+            def read_with_a_failure():
+                drawn, failed = read()
+                drawn.pop(seqs[0])
+                return drawn, {seqs[0]: FloatingPointError("NaN scores"), **failed}
+
+            launched.read = read_with_a_failure  # type: ignore[method-assign]
+        return launched
+
+    engine.runner.launch_decode = failing_once  # type: ignore[method-assign]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(EngineRequest(f"q{i}", prompt, params))
+    tokens: dict[str, list[int]] = {}
+    failures: list[list[str]] = []
+    ended: set[str] = set()
+    while engine.has_unfinished():
+        try:
+            outputs = engine.step()
+        except RequestsFailedError as exc:  # what the engine loop does: abort those, go on
+            failures.append(exc.request_ids)
+            for request_id in exc.request_ids:
+                engine.abort_request(request_id)
+                ended.add(request_id)
+            continue
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert failures == [broken]
+    for i, (expected, _) in enumerate(plain):
+        if f"q{i}" not in ended:
+            assert tokens[f"q{i}"] == expected
+    assert engine.stats().used_blocks == 0
+
+
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_the_step_cost_model_hears_every_step(smollm2, pipelined: bool) -> None:
+    model, tokenizer = smollm2
+    engine = make_engine(model, tokenizer, pipeline_decode=pipelined)
+    engine.add_request(EngineRequest("r", random_prompt(20, model.cfg.vocab_size, seed=7), greedy(6)))
+    run_to_completion(engine)
+    assert engine.scheduler.step_cost.steps == 6  # the prefill (with the first token), then 5 decodes

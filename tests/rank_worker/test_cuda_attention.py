@@ -219,7 +219,9 @@ def _tiny_config(tmp_path, hidden: int = 256, heads: int = 8, kv_heads: int = 2)
 
 def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32(tmp_path) -> None:
     """Prompts sharing prefixes (warm chunks over cached blocks), chunked prefill (a small token budget),
-    batches that shrink as rows finish; float32 so greedy tokens must agree exactly."""
+    batches that shrink as rows finish; float32 so greedy tokens must agree exactly. The last engine also
+    pipelines its graphed decode steps (pipeline_decode: input ids taken on the device, tokens read through
+    pinned buffers behind events)."""
     from engine_fixtures import generate_greedy, random_prompt
 
     from contracts.config import KvServeConfig
@@ -229,7 +231,12 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
     prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
     lengths = [10 + 5 * (i % 3) for i in range(13)]
     runs = {}
-    for backend, graphs in (("sdpa", False), ("triton", False), ("triton", True)):
+    for backend, graphs, pipelined in (
+        ("sdpa", False, False),
+        ("triton", False, False),
+        ("triton", True, False),
+        ("triton", True, True),
+    ):
         config = KvServeConfig(
             model=_tiny_config(tmp_path),
             load_format="dummy",
@@ -238,15 +245,20 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
             max_num_batched_tokens=256,
             cuda_graphs=graphs,
             attention_backend=backend,
+            pipeline_decode=pipelined,  # graphed decode steps launched before their predecessor is read
         )
         engine = build_engine(config)
         assert engine.attention.name == backend
-        runs[(backend, graphs)] = generate_greedy(engine, prompts, lengths)
+        runs[(backend, graphs, pipelined)] = generate_greedy(engine, prompts, lengths)
         if graphs:
             assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.steps > 10
+        assert (engine.pipelined_steps > 0) == pipelined
         assert engine.stats().prefix_hit_tokens > 0
-    assert runs[("triton", False)] == runs[("sdpa", False)]
-    assert runs[("triton", True)] == runs[("sdpa", False)]
+        assert engine.stats().used_blocks == 0
+    plain = runs[("sdpa", False, False)]
+    assert runs[("triton", False, False)] == plain
+    assert runs[("triton", True, False)] == plain
+    assert runs[("triton", True, True)] == plain
 
 
 @needs_flashinfer

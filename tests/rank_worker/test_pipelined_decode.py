@@ -182,3 +182,23 @@ def test_the_step_cost_model_hears_every_step(smollm2, pipelined: bool) -> None:
     engine.add_request(EngineRequest("r", random_prompt(20, model.cfg.vocab_size, seed=7), greedy(6)))
     run_to_completion(engine)
     assert engine.scheduler.step_cost.steps == 6  # the prefill (with the first token), then 5 decodes
+
+
+def test_padded_decode_steps_take_their_input_ids_on_the_device(smollm2) -> None:
+    """The decode-graph path (run eagerly here: capture=False) pads the step and copies the in-flight tokens
+    into the graph's input buffer: the same tokens as the plain engine."""
+    from rank_worker.engine.decode_graphs import DecodeGraphs
+
+    model, tokenizer = smollm2
+    prompts = _prompts(7, model.cfg.vocab_size, seed=8)
+    requests = [(p, greedy(4 + i % 5)) for i, p in enumerate(prompts)]  # 7 rows pad to 8; the batch shrinks
+    _, plain = _run(model, tokenizer, requests, pipelined=False, max_num_seqs=8)
+    engine = make_engine(model, tokenizer, pipeline_decode=True, max_num_seqs=8)
+    runner = engine.runner
+    runner.decode_graphs = DecodeGraphs(model, engine.kv_cache, runner.inputs, 8, capture=False)
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(EngineRequest(f"q{i}", prompt, params))
+    outputs = run_to_completion(engine)
+    assert [(outputs[f"q{i}"].new_token_ids, outputs[f"q{i}"].finish_reason) for i in range(7)] == plain
+    assert engine.pipelined_steps > 0 and runner.decode_graphs.steps > engine.pipelined_steps
+    assert engine.stats().used_blocks == 0

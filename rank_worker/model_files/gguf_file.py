@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import gguf
-import numpy as np
 import torch
 
+from rank_worker.model_files.gguf_deepseek import (
+    DEEPSEEK2,
+    deepseek2_hf_config,
+    iter_deepseek2_weights,
+    plan_deepseek2_weights,
+)
+from rank_worker.model_files.gguf_dequant import dequantized
 from rank_worker.model_files.gguf_rope import rope_scaling_from_metadata
 from rank_worker.model_files.gguf_tokenizer import tokenizer_from_metadata
 from rank_worker.model_files.progress import TensorProgress
@@ -20,7 +27,13 @@ from rank_worker.model_files.weights_digest import gguf_weights_digest
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# deepseek2 is DeepSeek-V2 or V3 (DeepseekV3ForCausalLM when its router scores by sigmoid): gguf_deepseek.py.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    DEEPSEEK2: "DeepseekV2ForCausalLM",
+}
 
 _TOP_LEVEL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -62,15 +75,23 @@ def open_gguf(path: Path) -> ModelSource:
         raise ModelPathError(
             f"GGUF {path} has architecture {arch!r}, which is not supported (supported: {', '.join(ARCHITECTURES)})"
         )
-    if metadata.get(f"{arch}.expert_count"):
+    if metadata.get(f"{arch}.expert_count") and arch != DEEPSEEK2:
         raise ModelPathError(f"GGUF {path} is a mixture-of-experts {arch} model, which is not supported")
     if (metadata.get("split.count") or 1) > 1:
         raise ModelPathError(
             f"GGUF {path} is one part of a split model; merge the parts first (llama-gguf-split --merge)"
         )
-    hf_config = _hf_config(path, arch, metadata, tensors)
-    names = _hf_names(path, arch, tensors)
-    _check_complete(path, arch, hf_config["num_hidden_layers"], tensors)
+    if arch == DEEPSEEK2:
+        hf_config = deepseek2_hf_config(path, metadata, tensors)
+        plan = plan_deepseek2_weights(path, hf_config, tensors)
+        num_tensors = sum(len(weight.hf_names) for weight in plan)
+        load_weights = partial(_track, num_tensors, partial(iter_deepseek2_weights, plan, tensors))
+    else:
+        hf_config = _hf_config(path, arch, metadata, tensors)
+        names = _hf_names(path, arch, tensors)
+        _check_complete(path, arch, hf_config["num_hidden_layers"], tensors)
+        num_tensors = len(names)
+        load_weights = partial(_track, num_tensors, partial(_iter_weights, arch, hf_config, names, tensors))
     _check_dequantizable(path, tensors)
     tokenizer = tokenizer_from_metadata(metadata, path)
     if tokenizer is not None:
@@ -78,15 +99,12 @@ def open_gguf(path: Path) -> ModelSource:
         ids = tokenizer.eos_token_ids
         hf_config["eos_token_id"] = ids[0] if len(ids) == 1 else list(ids) or None
 
-    def load_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        return _iter_weights(arch, hf_config, names, tensors)
-
     return ModelSource(
         model_id=_model_id(path, metadata),
         hf_config=hf_config,
         tokenizer=tokenizer,
         load_weights=load_weights,
-        num_tensors=len(names),
+        num_tensors=num_tensors,
         weights_digest=gguf_weights_digest(
             path, reader.data_offset, [(t.data_offset, t.data_offset + t.n_bytes) for t in reader.tensors]
         ),
@@ -199,30 +217,20 @@ def _check_dequantizable(path: Path, tensors: dict[str, Any]) -> None:
             raise ModelPathError(f"GGUF {path}: cannot dequantize {tensor.name} ({exc})") from exc
 
 
+def _track(count: int, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
+    return TensorProgress("dequantizing GGUF", count).track(weights())
+
+
 def _iter_weights(
     arch: str, hf_config: dict[str, Any], names: dict[str, str], tensors: dict[str, Any]
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    progress = TensorProgress("dequantizing GGUF", len(names))
     heads = {"attn_q": hf_config["num_attention_heads"], "attn_k": hf_config["num_key_value_heads"]}
-
-    def converted() -> Iterator[tuple[str, torch.Tensor]]:
-        for gguf_name, hf_name in names.items():
-            weight = dequantized(tensors[gguf_name])
-            kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
-            if arch == "llama" and kind in heads:
-                weight = unpermute_rotary_rows(weight, heads[kind])
-            yield hf_name, weight
-
-    yield from progress.track(converted())
-
-
-def dequantized(tensor: Any) -> torch.Tensor:
-    """A float32 CPU tensor in HF layout. GGUF lists dims innermost first (ggml ne[0]), HF outermost first."""
-    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-    # F32 data comes back as a view of the read-only memory map; torch needs memory it may own.
-    values = np.array(values, dtype=np.float32, copy=not values.flags.writeable or values.dtype != np.float32)
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    return torch.from_numpy(values.reshape(shape))
+    for gguf_name, hf_name in names.items():
+        weight = dequantized(tensors[gguf_name])
+        kind = gguf_name.split(".")[2] if gguf_name.startswith("blk.") else ""
+        if arch == "llama" and kind in heads:
+            weight = unpermute_rotary_rows(weight, heads[kind])
+        yield hf_name, weight
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

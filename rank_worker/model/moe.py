@@ -2,9 +2,13 @@
 grouped top-k routing as transformers computes it (deepseek_config.py says which routing each type uses).
 
 Routed experts run as a loop over the experts this batch hit: each takes its tokens, and the weighted
-outputs are summed with index_add_ in expert order (transformers' order, so float32 matches it). A fast
-path would sort tokens by expert and run one grouped GEMM (a Triton or CUTLASS grouped kernel, or
-torch._grouped_mm) with no host sync, and with expert parallelism dispatch tokens across ranks.
+outputs are summed with index_add_ in expert order (transformers' order, so float32 matches it). Finding the
+experts hit is a host sync, which a CUDA graph cannot hold: while one is recorded (a decode step of the MLA
+kernel backend) every expert runs over every token instead, weighted by its routing weight (0 where it was
+not chosen), n_routed_experts / num_experts_per_tok times the routed flops of a step but no sync; its cost
+against the eager loop is not measured yet. A fast path would sort tokens by expert and run one grouped GEMM
+(a Triton or CUTLASS grouped kernel, or torch._grouped_mm) with no host sync, and with expert parallelism
+dispatch tokens across ranks.
 """
 
 from __future__ import annotations
@@ -111,6 +115,14 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        out = self.every_expert(x, ids, weights) if capturing else self.experts_hit(x, ids, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def experts_hit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum, each expert over the tokens routed to it."""
         out = torch.zeros_like(x)
         # The experts this batch hit, ascending (one host sync: fine for the CPU path, see the module doc).
         for expert in torch.unique(ids).tolist():
@@ -118,8 +130,18 @@ class MoE(nn.Module):
             h = F.linear(x[tokens], self.experts_gate_up[expert])
             h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
             out.index_add_(0, tokens, (h * weights[tokens, slot, None]).to(out.dtype))
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+        return out
+
+    def every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same sum with no host sync: every expert over every token, its output weighted by the token's
+        routing weight for it (0 where not chosen), added in expert order as experts_hit adds."""
+        out = torch.zeros_like(x)
+        routing = torch.zeros(x.shape[0], self.cfg.n_routed_experts, dtype=weights.dtype, device=x.device)
+        routing.scatter_(1, ids, weights)  # [T, experts]
+        for expert in range(self.cfg.n_routed_experts):
+            h = F.linear(x, self.experts_gate_up[expert])
+            h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
+            out += (h * routing[:, expert, None]).to(out.dtype)
         return out
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:

@@ -167,6 +167,17 @@ def test_attention_backend_is_the_mla_path_and_kernels_are_refused(checkpoint) -
     assert not MlaSdpaAttention.graph_safe  # decode steps run eagerly: no CUDA graphs are recorded for MLA
 
 
+def test_routed_experts_without_a_host_sync_match_the_loop_over_the_experts_hit(checkpoint) -> None:
+    """MoE.every_expert (what a CUDA graph records) against experts_hit (the eager path) on the same routing."""
+    _, model, _, _ = checkpoint
+    moe = model.layers[1].mlp
+    torch.manual_seed(7)
+    x = torch.randn(3, model.cfg.hidden_size)  # 3 tokens of top-2 over 8 experts: some experts unused
+    ids, weights = moe.gate(x)
+    close = {"rtol": 1e-6, "atol": 1e-6}
+    torch.testing.assert_close(moe.every_expert(x, ids, weights), moe.experts_hit(x, ids, weights), **close)
+
+
 @pytest.mark.parametrize(
     ("base", "change", "message"),
     [

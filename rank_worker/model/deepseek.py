@@ -15,8 +15,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.model.attention import decode_kernel, mla_decode_kernel
 from rank_worker.model.attention.backend import AttentionBackend, BackendName
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.attention.mla_triton import MlaTritonAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.forward_batch import ForwardBatch
 from rank_worker.model.llama import RMSNorm, init_random_weights
@@ -60,11 +62,19 @@ class DeepseekForCausalLM(nn.Module):
         return (self.cfg.num_layers, 1, block_size, 1, self.cfg.latent_dim)
 
     def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-        """MLA has one attention path, in PyTorch (no MLA kernel yet): auto and sdpa take it on any device."""
-        if setting not in ("auto", "sdpa"):
+        """MLA takes its own paths: auto and triton the MLA decode kernel (mla_triton.py) wherever it runs (CUDA,
+        Triton, a power-of-two kv_lora_rank >= 16), sdpa and auto elsewhere PyTorch alone (mla_sdpa.py); there
+        is no FlashInfer MLA path."""
+        fits = device.type == "cuda" and decode_kernel.available() and mla_decode_kernel.fits(self.cfg.kv_lora_rank)
+        if setting == "flashinfer":
             raise RuntimeError(
-                f"attention_backend: {setting} has no MLA kernel; DeepSeek models run attention_backend auto or sdpa"
+                "attention_backend: flashinfer has no MLA kernel; DeepSeek models run attention_backend auto, "
+                "triton or sdpa"
             )
+        if setting == "triton" and not fits:
+            raise RuntimeError("attention_backend: triton for MLA needs CUDA, Triton and a power-of-two kv_lora_rank")
+        if setting in ("auto", "triton") and fits:
+            return MlaTritonAttention()
         return MlaSdpaAttention()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:

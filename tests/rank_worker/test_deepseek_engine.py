@@ -19,6 +19,7 @@ from safetensors.torch import load_file, save_file
 from rank_worker.engine.factory import build_model
 from rank_worker.engine.model_runner import kv_block_bytes, kv_pool_shape
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.attention.mla_triton import MlaTritonAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.feature_check import UnsupportedModelError
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
@@ -157,14 +158,18 @@ def test_random_weights_from_a_config_json_alone(tmp_path: Path) -> None:
 
 
 def test_attention_backend_is_the_mla_path_and_kernels_are_refused(checkpoint) -> None:
+    """On the CPU auto and sdpa take the PyTorch MLA path (the MLA kernel, mla_triton.py, needs CUDA: its
+    choice on a GPU is in test_cuda_mla); triton without CUDA and flashinfer anywhere are refused by name."""
     _, model, tokenizer, _ = checkpoint
     cpu = torch.device("cpu")
-    assert isinstance(model.choose_attention("auto", cpu, torch.float32), MlaSdpaAttention)
-    assert isinstance(make_engine(model, tokenizer, attention_backend="sdpa").attention, MlaSdpaAttention)
-    for setting in ("triton", "flashinfer"):
-        with pytest.raises(RuntimeError, match="no MLA kernel"):
-            model.choose_attention(setting, cpu, torch.float32)
-    assert not MlaSdpaAttention.graph_safe  # decode steps run eagerly: no CUDA graphs are recorded for MLA
+    assert type(model.choose_attention("auto", cpu, torch.float32)) is MlaSdpaAttention
+    assert type(make_engine(model, tokenizer, attention_backend="sdpa").attention) is MlaSdpaAttention
+    with pytest.raises(RuntimeError, match="triton for MLA needs CUDA"):
+        model.choose_attention("triton", cpu, torch.float32)
+    with pytest.raises(RuntimeError, match="flashinfer has no MLA kernel"):
+        model.choose_attention("flashinfer", cpu, torch.float32)
+    assert not MlaSdpaAttention.graph_safe  # its decode sizes its gather on the host: no CUDA graphs
+    assert MlaTritonAttention.graph_safe
 
 
 def test_routed_experts_without_a_host_sync_match_the_loop_over_the_experts_hit(checkpoint) -> None:

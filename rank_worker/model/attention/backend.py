@@ -9,6 +9,9 @@ needs the kvserve[cuda] extra with FlashInfer's prebuilt modules). Measured on t
 8K new over a 32K prefix): FlashInfer 9.2 ms, ours 11.3 ms, gather + SDPA 14.4 ms
 (bench/results/flashinfer-probe-h200.json); whole engines, 8K over 32K: 0.487 s against 0.557 s, 4K over
 100K: 0.515 s against 0.669 s (bench/results/engine-flashinfer-h200.json).
+
+DeepSeek's MLA has backends of its own over its latent pool (mla_sdpa.py; mla_triton.py on CUDA), chosen by
+deepseek.choose_attention.
 """
 
 from __future__ import annotations

@@ -183,6 +183,13 @@ def paged_decode_attention(
         TILE=TILE_TOKENS,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # full fp32 products for fp32 models
     )
+    merge_slices(partial, lse, out)
+    return out
+
+
+def merge_slices(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """out [S, H, D] = the slices' partial outputs [S, H, slices, D] (float32) weighted by their share of the
+    softmax mass, from their log-sum-exps lse [S, H, slices] (-inf for an empty slice)."""
+    num_seqs, num_heads, num_slices, head_dim = partial.shape
     assert out.stride(2) == 1 and out.stride(1) == head_dim
     _merge_slices[(num_seqs, num_heads)](partial, lse, out, out.stride(0), NUM_SLICES=num_slices, HEAD_DIM=head_dim)
-    return out

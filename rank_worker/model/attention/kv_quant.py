@@ -2,8 +2,8 @@
 twice the tokens of a bf16 pool (four times float32's) in the same memory. Values are stored as x / scale
 saturated to e4m3's +-448 and read back as x.float() * scale, then attended in the model's own dtype: only the
 pool changes. Used by the SDPA path (attention/sdpa_backend.py: Llama's K and V) and the MLA path (mla.py,
-attention/mla_sdpa.py: the latent and rope key); the CUDA kernels do not read fp8, so an fp8 pool runs on
-those paths only (check_backend).
+attention/mla_sdpa.py: the latent and rope key); the CUDA kernels (Llama's and the MLA decode kernel) do not
+read fp8, so an fp8 pool runs on those paths only (check_backend).
 
 The scale is static and 1.0 for every layer's K and V (and MLA's latent), as vLLM does without calibration:
 e4m3's relative step (2^-4 at worst, 3 mantissa bits) is the same anywhere in its normal range [2^-6, 448],

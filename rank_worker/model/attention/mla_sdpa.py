@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA) over the paged latent pool in plain PyTorch (SDPA): the CPU path, exact
-against transformers in float32, and what CUDA runs too until an MLA kernel exists (not graph-safe: decode
-steps run eagerly, no CUDA graphs).
+against transformers in float32 (not graph-safe: its decode gathers rows padded to the longest, sized on the
+host). On CUDA mla_triton.py keeps its prefill and replaces its decode attention by a kernel.
 
 A layer's pool view is [blocks, block_size, 1, kv_lora_rank + rope_dim]: per token the normalized latent c
 and the rotated rope key k_pe, shared by every head. kv_b_proj expands c into each head's k_nope and v.
@@ -62,7 +62,9 @@ class MlaSdpaAttention(AttentionBackend):
         out = q_nope.new_empty(q_nope.shape[0], heads, w_uv.shape[1])
         n = batch.num_decodes
         if n:
-            out[:n] = _absorbed_decode(q_nope[:n], q_pe[:n], latent_cache, w_uk, w_uv, batch, scale)
+            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:n], w_uk)  # q_nope folded into W_UK
+            o_lat = self.decode_latent(q_lat, q_pe[:n], latent_cache, batch, scale)
+            out[:n] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
         block_size = latent_cache.shape[1]
         for piece in batch.prefills:
             rows = slice(piece.token_start, piece.token_start + piece.num_new)
@@ -75,6 +77,13 @@ class MlaSdpaAttention(AttentionBackend):
                 mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
             out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
         return out
+
+    def decode_latent(
+        self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, scale: float
+    ) -> torch.Tensor:
+        """The decode rows in latent space: q_lat [B, H, r] (q_nope W_UK), q_pe [B, H, rope] over each row's
+        [c, k_pe] in the pool -> [B, H, r], the attention-weighted latents (W_UV is applied after)."""
+        return _absorbed_decode(q_lat, q_pe, latent_cache, batch, scale)
 
 
 def _expanded_prefill(
@@ -101,33 +110,25 @@ def _expanded_prefill(
 
 
 def _absorbed_decode(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    latent_cache: torch.Tensor,
-    w_uk: torch.Tensor,
-    w_uv: torch.Tensor,
-    batch: ForwardBatch,
-    scale: float,
+    q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, scale: float
 ) -> torch.Tensor:
     """One query token per sequence over its whole context, in latent space; sequences padded to the longest
-    and masked. Returns [B, H, v]."""
+    and masked. Returns [B, H, r]."""
     assert batch.decode_lens is not None
     block_size = latent_cache.shape[1]
-    rank = w_uk.shape[2]
+    rank = q_lat.shape[2]
     lens = batch.decode_lens.long()
     max_blocks = -(-int(lens.max()) // block_size)
     tables = batch.attention[:, :max_blocks].long()
     num_seqs = tables.shape[0]
-    keys = kv_quant.dequantize(latent_cache[tables], q_nope.dtype).reshape(
+    keys = kv_quant.dequantize(latent_cache[tables], q_lat.dtype).reshape(
         num_seqs, 1, max_blocks * block_size, latent_cache.shape[-1]
     )  # [B, 1, S, r+rope]
-    positions = torch.arange(max_blocks * block_size, device=q_nope.device)
+    positions = torch.arange(max_blocks * block_size, device=q_lat.device)
     mask = (positions.unsqueeze(0) < lens.unsqueeze(1)).view(num_seqs, 1, 1, -1)
-    q_lat = torch.einsum("bhd,hdr->bhr", q_nope, w_uk)  # q_nope folded into W_UK
     query = torch.cat([q_lat, q_pe], dim=-1).unsqueeze(2)  # [B, H, 1, r + rope]
     heads = query.shape[1]
     # One latent head for all query heads (MQA in latent space); values are the latents' first r dims.
     k = keys.expand(-1, heads, -1, -1)
     v = keys[..., :rank].expand(-1, heads, -1, -1)
-    o_lat = F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale).squeeze(2)  # [B, H, r]
-    return torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+    return F.scaled_dot_product_attention(query, k, v, attn_mask=mask, scale=scale).squeeze(2)  # [B, H, r]

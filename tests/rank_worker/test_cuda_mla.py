@@ -1,0 +1,204 @@
+"""The MLA decode kernel (mla_decode_kernel.py, through MlaTritonAttention) against MlaSdpaAttention's absorbed
+decode on scattered blocks: head counts below, at and above a head block, latents of the tiny checkpoints and of
+V2-Lite/V3, rope widths that need padding, lengths from one token to many tiles and not multiples of the block
+size; a whole DeepSeek step (decodes beside a warm and a cold chunk) by both backends; and whole engines, the
+kernel backend with and without CUDA graphs against the PyTorch path, greedy tokens equal in float32.
+
+On CUDA with Triton (skipped elsewhere). The kernel and model-step tests also run on the CPU under Triton's
+interpreter (TRITON_INTERPRET=1, triton importable) on smaller shapes, without bf16 there: the interpreter's
+tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584), so float16 stands in for a 16-bit model."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from deepseek_checkpoints import VOCAB, write_deepseek
+from engine_fixtures import generate_greedy, random_prompt
+
+from rank_worker.engine.factory import build_model
+from rank_worker.engine.model_runner import kv_pool_shape
+from rank_worker.model.attention import decode_kernel, kv_quant, mla_decode_kernel
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.attention.mla_triton import MlaTritonAttention
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+from rank_worker.model_files.source import open_model_source
+
+ON_CUDA = decode_kernel.available()
+INTERPRETED = not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and mla_decode_kernel.triton is not None
+DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not (ON_CUDA or INTERPRETED), reason="needs CUDA and Triton, or TRITON_INTERPRET=1 and triton"),
+]
+needs_cuda = pytest.mark.skipif(not ON_CUDA, reason="needs CUDA and Triton")
+
+BLOCK_SIZE = 16
+SCALE = 192**-0.5  # DeepSeek's qk_head_dim (128 nope + 64 rope)
+# (heads, kv_lora_rank, rope): the tiny V2 checkpoint's, heads past one head block, V2-Lite's, V3's
+SHAPES = [(4, 32, 8), (20, 64, 16)] + ([] if INTERPRETED else [(16, 512, 64), (128, 512, 64)])
+LENGTHS = [1, 15, 16, 17, 70] if INTERPRETED else [1, 15, 16, 17, 100, 511, 512, 513, 1500, 3000]
+TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def _tables(lengths: list[int], num_blocks: int, rows: int) -> tuple[torch.Tensor, list[int]]:
+    """Scattered blocks (never block 0) for each sequence, in table rows placed out of order."""
+    max_blocks = -(-max(lengths) // BLOCK_SIZE) + 3
+    order = (torch.randperm(num_blocks - 1) + 1).tolist()
+    table = torch.zeros(rows, max_blocks, dtype=torch.int32)
+    row_of = torch.randperm(rows)[: len(lengths)].tolist()
+    used = 0
+    for row, length in zip(row_of, lengths, strict=True):
+        count = -(-length // BLOCK_SIZE)
+        table[row, :count] = torch.tensor(order[used : used + count])
+        used += count
+    return table.to(DEVICE), row_of
+
+
+def _decode_batch(table: torch.Tensor, rows: list[int], lengths: list[int]) -> ForwardBatch:
+    zeros = torch.zeros(len(lengths), dtype=torch.long, device=DEVICE)
+    return ForwardBatch(
+        input_ids=zeros,
+        positions=zeros,
+        slot_blocks=zeros,
+        slot_offsets=zeros,
+        logits_indices=zeros[:0],
+        block_tables=table,
+        num_decodes=len(lengths),
+        decode_rows=torch.tensor(rows, device=DEVICE),
+        decode_lens=torch.tensor(lengths, device=DEVICE),
+    )
+
+
+def _decode_latent(backend: MlaSdpaAttention, q_lat, q_pe, layer, batch) -> torch.Tensor:
+    backend.plan(batch)
+    return backend.decode_latent(q_lat, q_pe, layer, batch, SCALE)
+
+
+@pytest.mark.parametrize(("heads", "rank", "rope"), SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_mla_decode_kernel_matches_the_absorbed_sdpa_decode_on_scattered_blocks(heads, rank, rope, dtype) -> None:
+    if INTERPRETED and dtype == torch.bfloat16:
+        pytest.skip("the interpreter's tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584)")
+    torch.manual_seed(0)
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in LENGTHS) + 20
+    # two layers: the kernel must honour the pool's block stride, not assume one contiguous layer
+    pool = torch.randn(num_blocks, 2, 1, BLOCK_SIZE, 1, rank + rope, device=DEVICE).to(dtype)
+    layer = pool[:, 1, 0]
+    table, rows = _tables(LENGTHS, num_blocks, len(LENGTHS) + 4)
+    batch = _decode_batch(table, rows, LENGTHS)
+    q_lat = torch.randn(len(LENGTHS), heads, rank, device=DEVICE).to(dtype)
+    q_pe = torch.randn(len(LENGTHS), heads, 2 * rope, device=DEVICE).to(dtype)[..., rope:]  # strided, as split
+    ours = _decode_latent(MlaTritonAttention(), q_lat, q_pe, layer, batch)
+    reference = _decode_latent(MlaSdpaAttention(), q_lat, q_pe, layer, batch)
+    assert ours.dtype == dtype and ours.shape == (len(LENGTHS), heads, rank)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
+
+
+def test_the_mla_kernel_refuses_an_fp8_pool() -> None:
+    """An fp8 pool never reaches it through the engine (kv_quant.check_backend sends fp8 to sdpa); called
+    directly it says so rather than reading bytes as values."""
+    pool = torch.zeros(4, BLOCK_SIZE, 1, 40, device=DEVICE).to(kv_quant.FP8)
+    table, rows = _tables([3], 4, 2)
+    q_lat, q_pe = torch.zeros(1, 4, 32, device=DEVICE), torch.zeros(1, 4, 8, device=DEVICE)
+    lens = torch.tensor([3], device=DEVICE)
+    with pytest.raises(AssertionError, match="fp8"):
+        mla_decode_kernel.mla_decode_attention(q_lat, q_pe, pool, table, torch.tensor(rows, device=DEVICE), lens, 1.0)
+
+
+def _tiny_deepseek(model_type: str, directory):
+    write_deepseek(model_type, directory)
+    return build_model(open_model_source(str(directory)), DEVICE, torch.float32, max_positions=512, seed=0)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(model_type, tmp_path) -> None:
+    """Three decode rows (1, 17 and 40 tokens) beside a chunk of 5 over 30 cached tokens and a cold chunk of 9,
+    over a pool of random latents: the same logits (float32)."""
+    torch.manual_seed(4)
+    model = _tiny_deepseek(model_type, tmp_path)
+    decodes, chunks = [1, 17, 40], [(5, 30), (9, 0)]  # chunks: (new, cached)
+    lengths = decodes + [new + cached for new, cached in chunks]
+    num_blocks = 24
+    pool = torch.randn(kv_pool_shape(model, num_blocks, BLOCK_SIZE), device=DEVICE)
+    table, rows = _tables(lengths, num_blocks, 8)
+    host_table = table.cpu()
+    positions, slots, pieces = [n - 1 for n in decodes], [], []
+    for (new, cached), row in zip(chunks, rows[len(decodes) :], strict=True):
+        pieces.append(PrefillSlice(len(positions), new, cached + new, row))
+        positions += range(cached, cached + new)
+    token_rows = rows[: len(decodes)] + [p.table_row for p in pieces for _ in range(p.num_new)]
+    for row, position in zip(token_rows, positions, strict=True):
+        slots.append((int(host_table[row, position // BLOCK_SIZE]), position % BLOCK_SIZE))
+    blocks, offsets = (torch.tensor(values, device=DEVICE) for values in zip(*slots, strict=True))
+    last = [p.token_start + p.num_new - 1 for p in pieces]
+    batch_fields = dict(
+        input_ids=torch.randint(0, VOCAB, (len(positions),), device=DEVICE),
+        positions=torch.tensor(positions, device=DEVICE),
+        slot_blocks=blocks,
+        slot_offsets=offsets,
+        logits_indices=torch.tensor([0, 1, 2, *last], device=DEVICE),
+        block_tables=table,
+        num_decodes=len(decodes),
+        decode_rows=torch.tensor(rows[: len(decodes)], device=DEVICE),
+        decode_lens=torch.tensor(decodes, device=DEVICE),
+        prefills=pieces,
+    )
+    results = {}
+    with torch.inference_mode():
+        for backend in (MlaSdpaAttention(), MlaTritonAttention()):
+            model.set_attention_backend(backend)
+            results[backend.name] = model(ForwardBatch(**batch_fields), pool.clone())
+    torch.testing.assert_close(results["mla_triton"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
+
+
+@needs_cuda
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_engines_on_the_mla_kernel_with_and_without_graphs_give_the_pytorch_paths_tokens(model_type, tmp_path) -> None:
+    """Prompts sharing prefixes (warm chunks over cached latents), chunked prefill (a small token budget),
+    batches that shrink as rows finish; float32 so greedy tokens must agree exactly. auto takes the kernel on
+    CUDA; the graphed engines replay their decode steps (MoE.every_expert recorded), the last one pipelined;
+    an fp8 pool under auto runs the PyTorch path."""
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import build_engine
+
+    write_deepseek(model_type, tmp_path)
+    base = random_prompt(200, VOCAB, seed=5)
+    prompts = [base[: 30 + 23 * i] + random_prompt(5 + 13 * i, VOCAB, seed=90 + i) for i in range(9)]
+    lengths = [10 + 5 * (i % 3) for i in range(9)]
+    runs = {}
+    for backend, graphs, pipelined, name in (
+        ("sdpa", False, False, "mla_sdpa"),
+        ("triton", False, False, "mla_triton"),
+        ("auto", True, False, "mla_triton"),
+        ("triton", True, True, "mla_triton"),
+    ):
+        config = KvServeConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=256,
+            max_num_batched_tokens=96,
+            max_num_seqs=16,
+            cuda_graphs=graphs,
+            attention_backend=backend,
+            pipeline_decode=pipelined,
+        )
+        engine = build_engine(config)
+        assert engine.attention.name == name
+        runs[(backend, graphs, pipelined)] = generate_greedy(engine, prompts, lengths)
+        if graphs:
+            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.steps > 10
+        assert (engine.pipelined_steps > 0) == pipelined
+        assert engine.stats().prefix_hit_tokens > 0
+        assert engine.stats().used_blocks == 0
+    plain = runs[("sdpa", False, False)]
+    assert runs[("triton", False, False)] == plain
+    assert runs[("auto", True, False)] == plain
+    assert runs[("triton", True, True)] == plain
+    fp8 = KvServeConfig(
+        model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=32, kv_cache_dtype="fp8_e4m3"
+    )
+    assert build_engine(fp8).attention.name == "mla_sdpa"

@@ -138,7 +138,7 @@ class PagedEngine(Engine):
             self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
-        # The model picks: an MLA model always takes its own path (no Triton/FlashInfer MLA kernel yet).
+        # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
         self.attention = model.choose_attention(attention_setting, device, dtype)
         self.runner = ModelRunner(
             model,

@@ -22,6 +22,7 @@ Attaching runs on a thread of its own (pinning a large arena takes a while).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -49,6 +50,11 @@ IDLE_WAIT_S = 0.01  # the longest the engine thread waits for an answer when it 
 @dataclass(frozen=True)
 class _Attached:
     future: Future[ArenaMapping]
+
+
+@dataclass(frozen=True)
+class _RetryDue:
+    """Posted when a detached tier's next attach is due: an idle engine steps (polls) only for mailbox items."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +98,7 @@ class L1Tier:
         self._next_attach = 0.0
         self._attach_again = False
         self._down_reported = False
+        self._retry_timer: threading.Timer | None = None
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
@@ -271,6 +278,8 @@ class L1Tier:
                 self._on_news(item)
             elif isinstance(item, _Attached) and item.future is self._attaching:
                 self._adopt(item.future)
+            elif isinstance(item, _RetryDue):
+                self._next_attach = 0.0  # due by its timer (whatever self._clock says): _ready below attaches
         while self._offloads and self._offloads[0].done:
             self._commit(self._offloads.popleft())
         while self._restores and self._restores[0].done:
@@ -439,6 +448,7 @@ class L1Tier:
 
     def _report_down(self, exc: BaseException) -> None:
         self._next_attach = self._clock() + self.retry_interval_s
+        self._schedule_retry()
         self.last_error = str(exc) or type(exc).__name__
         if not self._down_reported:
             log.warning(
@@ -450,8 +460,20 @@ class L1Tier:
         else:
             log.debug("L1 still unavailable: %s", self.last_error)
 
+    def _schedule_retry(self) -> None:
+        """Wake the engine when the retry is due: with nothing to run it polls only when its mailbox has news,
+        and a kvstore that hung (rather than restarted) sends none when it answers again."""
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
+        timer = threading.Timer(self.retry_interval_s, self._mailbox.post, args=(_RetryDue(),))
+        timer.daemon = True
+        timer.start()
+        self._retry_timer = timer
+
     def close(self) -> None:
         """Wait for copies in flight (and an attach under way), unmap the arena, stop the tier's threads."""
+        if self._retry_timer is not None:
+            self._retry_timer.cancel()
         self._watch.stop()
         self._detach()
         self._attacher.shutdown(wait=True)

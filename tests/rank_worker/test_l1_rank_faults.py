@@ -206,3 +206,27 @@ def test_a_kvstore_restarted_under_an_idle_rank_is_let_go_of_and_attached_again(
                     return stub.Stats(pb.StatsRequest(), timeout=10).l1_offloaded_blocks == offloaded + 3
 
                 wait_for(used, 10, "offloading to the new arena")
+
+
+def test_an_idle_rank_attaches_again_once_a_hung_kvstore_answers(
+    tmp_path: Path, rank_settings: dict[str, str], channel_to: object
+) -> None:
+    """The rank gave L1 up while the kvstore was hung (SIGSTOP) and then has nothing to run: it must still try
+    again when its retry is due, not wait for the next request to step the engine."""
+    kvstore_port, rank_port = free_port(), free_port()
+    settings = {**rank_settings, "KVSERVE_KVSTORE": f"127.0.0.1:{kvstore_port}"}
+    with (
+        start_kvstore(tmp_path / "kvstore.log", kvstore_port, **kvstore_settings(tmp_path)) as kvstore,
+        start_rank_worker(tmp_path / "rank.log", rank_port, **settings),
+    ):
+        stub = channel_to(rank_port)  # type: ignore[operator]
+        assert stub.Stats(pb.StatsRequest(), timeout=10).l1_attached
+        kvstore.send_signal(signal.SIGSTOP)
+        try:
+            # Its prefill end offloads and its admission looks it up: unanswered past the calls' deadline.
+            generate(stub, random_prompt(4 * BLOCK + 1, VOCAB, seed=6), 2)
+            wait_for(lambda: not stub.Stats(pb.StatsRequest(), timeout=10).l1_attached, 20, "detached")
+        finally:
+            kvstore.send_signal(signal.SIGCONT)
+        # No request from here on: the engine is idle.
+        wait_for(lambda: stub.Stats(pb.StatsRequest(), timeout=10).l1_attached, 15, "attached again while idle")

@@ -129,11 +129,6 @@ class ModelRunner:
         self.tables.release(seq)
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Forward the batch; returns the sampled next token of each sequence that reached its end."""
-        return self.launch(batch).read_all()
-
-    @torch.inference_mode()
     def launch(self, batch: ScheduledBatch) -> LaunchedStep:
         """Forward the batch and draw the next token of each sequence that reaches its end, without reading them."""
         if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):

@@ -48,7 +48,7 @@ class Plan:
     @property
     def max_model_len(self) -> int:
         longest = max(max(m.new + m.cached, m.context + m.steps + 1) for m in self.measures)
-        return longest + 64
+        return max(longest, self.warmup_tokens + 1) + 64  # the warm-up prompt must fit too (a decode-only plan)
 
 
 def _plan(k: int, decode_context: int, decode_steps: int, repeats: int) -> Plan:

@@ -112,6 +112,12 @@ class KvServeConfig(BaseSettings):
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")
     l1_headroom_gb: float = Field(4.0, ge=0.0, description="RAM the arena must leave to everything else")
     l1_pin_ttl_secs: float = Field(120.0, gt=0.0, description="a pin older than this is dropped (a dead copier)")
+    l1_offload_mb_per_step: float = Field(
+        512.0,
+        gt=0.0,
+        description="rank worker: L1 write-through copies issued per engine step on CUDA, in MiB (~10 ms of PCIe "
+        "Gen5); more queue for the next steps, so a step's own token read never waits behind a whole prompt's",
+    )
     kvstore_host: str = "127.0.0.1"
     kvstore_port: int = Field(50141, ge=0, le=65535)
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")

@@ -28,6 +28,7 @@ from rank_worker.engine.interface import (
     RequestOutput,
     RequestsFailedError,
 )
+from rank_worker.engine.step_trace import StepTrace, phase
 from rank_worker.step_timing import StepTiming, StepTimingSummary
 
 log = logging.getLogger(__name__)
@@ -172,6 +173,7 @@ class EngineLoop:
         self._progress: dict[str, RequestProgress] = {}  # replaced, never mutated, by the engine thread
         self._progress_at = 0.0
         self._timing = StepTiming()
+        self._trace = StepTrace()  # KVSERVE_STEP_TRACE: a profiler timeline of some iterations (off by default)
         self._timing_log_interval_s = timing_log_interval_s
         self.last_step_timing: StepTimingSummary | None = None
         self._failure_backoff_s = failure_backoff_s
@@ -308,13 +310,16 @@ class EngineLoop:
                 aborts = list(self._aborts)
                 self._aborts.clear()
             try:
-                self._add(new)
-                self._abort(aborts)  # after adds, so an abort racing its own submit still finds the request
+                self._trace.tick()
+                with phase("loop.add"):
+                    self._add(new)
+                    self._abort(aborts)  # after adds, so an abort racing its own submit still finds the request
                 step_s = self._step() if self._engine.has_unfinished() else None
-                self._publish_kv_events()
-                self._stats = self._engine.stats()
-                busy = self._engine.has_unfinished()
-                self._refresh_progress()
+                with phase("loop.after"):
+                    self._publish_kv_events()
+                    self._stats = self._engine.stats()
+                    busy = self._engine.has_unfinished()
+                    self._refresh_progress()
                 if step_s is not None:
                     self._record_timing(step_s, time.perf_counter() - iteration_started)
             except RequestsFailedError as exc:
@@ -330,6 +335,7 @@ class EngineLoop:
                 time.sleep(self._failure_backoff_s)  # a persistently broken engine must not spin and flood logs
             finally:
                 self._iteration_started = None
+        self._trace.close()
         self._shutdown()
 
     def _refresh_progress(self) -> None:
@@ -378,12 +384,14 @@ class EngineLoop:
     def _step(self) -> float:
         """Step the engine and deliver its outputs; returns the step's own duration."""
         started = time.perf_counter()
-        outputs = self._engine.step()
+        with phase("engine.step"):
+            outputs = self._engine.step()
         step_s = time.perf_counter() - started
-        # Refresh the snapshot before anyone hears of this step, so a client that saw its request finish
-        # never reads stats from before it.
-        self._stats = self._engine.stats()
-        self._deliver(outputs)
+        with phase("loop.deliver"):
+            # Refresh the snapshot before anyone hears of this step, so a client that saw its request finish
+            # never reads stats from before it.
+            self._stats = self._engine.stats()
+            self._deliver(outputs)
         return step_s
 
     def _record_timing(self, step_s: float, iteration_s: float) -> None:

@@ -16,6 +16,7 @@ from rank_worker.engine.sampler import PendingTokens, launch_sampling
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import StepInputs
+from rank_worker.engine.step_trace import phase
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.forward_batch import PrefillSlice
@@ -163,5 +164,6 @@ class ModelRunner:
             return LaunchedStep([], None, span)
         buffer = self._token_buffers[self._next_buffer]
         self._next_buffer = (self._next_buffer + 1) % len(self._token_buffers)
-        pending = launch_sampling(logits, [s.sampling for s in seqs], [s.generator for s in seqs], buffer)
+        with phase("sample"):
+            pending = launch_sampling(logits, [s.sampling for s in seqs], [s.generator for s in seqs], buffer)
         return LaunchedStep(seqs, pending, span)

@@ -33,8 +33,9 @@ from rank_worker.engine.model_runner import LaunchedStep, ModelRunner, kv_pool_s
 from rank_worker.engine.scheduler import PolicyName, ScheduledBatch, Scheduler, SchedulingPolicy, step_load
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
+from rank_worker.engine.step_trace import phase
 from rank_worker.l1.kvstore_client import KvStoreClient
-from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
+from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import BackendName
 from rank_worker.model.causal_lm import CausalLM
@@ -66,6 +67,7 @@ class EngineSettings:
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
     pipeline_decode: bool = False  # launch decode step N+1 before reading step N's tokens (see _launch_successor)
+    l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace (CUDA)
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -135,7 +137,14 @@ class PagedEngine(Engine):
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None
         if l1_client is not None and settings.prefix_cache:
-            self.l1 = L1Tier(l1_client, self.kv_cache, self.pool, self.namespace, retry_interval_s=l1_retry_interval_s)
+            self.l1 = L1Tier(
+                l1_client,
+                self.kv_cache,
+                self.pool,
+                self.namespace,
+                retry_interval_s=l1_retry_interval_s,
+                offload_bytes_per_step=settings.l1_offload_bytes_per_step,
+            )
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
@@ -270,22 +279,33 @@ class PagedEngine(Engine):
             outputs, self._carried = self._carried, None
             return outputs
         if self.l1 is not None:
-            self.l1.poll()
+            with phase("l1.poll"):
+                self.l1.poll()
         flight = self._in_flight
         if flight is not None:
             self._in_flight = self._launch_successor(flight)
+            self._pump_offloads()
             return self._complete(flight)
-        batch = self.scheduler.schedule()
+        with phase("schedule"):
+            batch = self.scheduler.schedule()
         if not batch.entries:
             if self.l1 is not None and self.l1.has_pending:
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
             return []
         load, started = batch.load, time.perf_counter()  # the load before the step advances its sequences
-        flight = _InFlight(batch, self.runner.launch(batch), load, started)
+        with phase("launch"):
+            flight = _InFlight(batch, self.runner.launch(batch), load, started)
+        self._pump_offloads()
         if self.settings.pipeline_decode and flight.decode_only:
             self._in_flight = flight
             return []
         return self._complete(flight)
+
+    def _pump_offloads(self) -> None:
+        """This step's share of the L1 write-through, queued behind its tokens' copy (L1Tier.pump)."""
+        if self.l1 is not None:
+            with phase("l1.pump"):
+                self.l1.pump()
 
     def _launch_successor(self, flight: _InFlight) -> _InFlight | None:
         """The next decode step of the same sequences, launched before `flight` is read; None when the next step
@@ -335,14 +355,21 @@ class PagedEngine(Engine):
 
     def _complete(self, flight: _InFlight) -> list[RequestOutput]:
         """Read the step's tokens and turn them into outputs."""
+        with phase("complete"):
+            return self._outputs_of(flight)
+
+    def _outputs_of(self, flight: _InFlight) -> list[RequestOutput]:
         launched, batch = flight.launched, flight.batch
-        if not flight.advanced:
-            # Nothing has changed yet: a failed draw fails its requests and the others retry the same step.
-            tokens, failed = launched.read_all(), {}
-        else:
-            tokens, failed = launched.read()
-        if launched.pending is None and self.kv_cache.is_cuda:
-            torch.cuda.synchronize(self.kv_cache.device)  # mid-prompt chunks only: time the work, not its launch
+        with phase("read"):
+            if not flight.advanced:
+                # Nothing has changed yet: a failed draw fails its requests and the others retry the same step.
+                tokens, failed = launched.read_all(), {}
+            else:
+                tokens, failed = launched.read()
+            if launched.pending is None and self.kv_cache.is_cuda:
+                # Mid-prompt chunks only: time the work, not its launch. The compute stream alone: a device-wide
+                # sync would wait for the L1 write-through on its side stream too.
+                torch.cuda.current_stream(self.kv_cache.device).synchronize()
         read = time.perf_counter()
         # A pipelined step's GPU work starts when its predecessor's ends, which is about when that was read.
         self.scheduler.step_cost.observe(flight.load, read - max(flight.started, self._last_read))

@@ -174,7 +174,8 @@ def _sample_rows(
     settings = torch.tensor(
         [[row, _temperature(params[row]), _top_k(params[row], vocab), _top_p(params[row])] for row in order],
         dtype=torch.float32,  # exact for row and k below 2**24; the old scalar temperature and top_p were float32 too
-    ).to(logits.device)
+        pin_memory=logits.is_cuda,
+    ).to(logits.device, non_blocking=True)  # from pageable memory this copy waited for the whole forward
     row_index = settings[:, 0].long()
 
     # Gumbel-max: argmax(logit + Gumbel noise) draws from softmax(logits) without forming the probabilities.

@@ -5,7 +5,12 @@ return; answers come back through a Mailbox that poll() drains each step, never 
 - Offload: a registered block is immutable, so once a sequence's prefill completes (and again when it lets
   its blocks go) the blocks L1 does not hold yet are sent for slots. When the slots come back, each block
   that still holds its hash (L0 may have evicted it meanwhile) is referenced, copied (a side stream on CUDA,
-  a memcpy on the CPU) and let go once copied; then the slots are committed.
+  a memcpy on the CPU) and let go once copied; then the slots are committed. The copies are paced: pump(),
+  called once a step has been launched, issues at most offload_bytes_per_step of them. A step's own
+  tokens come back through the same copy engine, and behind a whole prompt's write-through (1.3 GB for 10K
+  tokens of an 8B model, ~25 ms of PCIe) a step's read waited with the GPU idle: 1.7 s of a 9.3 s window of
+  64 agents on the H200 (bench/probes/trace_gaps.py). Issued after the step's launch, a step's share of
+  copies queues behind its tokens and is done within about a step.
 - Restore: a sequence about to be admitted whose blocks past its L0 prefix L1 holds starts a HostFetch and
   waits; the lookup's slots are copied into fresh pool blocks (on the compute stream on CUDA, so the next
   step's kernels see them), registered in L0, and the slots released once the copy has landed.
@@ -45,6 +50,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY_INTERVAL_S = 3.0
 DEFAULT_FETCH_TIMEOUT_S = 1.0  # a waiting sequence computes its blocks rather than wait longer for L1
 IDLE_WAIT_S = 0.01  # the longest the engine thread waits for an answer when it has nothing to run
+# ~10 ms of PCIe Gen5 per step: 4096 tokens of an 8B model's KV, past the prefill a busy step carries.
+DEFAULT_OFFLOAD_BYTES_PER_STEP = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,15 @@ class _Offload:
     block_hashes: list[bytes]
 
 
+@dataclass
+class _QueuedCopy:
+    """Pool blocks (referenced) bound for arena slots, not issued yet (CUDA: pump() issues them)."""
+
+    block_ids: list[int]
+    slots: list[int]
+    block_hashes: list[bytes]
+
+
 class L1Tier:
     """Owns the arena mapping, the copier and the bookkeeping of calls and copies in flight; its methods are
     for the engine thread (its own threads only post to the mailbox)."""
@@ -76,6 +92,7 @@ class L1Tier:
         *,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
+        offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -85,6 +102,8 @@ class L1Tier:
         self.slot_bytes = kv_cache[0].numel() * kv_cache.element_size()
         self.retry_interval_s = retry_interval_s
         self.fetch_timeout_s = fetch_timeout_s
+        # Whole blocks per pump(), at least one so the queue always drains.
+        self.offload_blocks_per_step = max(1, offload_bytes_per_step // max(1, self.slot_bytes))
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
@@ -102,10 +121,12 @@ class L1Tier:
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
+        self._queued: deque[_QueuedCopy] = deque()  # offloads waiting for pump() (CUDA)
         self._offloads: deque[CopyJob] = deque()  # copying to the arena, not yet committed (CUDA)
         self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
         self.restored_blocks = 0
         self.offloaded_blocks = 0
+        self.issued_blocks = 0  # offload copies issued (pump), committed or not
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
         self._start_attach()
@@ -130,13 +151,15 @@ class L1Tier:
 
     @property
     def copies_in_flight(self) -> int:
-        """Blocks held by offloads not yet committed."""
-        return sum(len(job.block_ids) for job in self._offloads)
+        """Blocks held by offloads not yet committed (issued or queued)."""
+        return sum(len(job.block_ids) for job in self._offloads) + sum(len(q.block_ids) for q in self._queued)
 
     @property
     def has_pending(self) -> bool:
         """Calls, copies or news the engine must still step for (its blocks and the kvstore's pins)."""
-        return bool(self._outstanding or self._fetching or self._offloads or self._restores or self._mailbox)
+        return bool(
+            self._outstanding or self._fetching or self._queued or self._offloads or self._restores or self._mailbox
+        )
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         """How many leading block_hashes L1 holds as far as its event stream says, asking no one: a hint for
@@ -244,17 +267,32 @@ class L1Tier:
         assert self._copier is not None
         for block_id in blocks:
             self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
-        try:
-            job = self._copier.offload(blocks, slots)
-        except Exception as exc:
-            self.pool.release(blocks)
-            self._go_down(exc)
-            return
-        job.block_hashes = hashes
-        if job.done:
-            self._commit(job)
-        else:
-            self._offloads.append(job)
+        self._queued.append(_QueuedCopy(blocks, slots, hashes))  # the engine's next step pumps it
+
+    def pump(self) -> None:
+        """Issue queued offload copies, at most offload_blocks_per_step blocks of them; call it after the step's
+        launch, so on CUDA its tokens' copy goes first. Never waits for a CUDA copy (a CPU copy is done when it
+        returns, and is paced all the same: a CPU step never stalls behind a whole prompt's memcpy either)."""
+        budget = self.offload_blocks_per_step
+        while self._queued and self._copier is not None and budget > 0:
+            queued = self._queued[0]
+            n = min(budget, len(queued.block_ids))
+            blocks, slots, hashes = queued.block_ids[:n], queued.slots[:n], queued.block_hashes[:n]
+            try:
+                job = self._copier.offload(blocks, slots)
+            except Exception as exc:
+                self._go_down(exc)  # lets go of every queued block, these too
+                return
+            del queued.block_ids[:n], queued.slots[:n], queued.block_hashes[:n]
+            if not queued.block_ids:
+                self._queued.popleft()
+            budget -= n
+            self.issued_blocks += n
+            job.block_hashes = hashes
+            if job.done:
+                self._commit(job)
+            else:
+                self._offloads.append(job)
 
     def _commit(self, job: CopyJob) -> None:
         """A finished offload copy: let go of its pool blocks and make it visible in L1."""
@@ -294,6 +332,7 @@ class L1Tier:
 
     def wait_pending(self) -> None:
         """The engine has nothing to run: wait a little for an answer or the oldest copy, then poll."""
+        self.pump()
         if self._outstanding or self._fetching or not (self._offloads or self._restores):
             self._mailbox.wait(IDLE_WAIT_S)
         elif self._offloads:
@@ -419,9 +458,10 @@ class L1Tier:
         on their way belong to its epoch: their answers are dropped."""
         if self._copier is not None:
             self._copier.synchronize()
-        for job in self._offloads:
+        for job in [*self._offloads, *self._queued]:
             self.pool.release(job.block_ids)  # never committed; the kvstore drops the write pins
         self._offloads.clear()
+        self._queued.clear()
         self._restores.clear()
         for fetch in self._fetching:
             fetch.done = True  # nothing restored: the sequence computes its blocks

@@ -195,3 +195,41 @@ def test_soak_with_aborts_and_preemptions_leaves_nothing_held(tmp_path: Path) ->
         assert_pool_idle(engine)
         assert_no_pins(port)
         engine.close()
+
+
+def test_write_through_is_paced_per_step_and_lands_whole(tmp_path: Path) -> None:
+    """L1 copies go out at most offload_bytes_per_step per engine step (here one block), behind the step's own
+    work; a prompt's eight blocks still all land in L1, and its session is restored from there intact."""
+    model = tiny_model()
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        probe = l1_engine(model, None, port, num_blocks=20, max_model_len=320)
+        slot_bytes = probe.l1.slot_bytes
+        probe.close()
+        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, l1_offload_bytes_per_step=slot_bytes)
+        assert engine.l1 is not None and engine.l1.offload_blocks_per_step == 1
+        prompt = random_prompt(8 * BLOCK + 5, 128, seed=31)
+        engine.add_request(EngineRequest("a", prompt, greedy(2)))
+        issued = [0]
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            assert steps < 10_000, "the write-through never finished"
+            issued.append(engine.l1.issued_blocks)
+        per_step = [b - a for a, b in zip(issued, issued[1:], strict=False)]
+        assert max(per_step) == 1  # never more than the budget in one step
+        assert engine.l1.issued_blocks == 8 and engine.stats().l1_offloaded_blocks == 8
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+
+        # Push the session out of L0; it comes back from the paced copies with the unpaced engine's tokens.
+        generate_one(engine, random_prompt(17 * BLOCK, 128, seed=32), greedy(2), "evict")
+        again = generate_one(engine, prompt, greedy(6), "a2")
+        l0, l1 = again.stats.cached_tokens, again.stats.l1_cached_tokens
+        assert l0 + l1 == 8 * BLOCK and l1 >= 4 * BLOCK
+        expected = generate_one(make_engine(model, None, prefix_cache=False), prompt, greedy(6), "cold")
+        assert again.new_token_ids == expected.new_token_ids
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        engine.close()

@@ -65,3 +65,43 @@ def test_a_row_that_fails_is_named_and_the_others_are_not() -> None:
     with pytest.raises(SamplingError) as failed:
         sample_tokens(_logits()[[0, 1, 0]], params, [None, bogus, None])  # type: ignore[list-item]
     assert failed.value.rows == [1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_a_mixed_batch_draws_what_each_row_asks_for() -> None:
+    """The settings go to the device without waiting for the forward (pinned, non-blocking): behind a queued
+    matmul, greedy rows still take the argmax, filters still hold and seeded rows repeat their draws."""
+    device = torch.device("cuda")
+    logits = torch.randn(64, 32_000, device=device) * 3
+    params = [
+        SamplingParams()
+        if i % 4 == 0
+        else SamplingParams(
+            temperature=1.0,
+            top_k=3 if i % 4 == 1 else 0,
+            top_p=0.5 if i % 4 == 2 else 1.0,
+            seed=i if i % 4 == 3 else None,
+        )
+        for i in range(64)
+    ]
+
+    def draw() -> list[int]:
+        generators = [
+            torch.Generator(device=device).manual_seed(p.seed) if p.seed is not None else None for p in params
+        ]
+        busy = torch.randn(4096, 4096, device=device)
+        for _ in range(8):
+            busy = busy @ busy  # queued work the sampling launch must not wait for
+        return sample_tokens(logits, params, generators)
+
+    first, second = draw(), draw()
+    top3 = logits.topk(3, dim=-1).indices.tolist()
+    argmax = logits.argmax(dim=-1).tolist()
+    for i in range(len(params)):
+        if i % 4 == 0:
+            assert first[i] == argmax[i]
+        elif i % 4 == 1:
+            assert first[i] in top3[i]
+        elif i % 4 == 3:
+            assert first[i] == second[i]  # its own generator, whatever else is in the batch
+        assert 0 <= first[i] < 32_000

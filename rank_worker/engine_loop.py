@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 DEFAULT_KV_EVENT_QUEUE = 10_000
 # How often the per-request progress the Generate streams report is refreshed (on the engine thread).
 PROGRESS_REFRESH_S = 0.5
+SHUTDOWN_DRAIN_S = 3.0  # the longest a stopping loop steps to let in-flight work land (L1 calls: 1 s deadline)
 
 
 @dataclass(frozen=True)
@@ -491,6 +492,14 @@ class EngineLoop:
             log.exception("engine.has_unfinished() failed; idling until new work arrives")
             return False
 
+    def _drain(self) -> None:
+        """After the last aborts: step until what is still in flight has landed (a pipelined step whose blocks go
+        back once it is read, L1 copies and calls), nothing new being admitted; a hung kvstore is waited for no
+        longer than its calls' deadline and a little."""
+        deadline = time.monotonic() + SHUTDOWN_DRAIN_S
+        while self._engine.has_unfinished() and time.monotonic() < deadline:
+            self._engine.step()
+
     def _shutdown(self) -> None:
         with self._cond:
             pending = list(self._new)
@@ -501,6 +510,7 @@ class EngineLoop:
             self._end(request.request_id, stream, EngineLoopStoppedError("the rank worker is shutting down"))
         try:
             self._abort(list(self._in_engine))
+            self._drain()
             self._publish_kv_events(subscribers)
             self._stats = self._engine.stats()
         except Exception:

@@ -4,6 +4,7 @@ once it is back), and a soak with aborts and preemptions leaves no block referen
 
 from __future__ import annotations
 
+import itertools
 import random
 import signal
 import time
@@ -217,7 +218,7 @@ def test_write_through_is_paced_per_step_and_lands_whole(tmp_path: Path) -> None
             steps += 1
             assert steps < 10_000, "the write-through never finished"
             issued.append(engine.l1.issued_blocks)
-        per_step = [b - a for a, b in zip(issued, issued[1:], strict=False)]
+        per_step = [b - a for a, b in itertools.pairwise(issued)]
         assert max(per_step) == 1  # never more than the budget in one step
         assert engine.l1.issued_blocks == 8 and engine.stats().l1_offloaded_blocks == 8
         assert_pool_idle(engine)

@@ -67,7 +67,7 @@ class EngineSettings:
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
     pipeline_decode: bool = True  # launch decode step N+1 before reading step N's tokens (see _launch_successor)
-    l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace (CUDA)
+    l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
 
     @property
     def scheduling(self) -> SchedulingPolicy:

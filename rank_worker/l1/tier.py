@@ -72,7 +72,7 @@ class _Offload:
 
 @dataclass
 class _QueuedCopy:
-    """Pool blocks (referenced) bound for arena slots, not issued yet (CUDA: pump() issues them)."""
+    """Pool blocks (referenced) bound for arena slots, not issued yet: pump() issues them, a few each step."""
 
     block_ids: list[int]
     slots: list[int]
@@ -121,7 +121,7 @@ class L1Tier:
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
-        self._queued: deque[_QueuedCopy] = deque()  # offloads waiting for pump() (CUDA)
+        self._queued: deque[_QueuedCopy] = deque()  # offloads waiting for pump(), their slots write-pinned
         self._offloads: deque[CopyJob] = deque()  # copying to the arena, not yet committed (CUDA)
         self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
         self.restored_blocks = 0

@@ -120,9 +120,11 @@ def channel_to() -> Iterator[object]:
         channel.close()
 
 
-def test_a_hung_kvstore_leaves_other_streams_decoding_and_the_l1_request_completes(
+@contextlib.contextmanager
+def attached_rank(
     tmp_path: Path, rank_settings: dict[str, str], channel_to: object
-) -> None:
+) -> Iterator[tuple[object, int, pb_grpc.RankWorkerStub]]:
+    """A kvstore and a rank worker using it, the rank attached to its L1: (kvstore process, its port, rank stub)."""
     kvstore_port, rank_port = free_port(), free_port()
     settings = {**rank_settings, "KVSERVE_KVSTORE": f"127.0.0.1:{kvstore_port}"}
     with (
@@ -131,6 +133,13 @@ def test_a_hung_kvstore_leaves_other_streams_decoding_and_the_l1_request_complet
     ):
         stub = channel_to(rank_port)  # type: ignore[operator]
         assert stub.Stats(pb.StatsRequest(), timeout=10).l1_attached
+        yield kvstore, kvstore_port, stub
+
+
+def test_a_hung_kvstore_leaves_other_streams_decoding_and_the_l1_request_completes(
+    tmp_path: Path, rank_settings: dict[str, str], channel_to: object
+) -> None:
+    with attached_rank(tmp_path, rank_settings, channel_to) as (kvstore, kvstore_port, stub):
         session = random_prompt(6 * BLOCK + 3, VOCAB, seed=1)
         expected, _ = generate(stub, session, 8)
         # Two prompts of 120 blocks push the session out of the 200-block L0: it is in L1 only now.
@@ -213,14 +222,7 @@ def test_an_idle_rank_attaches_again_once_a_hung_kvstore_answers(
 ) -> None:
     """The rank gave L1 up while the kvstore was hung (SIGSTOP) and then has nothing to run: it must still try
     again when its retry is due, not wait for the next request to step the engine."""
-    kvstore_port, rank_port = free_port(), free_port()
-    settings = {**rank_settings, "KVSERVE_KVSTORE": f"127.0.0.1:{kvstore_port}"}
-    with (
-        start_kvstore(tmp_path / "kvstore.log", kvstore_port, **kvstore_settings(tmp_path)) as kvstore,
-        start_rank_worker(tmp_path / "rank.log", rank_port, **settings),
-    ):
-        stub = channel_to(rank_port)  # type: ignore[operator]
-        assert stub.Stats(pb.StatsRequest(), timeout=10).l1_attached
+    with attached_rank(tmp_path, rank_settings, channel_to) as (kvstore, _, stub):
         kvstore.send_signal(signal.SIGSTOP)
         try:
             # Its prefill end offloads and its admission looks it up: unanswered past the calls' deadline.

@@ -33,6 +33,14 @@ agents() {  # name, then kvserve bench agents flags; SIGINT after STEP_BUDGET s 
   tail -n 30 "$OUT/$name.log"
 }
 
+peer_load() {  # agents, seed, seconds, output prefix: bench/peer_h200.sh's agent load against our gateway
+  local n=$1 seed=$2 limit=$3 out=$4
+  timeout -k 20 -s INT "$limit" python3 -m loadgen.agents_cli --url http://127.0.0.1:8080 \
+    --trace-path "$TRACES" --agents "$n" --turns "${TURNS:-12}" --max-output-tokens "${MAX_OUT:-64}" \
+    --context-scale "${CONTEXT_SCALE:-0.1}" --max-context 131072 --seed "$seed" --no-charts --quiet \
+    --out "$out.json" > "$out.log" 2>&1
+}
+
 sanity() {  # one small request, timed: the path works before the load starts
   local started=$(date +%s.%N)
   curl -s -m 120 http://127.0.0.1:8080/v1/messages -H 'content-type: application/json' \

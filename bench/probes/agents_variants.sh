@@ -24,10 +24,7 @@ for variant in "$@"; do
   echo "[$(date +%T)] $name: ${settings[*]}"
   if start_stack "$name"; then
     for n in ${STEPS//,/ }; do
-      timeout -k 20 -s INT "$STEP_LIMIT" python3 -m loadgen.agents_cli --url http://127.0.0.1:8080 \
-        --trace-path "$TRACES" --agents "$n" --turns "$TURNS" --max-output-tokens "$MAX_OUT" \
-        --context-scale "$CONTEXT_SCALE" --max-context 131072 --seed "$n" --no-charts --quiet \
-        --out "$OUT/agents-$n.json" > "$OUT/agents-$n.log" 2>&1
+      peer_load "$n" "$n" "$STEP_LIMIT" "$OUT/agents-$n"
       echo "[$(date +%T)] $name, $n agents:"; tail -n 6 "$OUT/agents-$n.log"
     done
     stop_stack "$name"

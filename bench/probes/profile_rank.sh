@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Where the rank worker's threads spend their time under the agent load (carry .whl, .fi and .spy: the
-# py-spy wheel): our stack with KVSERVE_* overrides from the environment, STEPS agents of bench/peer_h200.sh's
-# load, and py-spy sampling every thread of the rank worker (collapsed stacks, one line per stack and count)
+# py-spy wheel): our stack with KVSERVE_* overrides from the environment, N agents of bench/peer_h200.sh's
+# load (stack_lib.sh's peer_load), and py-spy sampling every thread of the rank worker (collapsed stacks, one line per stack and count)
 # for the whole step. Results in $OUT: rank-spy.txt (py-spy --threads), rank-spy-gil.txt (only the thread
 # holding the GIL), the step's agents JSON and log, and the stack's logs, packed in profile.tar.gz.
 #   python3 bench/probes/spy_report.py rank-spy.txt    # here: the share of samples per thread and frame
@@ -28,9 +28,7 @@ start_stack profile || exit 1
 rank=$(pgrep -f "rank_worker" | while read -r p; do
   grep -qa "launcher.parent_death" /proc/"$p"/cmdline || echo "$p"; done | tail -n 1)
 echo "rank worker pid ${rank:-none}: $(tr '\0' ' ' < /proc/"$rank"/cmdline | cut -c1-200)"
-timeout -k 20 -s INT "${STEP_LIMIT:-170}" python3 -m loadgen.agents_cli --url http://127.0.0.1:8080 \
-  --trace-path "$TRACES" --agents "$N" --turns "$TURNS" --max-output-tokens 64 --context-scale 0.1 \
-  --max-context 131072 --seed "$N" --no-charts --quiet --out "$OUT/agents-$N.json" > "$OUT/agents-$N.log" 2>&1 &
+peer_load "$N" "$N" "${STEP_LIMIT:-170}" "$OUT/agents-$N" &
 load=$!
 sleep 3
 [ "$SPY_S" -gt 0 ] && "$SPY" record --pid "$rank" --threads --nonblocking --rate 250 --duration "$SPY_S" --format raw \

@@ -4,8 +4,8 @@ The step-timing log says a step's wall time and its forward's GPU time; when the
 host was doing meanwhile. Off unless KVSERVE_STEP_TRACE is set (a debugging aid of the benchmark scripts, not a
 setting an operator tunes): "SKIP:COUNT:PATH" records iterations SKIP+1 .. SKIP+COUNT of the engine thread, CPU
 ops and CUDA kernels, into the Chrome trace PATH (bench/probes/trace_gaps.py reads it); several such windows,
-in order and apart, are separated by commas. The loop marks its
-phases (and the engine its own) with `phase(name)`, which costs one global test while no trace is running.
+in order and apart, are separated by commas. The loop marks its phases (and the engine its own) with
+`phase(name)`, which costs one global test while no trace is running.
 """
 
 from __future__ import annotations
@@ -52,9 +52,12 @@ class StepTrace:
     def __init__(self, spec: str | None = None) -> None:
         spec = os.environ.get(ENV, "") if spec is None else spec
         self._profiler = None
-        self.active = False
         self._windows = parse_spec(spec) if spec else []
         self._seen = 0
+
+    @property
+    def active(self) -> bool:
+        return self._profiler is not None
 
     @property
     def done(self) -> bool:
@@ -88,16 +91,13 @@ class StepTrace:
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         self._profiler = torch.profiler.profile(activities=activities)
         self._profiler.__enter__()
-        self.active = True
         _set_recording(True)
         log.info("step trace: recording %d iterations into %s", count, path)
 
     def _stop(self, path: Path) -> None:
         profiler, self._profiler = self._profiler, None
-        self.active = False
         _set_recording(False)
-        if profiler is None:
-            return
+        assert profiler is not None, "stopped while not recording"
         profiler.__exit__(None, None, None)
         path.parent.mkdir(parents=True, exist_ok=True)
         profiler.export_chrome_trace(str(path))

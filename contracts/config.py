@@ -41,13 +41,11 @@ class KvServeConfig(BaseSettings):
     cuda_graphs: bool = Field(
         True, description="replay decode steps from CUDA graphs, one per batch-size bucket, recorded at start-up"
     )
-    # Off until measured on the H200 (built and tested on the CPU only so far): under the agent load a decode
-    # step there took ~3 ms of host time beside 11-12 ms on the GPU (the step log's GPU time).
-    pipeline_decode: bool = Field(
+    pipeline_steps: bool = Field(
         True,
-        description="launch a decode step before reading the previous one's tokens (taken on the device), so the "
-        "host's work between steps overlaps the GPU's; only between decode-only steps with nobody waiting "
-        "(H200, llama-8b: 5-8% less time per decode step, bench/results/host-gaps-h200)",
+        description="schedule and launch each step before reading the previous one's tokens (those it needs are "
+        "taken on the device), so the host's work between steps overlaps the GPU's; decode-only and mixed steps "
+        "alike (H200, llama-8b: 5-8% less time per decode step, bench/results/host-gaps-h200)",
     )
     attention_backend: Literal["auto", "triton", "flashinfer", "sdpa"] = Field(
         "auto",

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call at the start of a GPU session (carry .whl, and .fi for FlashInfer): the CUDA tests, then the
 # decode rows of bench/engine.py with each of the settings given (KVSERVE_* overrides), one engine per setting.
-#   [SKIP_TESTS=1] bash bench/probes/session_check.sh "plain:KVSERVE_PIPELINE_DECODE=false" "pipelined:KVSERVE_PIPELINE_DECODE=true"
+#   [SKIP_TESTS=1] bash bench/probes/session_check.sh "plain:KVSERVE_PIPELINE_STEPS=false" "pipelined:KVSERVE_PIPELINE_STEPS=true"
 # Results under $OUT: cuda-tests.log, decode-<name>.json/.log, and check.tar.gz with all of them.
 set -uo pipefail
 OUT=${OUT:-/tmp/session-check}

@@ -24,7 +24,7 @@ import torch
 
 from rank_worker.engine.gpu_timer import GpuTimer
 from rank_worker.engine.sequence import Sequence
-from rank_worker.engine.step_inputs import StepInputs
+from rank_worker.engine.step_inputs import CarriedTokens, StepInputs
 from rank_worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -78,15 +78,15 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, seqs: list[Sequence], timer: GpuTimer | None = None, in_flight: torch.Tensor | None = None
+        self, seqs: list[Sequence], timer: GpuTimer | None = None, carried: CarriedTokens | None = None
     ) -> torch.Tensor | None:
-        """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token, or with
-        in_flight the token still on the device: StepInputs.build), or None when the step fits no recorded
-        graph (the caller runs it eagerly)."""
+        """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token, taken on
+        the device where carried: StepInputs.build), or None when the step fits no recorded graph (the caller
+        runs it eagerly)."""
         batch = bucket_for(len(seqs), self.buckets)
         if batch is None or (self.capture and batch not in self.graphs):
             return None
-        self.inputs.build_padded_decode(seqs, batch, in_flight)
+        self.inputs.build_padded_decode(seqs, batch, carried)
         self.steps += 1
         if timer is not None:
             timer.start()

@@ -242,7 +242,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         cuda_graphs=config.cuda_graphs,
         attention_backend=config.attention_backend,
         kv_cache_dtype=config.kv_cache_dtype,
-        pipeline_decode=config.pipeline_decode,
+        pipeline_steps=config.pipeline_steps,
         l1_offload_bytes_per_step=int(config.l1_offload_mb_per_step * (1 << 20)),
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)

@@ -15,7 +15,7 @@ from rank_worker.engine.interface import RequestsFailedError
 from rank_worker.engine.sampler import PendingTokens, launch_sampling
 from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
-from rank_worker.engine.step_inputs import StepInputs
+from rank_worker.engine.step_inputs import CarriedTokens, StepInputs
 from rank_worker.engine.step_trace import phase
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.causal_lm import CausalLM
@@ -130,11 +130,13 @@ class ModelRunner:
         self.tables.release(seq)
 
     @torch.inference_mode()
-    def launch(self, batch: ScheduledBatch) -> LaunchedStep:
-        """Forward the batch and draw the next token of each sequence that reaches its end, without reading them."""
+    def launch(self, batch: ScheduledBatch, carried: CarriedTokens | None = None) -> LaunchedStep:
+        """Forward the batch and draw the next token of each sequence that reaches its end, without reading them.
+        carried: input tokens still on the device (the step in flight's draws), for a step launched before its
+        predecessor is read."""
         if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):
             seqs = [seq for seq, _ in batch.entries]
-            logits = self.decode_graphs.run(seqs, self.gpu_timer)
+            logits = self.decode_graphs.run(seqs, self.gpu_timer, carried)
             if logits is not None:
                 span = self.gpu_timer.last_span()
                 # A one-token prefill chunk short of the prompt's end is computed but not sampled.
@@ -142,22 +144,10 @@ class ModelRunner:
                 if len(rows) < len(seqs):
                     logits = logits[rows]
                 return self._sampled(logits, [seqs[i] for i in rows], span)
-        forward, sampling_seqs = self.inputs.build(batch.entries)
+        forward, sampling_seqs = self.inputs.build(batch.entries, carried)
         self.gpu_timer.start()
         logits = self.model(forward, self.kv_cache)
         return self._sampled(logits, sampling_seqs, self.gpu_timer.stop())
-
-    @torch.inference_mode()
-    def launch_decode(self, seqs: list[Sequence], in_flight: torch.Tensor) -> LaunchedStep:
-        """A decode step of `seqs` whose input tokens are still on the device (`in_flight`, one per sequence in
-        order: the previous step's draws): launched before the host has read them, every row sampled."""
-        logits = self.decode_graphs.run(seqs, self.gpu_timer, in_flight) if self.decode_graphs is not None else None
-        if logits is not None:
-            return self._sampled(logits, seqs, self.gpu_timer.last_span())
-        forward, _ = self.inputs.build([(seq, 1) for seq in seqs], in_flight)
-        self.gpu_timer.start()
-        logits = self.model(forward, self.kv_cache)
-        return self._sampled(logits, seqs, self.gpu_timer.stop())
 
     def _sampled(self, logits: torch.Tensor, seqs: list[Sequence], span: object) -> LaunchedStep:
         if not seqs:

@@ -30,9 +30,10 @@ from rank_worker.engine.interface import (
 )
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import LaunchedStep, ModelRunner, kv_pool_shape
-from rank_worker.engine.scheduler import PolicyName, ScheduledBatch, Scheduler, SchedulingPolicy, step_load
-from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.engine.scheduler import PolicyName, ScheduledBatch, Scheduler, SchedulingPolicy
+from rank_worker.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
+from rank_worker.engine.step_inputs import CarriedTokens
 from rank_worker.engine.step_trace import phase
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
@@ -66,7 +67,7 @@ class EngineSettings:
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
     attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
-    pipeline_decode: bool = True  # launch decode step N+1 before reading step N's tokens (see _launch_successor)
+    pipeline_steps: bool = True  # launch step N+1 before reading step N's tokens (see _launch_successor)
     l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
 
     @property
@@ -93,14 +94,12 @@ class _InFlight:
     advanced: bool = False  # its sequences' computed tokens counted (at its successor's launch, or when read)
     # Sequences that finished or were aborted while it ran: their blocks and table rows go back once it is read.
     release_after: list[Sequence] = field(default_factory=list)
+    # Where its draws already stand in token_ids as PENDING_TOKEN (its successor took them on the device): the
+    # index in each sequence's token_ids that its token replaces when read.
+    pending_at: dict[Sequence, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.members = {seq for seq, _ in self.batch.entries}
-
-    @property
-    def decode_only(self) -> bool:
-        """One token per sequence and every one sampled: a successor can take its tokens on the device."""
-        return len(self.launched.seqs) == len(self.batch.entries) and all(n == 1 for _, n in self.batch.entries)
+        self.members = dict(self.batch.entries)  # each sequence's tokens in it
 
 
 class PagedEngine(Engine):
@@ -169,10 +168,12 @@ class PagedEngine(Engine):
         self.finished_requests = 0
         self._last_step_tokens = (0, 0)
         self._last_gpu_s: float | None = None
-        self._in_flight: _InFlight | None = None  # pipeline_decode: the step running while the host works
+        self._in_flight: _InFlight | None = None  # pipeline_steps: the step running while the host works
         self._carried: list[RequestOutput] | None = None  # outputs read with a failed row: returned by the next step
         self._last_read = 0.0  # perf_counter when the last step's tokens were read
-        self.pipelined_steps = 0  # decode steps launched before their predecessor was read
+        self.pipelined_steps = 0  # steps launched before their predecessor was read
+        self._unlaunched: ScheduledBatch | None = None  # a successor whose launch failed: run once it is read
+        self._plain_next = False  # the next step is scheduled with its predecessor read (preemption allowed)
         self._info = ModelInfo(
             served_model_name=settings.served_model_name,
             model_id=settings.model_id,
@@ -266,14 +267,18 @@ class PagedEngine(Engine):
         if seq is None:
             return None
         queued = seq.status in (SequenceStatus.WAITING, SequenceStatus.WAITING_FOR_L1)
-        return min(seq.num_computed_tokens, seq.num_prompt_tokens), queued
+        computed = seq.num_computed_tokens
+        flight = self._in_flight
+        if flight is not None and not flight.advanced:
+            computed += flight.members.get(seq, 0)  # launched: the step left running computes them
+        return min(computed, seq.num_prompt_tokens), queued
 
     # --- the step ---
 
     def step(self) -> list[RequestOutput]:
-        """One step's outputs. With pipeline_decode a decode-only step is left running and the next call launches
-        its successor (the same sequences, input tokens taken on the device) before reading it, so the host's
-        work between steps (reading, stop checks, delivery, scheduling) overlaps the GPU's."""
+        """One step's outputs. With pipeline_steps a step is left running and the next call schedules and
+        launches its successor (input tokens drawn by the running step taken on the device) before reading it,
+        so the host's work between steps (reading, stop checks, delivery, scheduling) overlaps the GPU's."""
         self._last_step_tokens = (0, 0)
         if self._carried is not None:
             outputs, self._carried = self._carried, None
@@ -286,8 +291,13 @@ class PagedEngine(Engine):
             self._in_flight = self._launch_successor(flight)
             self._pump_offloads()
             return self._complete(flight)
-        with phase("schedule"):
-            batch = self.scheduler.schedule()
+        batch = self._unlaunched
+        self._unlaunched = None
+        if batch is not None:  # scheduled as a successor whose launch failed: its inputs are all known now
+            batch.entries = [(seq, n) for seq, n in batch.entries if not seq.is_finished]
+        else:
+            with phase("schedule"):
+                batch = self.scheduler.schedule()
         if not batch.entries:
             if self.l1 is not None and self.l1.has_pending:
                 self.l1.wait_pending()  # nothing else to do: wait for the copy rather than spin
@@ -296,7 +306,7 @@ class PagedEngine(Engine):
         with phase("launch"):
             flight = _InFlight(batch, self.runner.launch(batch), load, started)
         self._pump_offloads()
-        if self.settings.pipeline_decode and flight.decode_only:
+        if self.settings.pipeline_steps:
             self._in_flight = flight
             return []
         return self._complete(flight)
@@ -308,38 +318,58 @@ class PagedEngine(Engine):
                 self.l1.pump()
 
     def _launch_successor(self, flight: _InFlight) -> _InFlight | None:
-        """The next decode step of the same sequences, launched before `flight` is read; None when the next step
-        must be scheduled with its tokens known: someone is waiting to be admitted (or restored from L1), a
-        sequence ends by length at `flight`, or the pool cannot give every sequence its next slot without
-        preempting. A sequence that ends at `flight` by a stop token is in the successor anyway: its row there
-        is discarded and its blocks go back after the successor is read."""
-        if not (self.settings.pipeline_decode and flight.decode_only) or self.scheduler.waiting:
-            return None
-        seqs = flight.launched.seqs
-        if len(seqs) != len(self.scheduler.running) or any(seq.is_finished for seq in seqs):
-            return None  # someone runs who is not in it, or left it (an abort)
-        limit = self.settings.max_model_len
-        for seq in seqs:
-            if seq.num_output_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limit:
-                return None
-        if sum(self.kv.blocks_needed(seq, 2) for seq in seqs) > self.pool.num_free:
+        """The next step, scheduled and launched before `flight` is read; None when there is nothing to launch or
+        the next step should be scheduled with `flight` read (after a step that left someone out for want of
+        blocks, so that preemption can make room).
+
+        Each sequence `flight` samples that goes on gets a PENDING_TOKEN in its token_ids, so the scheduler
+        counts its next token as it will be; the successor takes those tokens on the device (CarriedTokens)
+        and reading `flight` puts them in place. One that ends by length at `flight` is out of the successor.
+        One that draws a stop token there is in it anyway: its row is discarded and its blocks go back after
+        the successor is read. The successor preempts nobody (`flight` still writes the running sequences'
+        blocks): a sequence that gets no blocks sits it out."""
+        if not self.settings.pipeline_steps or self._plain_next:
+            self._plain_next = False
             return None
         self._advance(flight)
-        for seq in seqs:
-            allocated = self.kv.allocate(seq, 1)
-            assert allocated, "counted above"
+        limit = self.settings.max_model_len
+        rows: dict[Sequence, int] = {}
+        for row, seq in enumerate(flight.launched.seqs):
+            if seq.is_finished:
+                continue  # aborted while it ran
+            if seq.num_output_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limit:
+                if seq in self.scheduler.running:
+                    self.scheduler.running.remove(seq)  # it ends at `flight`, which finishes it when read
+                continue
+            flight.pending_at[seq] = seq.num_tokens
+            seq.token_ids.append(PENDING_TOKEN)
+            rows[seq] = row
+        with phase("schedule"):
+            batch = self.scheduler.schedule(preempt=False)
+        if not batch.entries:
+            self._withdraw_pending(flight)
+            return None
+        self._plain_next = bool(batch.skipped)
         tokens = flight.launched.tokens
-        assert tokens is not None
-        batch = ScheduledBatch(entries=[(seq, 1) for seq in seqs])
-        load = step_load(batch.entries)
-        started = time.perf_counter()
+        carried = CarriedTokens(tokens, rows) if tokens is not None and rows else None
+        load, started = batch.load, time.perf_counter()
         try:
-            launched = self.runner.launch_decode(seqs, tokens)
-        except Exception:  # the step is run the ordinary way after `flight` is read, where its failure is handled
-            log.exception("pipelined decode launch failed; the step runs after its predecessor is read")
+            with phase("launch"):
+                launched = self.runner.launch(batch, carried)
+        except Exception:  # run the ordinary way once `flight` is read, where its failure is handled
+            log.exception("pipelined step launch failed; the step runs after its predecessor is read")
+            self._unlaunched = batch
             return None
         self.pipelined_steps += 1
         return _InFlight(batch, launched, load, started)
+
+    @staticmethod
+    def _withdraw_pending(flight: _InFlight) -> None:
+        """No successor took `flight`'s draws on the device: they are appended when read, as without one."""
+        for seq, index in flight.pending_at.items():
+            assert seq.token_ids[index] == PENDING_TOKEN and len(seq.token_ids) == index + 1
+            seq.token_ids.pop()
+        flight.pending_at.clear()
 
     def _advance(self, flight: _InFlight) -> None:
         """Count the step's tokens as computed and register the blocks they filled (their token ids are known: a
@@ -366,10 +396,16 @@ class PagedEngine(Engine):
                 tokens, failed = launched.read_all(), {}
             else:
                 tokens, failed = launched.read()
+                # One that ended while this step ran (its earlier draw failed, say: it was aborted) fails no more.
+                failed = {seq: cause for seq, cause in failed.items() if not seq.is_finished}
             if launched.pending is None and self.kv_cache.is_cuda:
-                # Mid-prompt chunks only: time the work, not its launch. The compute stream alone: a device-wide
-                # sync would wait for the L1 write-through on its side stream too.
-                torch.cuda.current_stream(self.kv_cache.device).synchronize()
+                # Mid-prompt chunks only: time the work, not its launch. This step's own end: the stream would
+                # hold its successor's work too, and a device-wide sync the L1 write-through on its side stream.
+                span = launched.gpu_span
+                if isinstance(span, tuple):
+                    span[1].synchronize()
+                else:
+                    torch.cuda.current_stream(self.kv_cache.device).synchronize()
         read = time.perf_counter()
         # A pipelined step's GPU work starts when its predecessor's ends, which is about when that was read.
         self.scheduler.step_cost.observe(flight.load, read - max(flight.started, self._last_read))
@@ -383,7 +419,11 @@ class PagedEngine(Engine):
             token = tokens.get(seq)
             if token is None or seq.is_finished:
                 continue  # a prefill chunk that is not the prompt's last, a failed draw, or one that left meanwhile
-            seq.token_ids.append(token)
+            index = flight.pending_at.get(seq)
+            if index is None:
+                seq.token_ids.append(token)
+            else:
+                seq.token_ids[index] = token
             if seq.first_token_time is None:
                 seq.first_token_time = now
             if seq.num_output_tokens == 1:

@@ -67,6 +67,8 @@ class SchedulingPolicy:
 class ScheduledBatch:
     entries: list[tuple[Sequence, int]] = field(default_factory=list)  # (sequence, tokens to compute now)
     preempted: list[Sequence] = field(default_factory=list)
+    # Running sequences left out for want of blocks, where preempting was not allowed (schedule(preempt=False)).
+    skipped: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -110,6 +112,7 @@ class _Step:
     batch: ScheduledBatch = field(default_factory=ScheduledBatch)
     cold_in_prefill: int = 0
     closed: bool = False  # no more admissions this step
+    preempt: bool = True  # False: a running sequence that gets no blocks sits this step out instead
     time_budget_s: float | None = None  # what the step may take, while sequences are decoding (None: no cap)
     # What it carries so far (kept under a time budget only): its decodes from the start, then each prefill chunk.
     load: StepLoad = field(default_factory=StepLoad)
@@ -208,8 +211,11 @@ class Scheduler:
         the chunks' cached context)."""
         self.step_cost.observe(batch.load, seconds)
 
-    def schedule(self) -> ScheduledBatch:
-        step = _Step(budget=self.max_num_batched_tokens, now=self.clock())
+    def schedule(self, preempt: bool = True) -> ScheduledBatch:
+        """The next step's batch. preempt=False (a step scheduled while its predecessor still runs on the device,
+        which writes the running sequences' blocks): a running sequence that gets no blocks is left out of this
+        step (batch.skipped) and nobody new is admitted, rather than preempting anyone."""
+        step = _Step(budget=self.max_num_batched_tokens, now=self.clock(), preempt=preempt)
         if self.policy.decode_step_budget_ms > 0:
             decoding = [(seq, 1) for seq in self.running if seq.num_uncomputed_tokens == 1]
             if decoding:
@@ -246,6 +252,11 @@ class Scheduler:
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
             if num_new == 0:
                 index += 1  # the step's time is spent: this prefill continues in a later step
+                continue
+            if not self.kv.allocate(seq, num_new) and not step.preempt:
+                batch.skipped.append(seq)
+                step.closed = True  # blocks are short: admitting anyone would only make it worse
+                index += 1
                 continue
             while not self.kv.allocate(seq, num_new):
                 victim = order.pop()

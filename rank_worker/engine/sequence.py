@@ -14,6 +14,11 @@ if TYPE_CHECKING:
     from rank_worker.l1.host_fetch import HostFetch
 
 
+# Stands in token_ids for a token drawn by a step still running on the device, while its successor is
+# scheduled (paged_engine.py, pipeline_steps): counted like any token, replaced once the step is read.
+PENDING_TOKEN = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_L1 = "waiting_for_l1"  # in the waiting queue, its blocks coming from the host tier

@@ -1,11 +1,14 @@
 """The step's input tensors in persistent buffers: one pinned host buffer filled with numpy, one copy to
 the device, and views of it as the ForwardBatch; decode graphs are recorded over the same device buffer.
 
-Row layout of the [7, capacity] int64 buffers: input ids, positions, slot block, slot offset (one per flat
-token), logits rows (one per sampled sequence), decode rows' block-table rows and context lengths.
+Row layout of the [9, capacity] int64 buffers: input ids, positions, slot block, slot offset (one per flat
+token), logits rows (one per sampled sequence), decode rows' block-table rows and context lengths, and for
+input ids still on the device (CarriedTokens) where each goes and where it comes from.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -14,7 +17,17 @@ from rank_worker.engine.block_tables import BlockTables
 from rank_worker.engine.sequence import Sequence
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 
-IDS, POSITIONS, SLOT_BLOCKS, SLOT_OFFSETS, LOGITS, DECODE_ROWS, DECODE_LENS = range(7)
+IDS, POSITIONS, SLOT_BLOCKS, SLOT_OFFSETS, LOGITS, DECODE_ROWS, DECODE_LENS, CARRY_TO, CARRY_FROM = range(9)
+
+
+@dataclass(frozen=True)
+class CarriedTokens:
+    """Input tokens the host has not read yet: the draws of the step still running (`tokens`, one per sequence
+    it samples, on the device), and for each sequence whose next input token is one of them (a PENDING_TOKEN
+    in its token_ids) its row in `tokens`."""
+
+    tokens: torch.Tensor
+    rows: dict[Sequence, int]
 
 
 class StepInputs:
@@ -24,24 +37,29 @@ class StepInputs:
         self.tables = tables
         self.device = device
         pin = device.type == "cuda"
-        self.host = torch.zeros(7, capacity, dtype=torch.int64, pin_memory=pin)
-        self.host_np = self.host.numpy()
-        self.dev = torch.zeros(7, capacity, dtype=torch.int64, device=device)
+        # Two host buffers in turn: a pipelined step fills one while the step before it may not have copied the
+        # other yet. Before a buffer is filled again its step has been read, so its copy is done.
+        self._hosts = [torch.zeros(9, capacity, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._hosts_np = [host.numpy() for host in self._hosts]
+        self._turn = 0
+        self.host, self.host_np = self._hosts[0], self._hosts_np[0]
+        self.dev = torch.zeros(9, capacity, dtype=torch.int64, device=device)
+
+    def _next_host(self) -> np.ndarray:
+        self._turn ^= 1
+        self.host, self.host_np = self._hosts[self._turn], self._hosts_np[self._turn]
+        return self.host_np
 
     def build(
-        self, entries: list[tuple[Sequence, int]], in_flight: torch.Tensor | None = None
+        self, entries: list[tuple[Sequence, int]], carried: CarriedTokens | None = None
     ) -> tuple[ForwardBatch, list[Sequence]]:
-        """The step's batch: decode rows (one token) first, then prefill chunks; and the sequences it samples.
-
-        in_flight: decode rows only, each row's input token still on the device (the previous step's sampled
-        tokens, one per entry in order, not yet appended to token_ids); every row is sampled."""
-        if in_flight is not None and any(n != 1 for _, n in entries):
-            raise ValueError("in-flight input tokens are for decode-only steps")
+        """The step's batch: decode rows (one token) first, then prefill chunks; and the sequences it samples
+        (those whose tokens are all computed after it). carried: input tokens taken on the device."""
         decodes = [(seq, n) for seq, n in entries if n == 1]
         prefills = [(seq, n) for seq, n in entries if n > 1]
         ordered = decodes + prefills
         rows = self.tables.rows_for([seq for seq, _ in ordered])
-        host, bs = self.host_np, self.block_size
+        host, bs = self._next_host(), self.block_size
         total = sum(n for _, n in ordered)
         if total > self.capacity:
             raise ValueError(f"step of {total} tokens exceeds the input buffers ({self.capacity})")
@@ -49,11 +67,12 @@ class StepInputs:
         sampled: list[Sequence] = []
         logits_rows: list[int] = []
         pieces: list[PrefillSlice] = []
+        moves: list[tuple[int, int]] = []
         for (seq, num_new), row in zip(ordered, rows, strict=True):
             start = seq.num_computed_tokens
             end = cursor + num_new
             positions = np.arange(start, start + num_new)
-            host[IDS, cursor:end] = 0 if in_flight is not None else seq.token_ids[start : start + num_new]
+            host[IDS, cursor:end] = seq.token_ids[start : start + num_new]
             host[POSITIONS, cursor:end] = positions
             first_block = start // bs
             table = np.asarray(seq.block_table[first_block : (start + num_new - 1) // bs + 1], dtype=np.int64)
@@ -61,51 +80,59 @@ class StepInputs:
             host[SLOT_OFFSETS, cursor:end] = positions % bs
             if num_new > 1:
                 pieces.append(PrefillSlice(cursor, num_new, start + num_new, row))
+            elif carried is not None and seq in carried.rows:
+                moves.append((cursor, carried.rows[seq]))
             cursor = end
-            if in_flight is not None or start + num_new == seq.num_tokens:
+            if start + num_new == seq.num_tokens:
                 logits_rows.append(cursor - 1)
                 sampled.append(seq)
         num_decodes = len(decodes)
         host[LOGITS, : len(logits_rows)] = logits_rows
         host[DECODE_ROWS, :num_decodes] = rows[:num_decodes]
         host[DECODE_LENS, :num_decodes] = [seq.num_computed_tokens + 1 for seq, _ in decodes]
-        # every row's entries lie within the step's tokens (decodes and logits rows are tokens too)
+        self._stage_moves(moves)
+        # every row's entries lie within the step's tokens (decodes, logits rows and moves are tokens too)
         self.dev[:, :total].copy_(self.host[:, :total], non_blocking=True)
-        if in_flight is not None:
-            self._take_ids(in_flight, total)
+        self._take_ids(carried, len(moves))
         return self.batch_view(total, num_decodes, len(logits_rows), pieces), sampled
 
-    def build_padded_decode(self, seqs: list[Sequence], padded: int, in_flight: torch.Tensor | None = None) -> None:
+    def build_padded_decode(self, seqs: list[Sequence], padded: int, carried: CarriedTokens | None = None) -> None:
         """A decode-only step padded to `padded` rows, into the buffers a decode graph was recorded over.
-        Padded rows write their K/V to the scratch block and attend to one token of it. in_flight: each row's
-        input token on the device (see build)."""
+        Padded rows write their K/V to the scratch block and attend to one token of it. carried: see build."""
         rows = self.tables.rows_for(seqs)
-        host, bs = self.host_np, self.block_size
+        host, bs = self._next_host(), self.block_size
         count = len(seqs)
         positions = [seq.num_computed_tokens for seq in seqs]
-        host[IDS, :count] = (
-            0 if in_flight is not None else [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
-        )
+        host[IDS, :count] = [seq.token_ids[p] for seq, p in zip(seqs, positions, strict=True)]
         host[POSITIONS, :count] = positions
         host[SLOT_BLOCKS, :count] = [seq.block_table[p // bs] for seq, p in zip(seqs, positions, strict=True)]
         host[SLOT_OFFSETS, :count] = [p % bs for p in positions]
         host[DECODE_ROWS, :count] = rows
         host[DECODE_LENS, :count] = [p + 1 for p in positions]
+        moves = [(i, carried.rows[seq]) for i, seq in enumerate(seqs) if seq in carried.rows] if carried else []
+        self._stage_moves(moves)
         self._pad(count, padded)
         self.dev[:, :padded].copy_(self.host[:, :padded], non_blocking=True)
-        if in_flight is not None:
-            self._take_ids(in_flight, count)
+        self._take_ids(carried, len(moves))
 
-    def _take_ids(self, tokens: torch.Tensor, count: int) -> None:
-        """The first `count` input ids from the device (after the host buffer's copy, in stream order). A row whose
-        draw failed holds -1: clamped to a real id, so the embedding never reads out of bounds; that row's result
-        is discarded with its request."""
-        if tokens.numel() != count:
-            raise ValueError(f"{tokens.numel()} in-flight tokens for {count} rows")
-        self.dev[IDS, :count].copy_(tokens.clamp(min=0))
+    def _stage_moves(self, moves: list[tuple[int, int]]) -> None:
+        """(flat token, row of the carried tokens) pairs into the host buffer, copied with the rest."""
+        if moves:
+            self.host_np[CARRY_TO : CARRY_FROM + 1, : len(moves)] = np.asarray(moves, dtype=np.int64).T
+
+    def _take_ids(self, carried: CarriedTokens | None, count: int) -> None:
+        """The carried input ids from the device (after the host buffer's copy, in stream order), each into its
+        token's place. A row whose draw failed holds -1: clamped to a real id, so the embedding never reads out
+        of bounds; that row's result is discarded with its request."""
+        if carried is None or not count:
+            return
+        dev = self.dev
+        taken = carried.tokens.index_select(0, dev[CARRY_FROM, :count]).clamp_(min=0)
+        dev[IDS].index_copy_(0, dev[CARRY_TO, :count], taken)
 
     def fill_padding(self, padded: int) -> None:
         """Every row padding (graph capture at start-up, before any sequence exists)."""
+        self._next_host()
         self._pad(0, padded)
         self.dev[:, :padded].copy_(self.host[:, :padded], non_blocking=True)
 

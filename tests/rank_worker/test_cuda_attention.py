@@ -245,7 +245,7 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
             max_num_batched_tokens=256,
             cuda_graphs=graphs,
             attention_backend=backend,
-            pipeline_decode=pipelined,  # graphed decode steps launched before their predecessor is read
+            pipeline_steps=pipelined,  # graphed decode steps launched before their predecessor is read
         )
         engine = build_engine(config)
         assert engine.attention.name == backend

@@ -184,7 +184,7 @@ def test_engines_on_the_mla_kernel_with_and_without_graphs_give_the_pytorch_path
             max_num_seqs=16,
             cuda_graphs=graphs,
             attention_backend=backend,
-            pipeline_decode=pipelined,
+            pipeline_steps=pipelined,
         )
         engine = build_engine(config)
         assert engine.attention.name == name

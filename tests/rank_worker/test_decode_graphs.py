@@ -45,7 +45,9 @@ def test_a_padded_step_takes_its_bucket_and_none_past_max_num_seqs(smollm2) -> N
 
 def _decoding_engine(model, tokenizer, lengths: list[int]) -> PagedEngine:
     """An engine whose requests have all finished prefill (every sequence's next step is a decode)."""
-    engine = make_engine(model, tokenizer, max_num_seqs=16, max_num_batched_tokens=4096, prefix_cache=False)
+    engine = make_engine(
+        model, tokenizer, max_num_seqs=16, max_num_batched_tokens=4096, prefix_cache=False, pipeline_steps=False
+    )
     for i, length in enumerate(lengths):
         prompt = random_prompt(length, model.cfg.vocab_size, seed=40 + i)
         engine.add_request(EngineRequest(f"d{i}", prompt, greedy(8)))

@@ -374,7 +374,7 @@ def test_progress_is_reported_only_while_the_engine_thread_makes_progress(engine
         stream = loop.submit(request("p", prompt_of(20, 60), max_tokens=400))
         await wait_for(lambda: loop.progress("p") is not None and not loop.progress("p").queued)  # type: ignore[union-attr]
         progress = loop.progress("p")
-        assert progress is not None and progress.computed_prompt_tokens == 20
+        assert progress is not None and progress.computed_prompt_tokens == 20  # launched counts (pipeline_steps)
         engine.step = stuck_step  # type: ignore[method-assign]
         await wait_for(lambda: loop.progress("p") is None)  # stuck past max_step_s: no progress to report
         release.set()

@@ -29,7 +29,13 @@ class Clock:
 
 
 def _engine(policy: str, clock: Clock | None = None, **settings: object) -> PagedEngine:
-    values: dict[str, object] = {"num_blocks": 128, "max_model_len": 512, "max_num_batched_tokens": 64}
+    # Steps read when they return (not pipelined): these tests count the step at which things happen.
+    values: dict[str, object] = {
+        "num_blocks": 128,
+        "max_model_len": 512,
+        "max_num_batched_tokens": 64,
+        "pipeline_steps": False,
+    }
     values.update(settings)
     engine = make_engine(tiny_model(), scheduling_policy=policy, **values)
     if clock is not None:

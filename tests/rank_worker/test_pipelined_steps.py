@@ -1,6 +1,7 @@
-"""pipeline_decode: a decode step launched before the previous one's tokens are read (its input ids taken on the
-device) gives exactly the tokens of the plain engine, whatever ends a request meanwhile: a length limit, a stop
-token drawn by the step in flight, an abort, an arrival, a pool too small for everyone, a failed draw."""
+"""pipeline_steps: a step scheduled and launched before the previous one's tokens are read (the input ids it
+needs taken on the device) gives exactly the tokens of the plain engine, whatever ends a request meanwhile: a
+length limit, a stop token drawn by the step in flight, an abort, an arrival, prefill chunks beside decodes, a
+pool too small for everyone, a failed draw, a failed launch."""
 
 from __future__ import annotations
 
@@ -9,8 +10,12 @@ import random
 import pytest
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
 
+from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest, FinishReason, RequestsFailedError, SamplingParams
+from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import LaunchedStep
+from rank_worker.engine.scheduler import Scheduler
+from rank_worker.engine.sequence import Sequence, SequenceStatus
 
 
 def _prompts(count: int, vocab: int, seed: int, low: int = 5, high: int = 70) -> list[list[int]]:
@@ -19,7 +24,7 @@ def _prompts(count: int, vocab: int, seed: int, low: int = 5, high: int = 70) ->
 
 
 def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], pipelined: bool, **settings):
-    engine = make_engine(model, tokenizer, pipeline_decode=pipelined, **settings)
+    engine = make_engine(model, tokenizer, pipeline_steps=pipelined, **settings)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(EngineRequest(f"q{i}", prompt, params))
     outputs = run_to_completion(engine)
@@ -90,7 +95,7 @@ def test_arrivals_and_aborts_while_a_step_runs(smollm2) -> None:
     rng = random.Random(5)
     prompts = [random_prompt(rng.randint(3, 40), vocab, seed=500 + i) for i in range(30)]
     lengths = [rng.randint(2, 14) for _ in prompts]
-    engine = make_engine(model, tokenizer, num_blocks=96, max_num_seqs=8, pipeline_decode=True)
+    engine = make_engine(model, tokenizer, num_blocks=96, max_num_seqs=8, pipeline_steps=True)
     baseline = engine.stats()
     tokens: dict[str, list[int]] = {}
     finished: set[str] = set()
@@ -133,13 +138,14 @@ def test_a_draw_that_fails_in_a_pipelined_step_fails_its_request_alone(smollm2) 
     requests = [(p, greedy(8)) for p in prompts]
     _, plain = _run(model, tokenizer, requests, pipelined=False)
 
-    engine = make_engine(model, tokenizer, pipeline_decode=True)
-    launch_decode = engine.runner.launch_decode
+    engine = make_engine(model, tokenizer, pipeline_steps=True)
+    launch = engine.runner.launch
     broken: list[str] = []
 
-    def failing_once(seqs, in_flight) -> LaunchedStep:
-        launched = launch_decode(seqs, in_flight)
-        if not broken:
+    def failing_once(batch, carried=None) -> LaunchedStep:
+        launched = launch(batch, carried)
+        seqs = launched.seqs
+        if carried is not None and not broken:
             broken.append(seqs[0].request_id)
             read = launched.read
 
@@ -151,7 +157,7 @@ def test_a_draw_that_fails_in_a_pipelined_step_fails_its_request_alone(smollm2) 
             launched.read = read_with_a_failure  # type: ignore[method-assign]
         return launched
 
-    engine.runner.launch_decode = failing_once  # type: ignore[method-assign]
+    engine.runner.launch = failing_once  # type: ignore[method-assign]
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(EngineRequest(f"q{i}", prompt, params))
     tokens: dict[str, list[int]] = {}
@@ -178,7 +184,7 @@ def test_a_draw_that_fails_in_a_pipelined_step_fails_its_request_alone(smollm2) 
 @pytest.mark.parametrize("pipelined", [False, True])
 def test_the_step_cost_model_hears_every_step(smollm2, pipelined: bool) -> None:
     model, tokenizer = smollm2
-    engine = make_engine(model, tokenizer, pipeline_decode=pipelined)
+    engine = make_engine(model, tokenizer, pipeline_steps=pipelined)
     engine.add_request(EngineRequest("r", random_prompt(20, model.cfg.vocab_size, seed=7), greedy(6)))
     run_to_completion(engine)
     assert engine.scheduler.step_cost.steps == 6  # the prefill (with the first token), then 5 decodes
@@ -193,12 +199,115 @@ def test_padded_decode_steps_take_their_input_ids_on_the_device(smollm2) -> None
     prompts = _prompts(7, model.cfg.vocab_size, seed=8)
     requests = [(p, greedy(4 + i % 5)) for i, p in enumerate(prompts)]  # 7 rows pad to 8; the batch shrinks
     _, plain = _run(model, tokenizer, requests, pipelined=False, max_num_seqs=8)
-    engine = make_engine(model, tokenizer, pipeline_decode=True, max_num_seqs=8)
+    engine = make_engine(model, tokenizer, pipeline_steps=True, max_num_seqs=8)
     runner = engine.runner
     runner.decode_graphs = DecodeGraphs(model, engine.kv_cache, runner.inputs, 8, capture=False)
     for i, (prompt, params) in enumerate(requests):
         engine.add_request(EngineRequest(f"q{i}", prompt, params))
     outputs = run_to_completion(engine)
     assert [(outputs[f"q{i}"].new_token_ids, outputs[f"q{i}"].finish_reason) for i in range(7)] == plain
-    assert engine.pipelined_steps > 0 and runner.decode_graphs.steps > engine.pipelined_steps
+    assert engine.pipelined_steps > 0 and runner.decode_graphs.steps > 0
     assert engine.stats().used_blocks == 0
+
+
+def _record_launches(engine) -> list[tuple[int, int, bool]]:
+    """Each launch as (decode rows, prefill chunks, whether it took input tokens on the device); one that
+    raises fails the test (the engine would run the step again the ordinary way and hide the fault)."""
+    launch = engine.runner.launch
+    seen: list[tuple[int, int, bool]] = []
+
+    def recording(batch, carried=None) -> LaunchedStep:
+        decodes = sum(1 for _, n in batch.entries if n == 1)
+        seen.append((decodes, len(batch.entries) - decodes, carried is not None))
+        try:
+            return launch(batch, carried)
+        except Exception as exc:
+            pytest.fail(f"launch {len(seen)} raised {exc!r}")
+
+    engine.runner.launch = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_prefill_chunks_beside_decodes_are_pipelined_and_exact(smollm2) -> None:
+    """Requests arrive while others decode and their prompts go in chunks (a 32-token step budget): the steps
+    that carry a chunk beside decoding rows are launched before their predecessor is read, with the decoders'
+    input ids taken on the device, and every request gets the plain engine's tokens."""
+    model, tokenizer = smollm2
+    vocab = model.cfg.vocab_size
+    rng = random.Random(9)
+    prompts = [random_prompt(rng.randint(20, 90), vocab, seed=900 + i) for i in range(10)]
+    lengths = [rng.randint(3, 12) for _ in prompts]
+    settings = {"max_num_batched_tokens": 32, "max_num_seqs": 8}
+
+    def serve(pipelined: bool):
+        engine = make_engine(model, tokenizer, pipeline_steps=pipelined, **settings)
+        launches = _record_launches(engine)
+        tokens: dict[str, list[int]] = {}
+
+        def take(outputs) -> None:
+            for out in outputs:
+                tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+
+        for i, (prompt, n) in enumerate(zip(prompts, lengths, strict=True)):
+            engine.add_request(EngineRequest(f"m{i}", prompt, greedy(n)))
+            for _ in range(3):  # the next one arrives while these are prefilling or decoding
+                take(engine.step())
+        while engine.has_unfinished():
+            take(engine.step())
+        return engine, tokens, launches
+
+    _, plain, _ = serve(False)
+    engine, pipelined, launches = serve(True)
+    assert pipelined == plain
+    assert all(len(plain[f"m{i}"]) == n for i, n in enumerate(lengths))
+    mixed_pipelined = [launch for launch in launches if launch[0] and launch[1] and launch[2]]
+    assert len(mixed_pipelined) >= 3, launches
+    assert engine.stats().used_blocks == 0
+
+
+def test_a_successor_whose_launch_fails_runs_once_its_predecessor_is_read(smollm2) -> None:
+    """A pipelined launch that raises fails nobody: the step it was is launched the ordinary way by the next
+    call, with its input tokens read by then."""
+    model, tokenizer = smollm2
+    prompts = _prompts(5, model.cfg.vocab_size, seed=10)
+    requests = [(p, greedy(7)) for p in prompts]
+    _, plain = _run(model, tokenizer, requests, pipelined=False)
+    engine = make_engine(model, tokenizer, pipeline_steps=True)
+    launch = engine.runner.launch
+    raised: list[int] = []
+
+    def failing_once(batch, carried=None) -> LaunchedStep:
+        if carried is not None and not raised:
+            raised.append(len(batch.entries))
+            raise RuntimeError("launch failed")
+        return launch(batch, carried)
+
+    engine.runner.launch = failing_once  # type: ignore[method-assign]
+    for i, (prompt, params) in enumerate(requests):
+        engine.add_request(EngineRequest(f"q{i}", prompt, params))
+    outputs = run_to_completion(engine)
+    assert raised == [5]
+    assert [(outputs[f"q{i}"].new_token_ids, outputs[f"q{i}"].finish_reason) for i in range(5)] == plain
+    assert engine.pipelined_steps > 0 and engine.stats().used_blocks == 0
+
+
+def test_a_step_scheduled_while_its_predecessor_runs_preempts_nobody() -> None:
+    """schedule(preempt=False): a running sequence that gets no block sits the step out and nobody is admitted;
+    the ordinary schedule() preempts to make room."""
+    kv = KvCacheManager(BlockPool(4, caching=True), 4, b"pipelined-schedule-test")
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    first, second, late = (Sequence(name, list(range(8)), 8, greedy(4), float(i)) for i, name in enumerate("abc"))
+    scheduler.add(first)
+    scheduler.add(second)
+    assert [n for _, n in scheduler.schedule().entries] == [8, 8]  # two blocks each: the pool is full
+    for seq in (first, second):
+        seq.num_computed_tokens = 8
+        seq.token_ids.append(5)  # each now needs a third block
+    scheduler.add(late)
+    batch = scheduler.schedule(preempt=False)
+    assert batch.entries == [] and batch.skipped == [first, second] and batch.preempted == []
+    assert scheduler.running == [first, second] and list(scheduler.waiting) == [late]
+    assert scheduler.num_preemptions == 0
+    batch = scheduler.schedule()
+    assert batch.preempted == [second] and [seq for seq, _ in batch.entries] == [first]
+    assert second.status is SequenceStatus.WAITING and scheduler.num_preemptions == 1

@@ -30,6 +30,7 @@ TURNS=${TURNS:-12}
 CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 MAX_OUT=${MAX_OUT:-64}
 STEP_EST=${STEP_EST:-150}      # a step is not started with less time than this left (12 turns take 60-250 s)
+STEP_MAX=${STEP_MAX:-300}      # a step still running after this is stopped (vLLM's 80 agents ran 422 s, unfinished)
 VLLM_API=${VLLM_API:-anthropic} # vLLM's /v1/messages drops ignore_eos; `openai` honours it (random weights rarely stop)
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
@@ -153,6 +154,8 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
   for n in ${STEPS//,/ }; do
     step_done "$side" "$n" && continue
     budget=$(($(left) - PACK_MARGIN))
+    capped=0
+    [ "$budget" -gt "$STEP_MAX" ] && budget=$STEP_MAX && capped=1
     if [ "$budget" -lt "$STEP_EST" ]; then
       say "$side: the $n-agent step is left for the next call (${budget} s left)"
       return 1
@@ -168,6 +171,10 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
       --out "$file.json" "$@" > "$file.log" 2>&1
     tail -n 8 "$file.log"
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
+      echo "$n" >> "$STATE/$side-done"
+    elif [ "$capped" = 1 ]; then
+      # Not this call's deadline but the step's own: N agents overload the side. Not retried; no result.
+      say "$side: the $n-agent step did not finish in STEP_MAX=${STEP_MAX} s: it fails, the next step goes on"
       echo "$n" >> "$STATE/$side-done"
     else
       say "$side: the $n-agent step did not finish"

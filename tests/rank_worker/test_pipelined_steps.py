@@ -31,6 +31,14 @@ def _run(model, tokenizer, requests: list[tuple[list[int], SamplingParams]], pip
     return engine, [(outputs[f"q{i}"].new_token_ids, outputs[f"q{i}"].finish_reason) for i in range(len(requests))]
 
 
+def _beside_plain(smollm2, count: int, seed: int, max_tokens: int):
+    """Greedy requests, the plain engine's results for them, and a fresh pipelined engine to run them on."""
+    model, tokenizer = smollm2
+    requests = [(p, greedy(max_tokens)) for p in _prompts(count, model.cfg.vocab_size, seed=seed)]
+    _, plain = _run(model, tokenizer, requests, pipelined=False)
+    return requests, plain, make_engine(model, tokenizer, pipeline_steps=True)
+
+
 def test_pipelined_steps_give_the_plain_engines_tokens(engine_model) -> None:
     model, tokenizer = engine_model
     prompts = _prompts(12, model.cfg.vocab_size, seed=1)
@@ -133,12 +141,7 @@ def test_arrivals_and_aborts_while_a_step_runs(smollm2) -> None:
 def test_a_draw_that_fails_in_a_pipelined_step_fails_its_request_alone(smollm2) -> None:
     """The successor runs already, so the step is not retried: the other requests' tokens of that step come
     with the next call, and the failed request is the only one that ends."""
-    model, tokenizer = smollm2
-    prompts = _prompts(4, model.cfg.vocab_size, seed=6)
-    requests = [(p, greedy(8)) for p in prompts]
-    _, plain = _run(model, tokenizer, requests, pipelined=False)
-
-    engine = make_engine(model, tokenizer, pipeline_steps=True)
+    requests, plain, engine = _beside_plain(smollm2, count=4, seed=6, max_tokens=8)
     launch = engine.runner.launch
     broken: list[str] = []
 
@@ -268,11 +271,7 @@ def test_prefill_chunks_beside_decodes_are_pipelined_and_exact(smollm2) -> None:
 def test_a_successor_whose_launch_fails_runs_once_its_predecessor_is_read(smollm2) -> None:
     """A pipelined launch that raises fails nobody: the step it was is launched the ordinary way by the next
     call, with its input tokens read by then."""
-    model, tokenizer = smollm2
-    prompts = _prompts(5, model.cfg.vocab_size, seed=10)
-    requests = [(p, greedy(7)) for p in prompts]
-    _, plain = _run(model, tokenizer, requests, pipelined=False)
-    engine = make_engine(model, tokenizer, pipeline_steps=True)
+    requests, plain, engine = _beside_plain(smollm2, count=5, seed=10, max_tokens=7)
     launch = engine.runner.launch
     raised: list[int] = []
 

@@ -21,6 +21,11 @@
 #   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-engine
 #   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-agents   (until "all steps done")
 # (.peer/ from ../shared/tools/vllm-peer/build_chunks.sh, .whl/ from bench/gpu_kit.sh.)
+# Another shape, e.g. DeepSeek-V2-Lite at the traces' real size (issue 14), with vLLM once plain and once with its
+# CPU offload (PEER_TAG keeps each vLLM variant's state and results apart; ours runs in either):
+#   SHAPE=dsv2-lite-chat ENGINE_SHAPE=dsv2-lite-chat CONFIG=bench/configs/agents-dsv2-lite-h200.yaml \
+#   CONTEXT_SCALE=1.0 MAX_CONTEXT=1048576 VLLM_MAX_MODEL_LEN=1048576 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 \
+#   [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] bash bench/peer_h200.sh vllm-engine ...
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
 DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
@@ -34,9 +39,15 @@ STEP_MAX=${STEP_MAX:-300}      # a step still running after this is stopped (vLL
 VLLM_API=${VLLM_API:-anthropic} # vLLM's /v1/messages drops ignore_eos; `openai` honours it (random weights rarely stop)
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
+SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer), and its served name
+ENGINE_SHAPE=${ENGINE_SHAPE:-llama-8b}   # bench/engine.py's --shape for ours
+VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
+VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
+MAX_CONTEXT=${MAX_CONTEXT:-131072}       # the load generator's context window
 PORT=${PORT:-8080}               # vLLM's port, and our gateway's (gateway_port in $CONFIG)
-STATE=${PEER_STATE:-/tmp/peer-state}  # what this machine has done: outlives a call, not the machine
-WORK=${PEER_WORK:-/tmp/peer-out}       # every raw result of this machine, packed into each phase's tarball
+TAG=${PEER_TAG:+-$PEER_TAG}
+STATE=${PEER_STATE:-/tmp/peer-state$TAG}  # what this machine has done: outlives a call, not the machine
+WORK=${PEER_WORK:-/tmp/peer-out$TAG}       # every raw result of this machine, packed into each phase's tarball
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 mkdir -p "$OUT" "$STATE" "$WORK"
 export PYTHONUNBUFFERED=1
@@ -96,9 +107,9 @@ vllm_start() {  # in a session of its own: it outlives this call and keeps compi
   say "starting vllm serve"
   # shellcheck disable=SC2016  # $$ is the new session's own pid, written by the child
   PYTHONPATH=/tmp/vsite setsid bash -c 'echo $$ > '"$STATE"'/vllm.pid; exec python3 -m vllm.entrypoints.openai.api_server \
-      --model bench/shapes/llama-8b-chat --load-format dummy --dtype bfloat16 --served-model-name llama-8b-chat \
-      --max-model-len 131072 --gpu-memory-utilization 0.9 --max-num-seqs 128 --enable-prefix-caching \
-      --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT" \
+      --model bench/shapes/'"$SHAPE"' --load-format dummy --dtype bfloat16 --served-model-name '"$SHAPE"' \
+      --max-model-len '"$VLLM_MAX_MODEL_LEN"' --gpu-memory-utilization 0.9 --max-num-seqs 128 --enable-prefix-caching \
+      --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT $VLLM_ARGS" \
     > "$STATE/vllm-serve.log" 2>&1 < /dev/null &
   sleep 2
 }
@@ -167,7 +178,7 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
     say "$side: $n agents x $TURNS turns (seed $seed, at most $budget s)"
     timeout -k 20 -s INT "$budget" python3 -m loadgen.agents_cli --url "http://127.0.0.1:$PORT" \
       --trace-path "$TRACES" --agents "$n" --turns "$TURNS" --max-output-tokens "$MAX_OUT" \
-      --context-scale "$CONTEXT_SCALE" --max-context 131072 --seed "$seed" --no-charts --quiet \
+      --context-scale "$CONTEXT_SCALE" --max-context "$MAX_CONTEXT" --seed "$seed" --no-charts --quiet \
       --out "$file.json" "$@" > "$file.log" 2>&1
     tail -n 8 "$file.log"
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
@@ -208,7 +219,7 @@ phase() {
       wait_gpu_free
       say "bench/peer_vllm.py"
       timeout -k 20 $(($(left) - PACK_MARGIN - 60)) env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
-        --commit "$COMMIT" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
+        --shape "$SHAPE" --commit "$COMMIT" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
       tail -n 20 "$WORK/vllm-engine.log"
       cp "$WORK/vllm-engine.json" "$OUT/" 2>/dev/null || say "no vllm-engine.json"
       wait_gpu_free
@@ -223,13 +234,13 @@ phase() {
       vllm_stop
       ours_stop
       wait_gpu_free
-      say "bench/engine.py --shape llama-8b"
-      timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape llama-8b --commit "$COMMIT" \
+      say "bench/engine.py --shape $ENGINE_SHAPE"
+      timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
         --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
       tail -n 30 "$WORK/ours-engine.log"
       if [ -f "$WORK/ours-engine.json" ]; then
         say "bench/engine.py --dtype float32 --only-match"
-        timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape llama-8b --dtype float32 \
+        timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --dtype float32 \
           --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1
         tail -n 3 "$WORK/ours-match-float32.log"
       fi

@@ -217,6 +217,22 @@ def assemble(raw: Path, commit: str = "") -> dict[str, Any]:
     }
 
 
+def with_vllm_variant(result: dict[str, Any], raw: Path) -> dict[str, Any]:
+    """vLLM's agent steps under another setting in the same session (raw: that run's files, e.g. with
+    `--kv-offloading-size`): its steps, its largest passing counts, and ours over the better of vLLM's two."""
+    _, steps = collect(raw)
+    rows = agent_rows({"ours": {}, "vllm": steps["vllm"]})
+    variant: dict[str, Any] = {"agents": [row["vllm"] for row in rows]}
+    for verdict, key in (("passed", "largest_passing"), ("passed_cache_aside", "largest_passing_cache_aside")):
+        theirs = largest_passing(rows, "vllm", verdict)
+        best_vllm = max((n for n in (theirs, result[key]["vllm"]) if n is not None), default=None)
+        mine = result[key]["ours"]
+        variant[key] = theirs
+        variant[f"{key}_best_vllm"] = best_vllm
+        variant[f"{key}_ratio_best"] = mine / best_vllm if mine and best_vllm else None
+    return variant
+
+
 def with_reference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
     """vLLM numbers measured elsewhere (not in this device session) beside kvserve's: per engine measure the
     speed ratio against them, per agent count their step, and the cache-aside largest passing counts. Kept
@@ -330,11 +346,29 @@ def main() -> None:
         help="vLLM numbers measured outside this device session (a JSON like bench/results/vllm-reference-*.json), "
         "reported beside ours under vllm_reference when vLLM did not run here",
     )
+    parser.add_argument(
+        "--vllm-variant-raw",
+        default="",
+        help="raw files of vLLM's agent steps under another setting in the same session (e.g. its CPU offload, "
+        "--kv-offloading-size): reported under vllm_variant, with ours over the better of vLLM's two",
+    )
+    parser.add_argument("--vllm-variant-name", default="offload", help="what the variant is, for the JSON")
     args = parser.parse_args()
     raw = Path(args.raw)
     if not raw.is_dir():
         parser.error(f"no raw results at {raw}")
     result = assemble(raw, args.commit)
+    if args.vllm_variant_raw:
+        variant_raw = Path(args.vllm_variant_raw)
+        if not variant_raw.is_dir():
+            parser.error(f"no raw results at {variant_raw}")
+        result["vllm_variant"] = {"name": args.vllm_variant_name, **with_vllm_variant(result, variant_raw)}
+        v = result["vllm_variant"]
+        ratio = _fmt(v["largest_passing_cache_aside_ratio_best"], ".2f")
+        print(
+            f"vLLM {v['name']}: largest passing, cache aside: {v['largest_passing_cache_aside']}; ours over vLLM's "
+            f"best ({v['largest_passing_cache_aside_best_vllm']}): {ratio}"
+        )
     if args.vllm_reference:
         result["vllm_reference"] = with_reference(result, json.loads(Path(args.vllm_reference).read_text()))
         ref = result["vllm_reference"]

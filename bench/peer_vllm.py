@@ -8,6 +8,7 @@ vllm-engine), where our packages are absent: it imports only bench/peer_plan.py 
 after every measure, so a run cut short keeps what it finished.
 
     PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py --out $OUT/vllm-engine.json
+    PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py --shape dsv2-lite-chat --out $OUT/vllm-engine.json
     python bench/peer_vllm.py --quick --dry-run      # here: the plan and the LLM arguments, no vLLM
 """
 
@@ -29,13 +30,20 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, plan_for, run_plan, write_partial  # noqa: E402
 
-MODEL = ROOT / "bench" / "shapes" / "llama-8b-chat"
+SHAPES = ROOT / "bench" / "shapes"
+
+
+def shape_name(shape: str) -> str:
+    """The name bench/engine.py gives the same shape: llama-8b-chat is llama-8b's config with a tokenizer (vLLM
+    wants one beside the config); dsv2-lite-chat has no tokenizer-less twin."""
+    plain = shape.removesuffix("-chat")
+    return plain if (SHAPES / plain / "config.json").is_file() else shape
 
 
 def llm_arguments(args: argparse.Namespace) -> dict[str, Any]:
     """vllm.LLM's keyword arguments: the settings `vllm serve` gets in bench/peer_h200.sh, offline."""
     kwargs: dict[str, Any] = {
-        "model": str(MODEL),
+        "model": str(SHAPES / args.shape),
         "load_format": "dummy",  # random weights, as bench/engine.py's load_format dummy
         "skip_tokenizer_init": True,  # prompts are token ids; no text in or out
         "enable_prefix_caching": True,
@@ -100,12 +108,15 @@ def main() -> None:
     parser.add_argument("--out", default="", help="result JSON, rewritten after every measure")
     parser.add_argument("--quick", action="store_true", help="bench/peer_plan.py's tiny sizes")
     parser.add_argument("--dry-run", action="store_true", help="print the plan and LLM arguments, start nothing")
+    parser.add_argument("--shape", default="llama-8b-chat", help="a folder of bench/shapes (config + tokenizer)")
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
     parser.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="kvserve commit of this checkout")
     args = parser.parse_args()
+    if not (SHAPES / args.shape / "config.json").is_file():
+        parser.error(f"no shape {args.shape!r} in {SHAPES}")
     plan = plan_for(args.quick)
     kwargs = llm_arguments(args)
     if plan.max_model_len > args.max_model_len:
@@ -116,7 +127,7 @@ def main() -> None:
 
     import vllm
 
-    vocab_size = int(json.loads((MODEL / "config.json").read_text())["vocab_size"])
+    vocab_size = int(json.loads((SHAPES / args.shape / "config.json").read_text())["vocab_size"])
     t0 = time.perf_counter()
     llm = vllm.LLM(**kwargs)
     startup_s = time.perf_counter() - t0
@@ -127,7 +138,7 @@ def main() -> None:
         "date": dt.date.today().isoformat(),
         "commit": args.commit,
         "gpu": gpu_name(),
-        "shape": "llama-8b",
+        "shape": shape_name(args.shape),
         "dtype": "bfloat16",
         "quick": args.quick,
         "settings": {

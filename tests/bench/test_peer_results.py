@@ -17,7 +17,7 @@ import pytest
 from fake_vllm import FAKE_MODULE
 
 from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, record
-from bench.peer_results import assemble, engine_keys_missing, passing_ratio, with_reference
+from bench.peer_results import assemble, engine_keys_missing, passing_ratio, with_reference, with_vllm_variant
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,6 +171,27 @@ def test_cache_hit_aside_counts_steps_that_fail_only_on_the_trace_reuse(tmp_path
     assert result["largest_passing_ratio"] is None
     assert result["largest_passing_cache_aside"] == {"ours": 16, "vllm": 32}
     assert result["largest_passing_cache_aside_ratio"] == 0.5
+
+
+def test_a_vllm_variant_counts_against_ours_when_it_does_better(tmp_path: Path) -> None:
+    """vLLM plain passes 32, with its CPU offload 48 (the cache criterion aside): ours at 64 is over the better."""
+    plain, offload = tmp_path / "plain", tmp_path / "offload"
+
+    def failing(n: int, up_to: int) -> dict:  # the trace's cache reuse always; tok/s past up_to agents
+        return agent_step(n, False, ["cache_hit"] if n <= up_to else ["cache_hit", "tok_s_p50"])
+
+    for n in (32, 48, 64):
+        write(plain, f"ours-agents-{n}.json", failing(n, 64))
+        write(plain, f"vllm-agents-{n}.json", failing(n, 32))
+        write(offload, f"vllm-agents-{n}.json", failing(n, 48))
+    result = assemble(plain)
+    assert result["largest_passing_cache_aside"] == {"ours": 64, "vllm": 32}
+    variant = with_vllm_variant(result, offload)
+    assert [step["agents"] for step in variant["agents"]] == [32, 48, 64]
+    assert variant["largest_passing_cache_aside"] == 48
+    assert variant["largest_passing_cache_aside_best_vllm"] == 48
+    assert variant["largest_passing_cache_aside_ratio_best"] == pytest.approx(64 / 48)
+    assert variant["largest_passing"] is None and variant["largest_passing_ratio_best"] is None
 
 
 def test_engine_keys_missing_names_what_a_result_lacks() -> None:

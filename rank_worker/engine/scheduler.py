@@ -253,16 +253,18 @@ class Scheduler:
             if num_new == 0:
                 index += 1  # the step's time is spent: this prefill continues in a later step
                 continue
-            if not self.kv.allocate(seq, num_new) and not step.preempt:
+            allocated = self.kv.allocate(seq, num_new)
+            if not allocated and not step.preempt:
                 batch.skipped.append(seq)
                 step.closed = True  # blocks are short: admitting anyone would only make it worse
                 index += 1
                 continue
-            while not self.kv.allocate(seq, num_new):
+            while not allocated:
                 victim = order.pop()
                 self._preempt(victim, batch)
                 if victim is seq:
                     break
+                allocated = self.kv.allocate(seq, num_new)
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: nothing further back can run either
             batch.entries.append((seq, num_new))

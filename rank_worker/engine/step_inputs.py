@@ -1,5 +1,5 @@
-"""The step's input tensors in persistent buffers: one pinned host buffer filled with numpy, one copy to
-the device, and views of it as the ForwardBatch; decode graphs are recorded over the same device buffer.
+"""The step's input tensors in persistent buffers: a pinned host buffer filled with numpy (two in turn), one
+copy to the device, and views of it as the ForwardBatch; decode graphs are recorded over the same device buffer.
 
 Row layout of the [9, capacity] int64 buffers: input ids, positions, slot block, slot offset (one per flat
 token), logits rows (one per sampled sequence), decode rows' block-table rows and context lengths, and for

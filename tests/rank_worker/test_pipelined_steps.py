@@ -9,6 +9,7 @@ import random
 
 import pytest
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+from l1_fixtures import tiny_model
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest, FinishReason, RequestsFailedError, SamplingParams
@@ -310,3 +311,83 @@ def test_a_step_scheduled_while_its_predecessor_runs_preempts_nobody() -> None:
     batch = scheduler.schedule()
     assert batch.preempted == [second] and [seq for seq, _ in batch.entries] == [first]
     assert second.status is SequenceStatus.WAITING and scheduler.num_preemptions == 1
+
+
+def _serve_schedule(engine, schedule: list[list[tuple[str, list[int], SamplingParams]]], aborts: dict[int, str]):
+    """Submit schedule[i] before the i-th step call (and abort aborts[i] then), step until idle; each request's
+    tokens and how it ended."""
+    tokens: dict[str, list[int]] = {}
+    reasons: dict[str, FinishReason] = {}
+
+    def take(outputs) -> None:
+        for out in outputs:
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+
+    for i, arrivals in enumerate(schedule):
+        for request_id, prompt, params in arrivals:
+            engine.add_request(EngineRequest(request_id, prompt, params))
+        victim = aborts.get(i)
+        if victim is not None and victim in engine.requests:
+            take([engine.abort_request(victim)])
+        take(engine.step())
+    while engine.has_unfinished():
+        take(engine.step())
+    return tokens, reasons
+
+
+@pytest.mark.parametrize("seed", [21, 22, 23])
+def test_random_traffic_gives_the_plain_engines_tokens(seed: int) -> None:
+    """Random arrivals (some over a shared prefix, so the prefix cache hits), prompt lengths that need several
+    chunks, stop tokens, seeded sampling, aborts, and a pool small enough to preempt (plain) or leave sequences
+    out (pipelined): every request that was not aborted gets the plain engine's tokens, and the pool ends
+    empty on both sides."""
+    model = tiny_model()
+    vocab = model.cfg.vocab_size
+    rng = random.Random(seed)
+    shared = random_prompt(40, vocab, seed=seed)
+    schedule: list[list[tuple[str, list[int], SamplingParams]]] = []
+    aborts: dict[int, str] = {}
+    count = 0
+    for step_index in range(40):
+        arrivals = []
+        for _ in range(rng.choice([0, 0, 1, 2])):
+            own = random_prompt(rng.randint(3, 90), vocab, seed=seed * 100 + count)
+            prompt = shared + own if rng.random() < 0.4 else own
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 0.0, 0.8]),
+                max_tokens=rng.randint(1, 16),
+                ignore_eos=True,
+                seed=rng.randint(0, 1000),
+                stop_token_ids=[rng.randrange(vocab)] if rng.random() < 0.3 else [],
+            )
+            arrivals.append((f"t{count}", prompt, params))
+            count += 1
+        schedule.append(arrivals)
+        if count and rng.random() < 0.15:
+            aborts[step_index] = f"t{rng.randrange(count)}"
+    settings = {
+        "num_blocks": 24,
+        "block_size": 16,
+        "max_model_len": 256,
+        "max_num_seqs": 6,
+        "max_num_batched_tokens": 48,
+    }
+    results = {}
+    for pipelined in (False, True):
+        engine = make_engine(model, None, pipeline_steps=pipelined, **settings)
+        tokens, reasons = _serve_schedule(engine, schedule, aborts)
+        stats = engine.stats()
+        assert (stats.used_blocks, stats.running, stats.waiting) == (0, 0, 0)
+        results[pipelined] = (tokens, reasons, engine)
+    (plain, plain_reasons, _), (piped, piped_reasons, engine) = results[False], results[True]
+    finished = {rid for rid, reason in plain_reasons.items() if reason is not FinishReason.ABORT}
+    assert len(finished) >= 10
+    assert results[False][2].stats().preemptions > 0  # the pool was short: the plain engine preempted
+    for request_id in sorted(finished):
+        if piped_reasons.get(request_id) is FinishReason.ABORT:
+            continue  # the abort came at the same call, but this side had not finished it yet
+        assert piped[request_id] == plain[request_id], request_id
+        assert piped_reasons[request_id] == plain_reasons[request_id], request_id
+    assert engine.pipelined_steps > 0

@@ -57,7 +57,8 @@ class KvServeConfig(BaseSettings):
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto",
         description="what the KV pool stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 (scale 1.0), half "
-        "a bf16 pool's bytes per token, so twice the tokens; runs on the sdpa attention path only for now",
+        "a bf16 pool's bytes per token, so twice the tokens; read by the sdpa path and the Triton kernels "
+        "(attention_backend auto takes those on CUDA), not by FlashInfer",
     )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)

@@ -147,7 +147,7 @@ class PagedEngine(Engine):
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
-        self.attention = model.choose_attention(attention_setting, device, dtype)
+        self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
         self.runner = ModelRunner(
             model,
             self.kv_cache,

@@ -23,8 +23,11 @@ class CausalLM(Protocol):
         """One block of the paged pool (the pool is [num_blocks, *this]): all layers of block_size tokens."""
         ...
 
-    def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
-        """The attention backend this model runs under the attention_backend setting."""
+    def choose_attention(
+        self, setting: BackendName, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> AttentionBackend:
+        """The attention backend this model runs under the attention_backend setting, over a pool of kv_dtype
+        (None: dtype)."""
         ...
 
     def set_attention_backend(self, backend: AttentionBackend) -> None: ...

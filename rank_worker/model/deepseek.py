@@ -61,7 +61,9 @@ class DeepseekForCausalLM(nn.Module):
         """One pool block: [num_layers, 1, block_size, 1, kv_lora_rank + rope_dim] (the latent, one 'head')."""
         return (self.cfg.num_layers, 1, block_size, 1, self.cfg.latent_dim)
 
-    def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    def choose_attention(
+        self, setting: BackendName, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> AttentionBackend:
         """MLA takes its own paths: auto and triton the MLA decode kernel (mla_triton.py) wherever it runs (CUDA,
         Triton, a power-of-two kv_lora_rank >= 16), sdpa and auto elsewhere PyTorch alone (mla_sdpa.py); there
         is no FlashInfer MLA path."""

@@ -75,6 +75,14 @@ if triton is not None:
         tl.store(out_ptr + row * width + cols, (silu * up.to(tl.float32)).to(gate.dtype), mask=ok)
 
     @triton.jit
+    def _for_pool(x, QUANT: tl.constexpr):
+        """x as the pool stores it: an fp8 pool (QUANT) saturates at e4m3's +-448 first, as kv_quant.quantize
+        does (the store's cast rounds to nearest even, as torch's); else unchanged."""
+        if QUANT:
+            x = tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0)
+        return x
+
+    @triton.jit
     def _rope_and_store(
         qkv_ptr,
         positions_ptr,
@@ -95,6 +103,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         HALF: tl.constexpr,
         APPLY_ROPE: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         """One token: rotate its q and k heads in place in the qkv row, and store k and v at its pool slot."""
         token = tl.program_id(0).to(tl.int64)
@@ -133,11 +142,13 @@ if triton is not None:
             k2 = ((k2f * cos).to(dtype).to(tl.float32) + (k1f * sin).to(dtype).to(tl.float32)).to(dtype)
             tl.store(k_at, k1, mask=kv_ok)
             tl.store(k_at + half, k2, mask=kv_ok)
-        tl.store(k_cache_ptr + cache_at, k1, mask=kv_ok)
-        tl.store(k_cache_ptr + cache_at + half, k2, mask=kv_ok)
+        tl.store(k_cache_ptr + cache_at, _for_pool(k1, QUANT), mask=kv_ok)
+        tl.store(k_cache_ptr + cache_at + half, _for_pool(k2, QUANT), mask=kv_ok)
         v_at = row + (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM + kv_heads * HEAD_DIM + dims[None, :]
-        tl.store(v_cache_ptr + cache_at, tl.load(v_at, mask=kv_ok, other=0.0), mask=kv_ok)
-        tl.store(v_cache_ptr + cache_at + half, tl.load(v_at + half, mask=kv_ok, other=0.0), mask=kv_ok)
+        v1 = tl.load(v_at, mask=kv_ok, other=0.0)
+        v2 = tl.load(v_at + half, mask=kv_ok, other=0.0)
+        tl.store(v_cache_ptr + cache_at, _for_pool(v1, QUANT), mask=kv_ok)
+        tl.store(v_cache_ptr + cache_at + half, _for_pool(v2, QUANT), mask=kv_ok)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,7 +200,8 @@ def rope_and_store(
     head_dim: int,
 ) -> None:
     """Rotate q and k in place in qkv ([T, (Hq + 2 Hkv) D], rows contiguous) and store k and v in the pool
-    (one layer's [blocks, block_size, Hkv, D] views). Without cos/sin (a NoPE layer) only the store."""
+    (one layer's [blocks, block_size, Hkv, D] views; an fp8 pool gets them quantised as kv_quant.store does).
+    Without cos/sin (a NoPE layer) only the store."""
     assert triton is not None
     assert qkv.stride(1) == 1 and k_cache.stride(3) == 1 and k_cache.stride() == v_cache.stride()
     tokens = qkv.shape[0]
@@ -216,6 +228,7 @@ def rope_and_store(
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         APPLY_ROPE=rope,
+        QUANT=k_cache.dtype == torch.float8_e4m3fn,  # kv_quant.FP8
         num_warps=4,
     )
 

@@ -162,10 +162,12 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.cfg
         return (cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
 
-    def choose_attention(self, setting: BackendName, device: torch.device, dtype: torch.dtype) -> AttentionBackend:
+    def choose_attention(
+        self, setting: BackendName, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> AttentionBackend:
         cfg = self.cfg
         group = cfg.num_heads // cfg.num_kv_heads
-        return choose_backend(setting, device, dtype, cfg.num_heads, cfg.head_dim, group)
+        return choose_backend(setting, device, dtype, cfg.num_heads, cfg.head_dim, group, kv_dtype)
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:
         """Attention by `backend`; with a CUDA backend the elementwise work runs as fused kernels too."""

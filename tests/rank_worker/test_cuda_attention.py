@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rank_worker.model import fused_ops
-from rank_worker.model.attention import decode_kernel
+from rank_worker.model.attention import decode_kernel, kv_quant
 from rank_worker.model.attention.sdpa_backend import SdpaAttention, write_kv
 from rank_worker.model.attention.triton_backend import TritonAttention
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
@@ -141,6 +141,38 @@ def test_prefill_kernel_matches_sdpa_with_and_without_a_prefix(heads, kv_heads, 
     assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5), error
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_kernels_read_an_fp8_pool_as_the_sdpa_path_does(dtype) -> None:
+    """kv_cache_dtype fp8_e4m3: the decode and prefill kernels cast what they load to the model's dtype, SDPA
+    dequantises what it gathers, and both attend a cold chunk to its own K/V as the pool holds them."""
+    torch.manual_seed(6)
+    q, k, v, layer, batch = _mixed_step(8, 2, 64, dtype)
+    error = _relative_error_to_sdpa(TritonAttention(dtype, 4), q, k, v, kv_quant.quantize(layer), batch)
+    assert error < (1e-2 if dtype == torch.bfloat16 else 1e-5), error
+
+
+def test_the_fused_store_quantises_into_an_fp8_pool_as_kv_quant_does() -> None:
+    """Rotary and the store in one kernel, into an fp8 pool: the bits kv_quant.store writes (saturated at
+    +-448, rounded to nearest), values past the range included."""
+    torch.manual_seed(7)
+    heads, kv_heads, head_dim, tokens = 8, 2, 64, 40
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda") * 120  # some past 448
+    positions = torch.arange(tokens, device="cuda")
+    slot_blocks = torch.randperm(100, device="cuda")[:tokens]
+    slot_offsets = torch.randint(0, BLOCK_SIZE, (tokens,), device="cuda")
+    pool = torch.zeros(100, 1, 2, BLOCK_SIZE, kv_heads, head_dim, device="cuda").to(kv_quant.FP8)
+    reference = pool.clone()
+    _, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    kv_quant.store(reference[:, 0, 0], slot_blocks, slot_offsets, k.reshape(tokens, kv_heads, head_dim))
+    kv_quant.store(reference[:, 0, 1], slot_blocks, slot_offsets, v.reshape(tokens, kv_heads, head_dim))
+    layer = pool[:, 0]
+    fused_ops.rope_and_store(
+        qkv.clone(), positions, None, None, slot_blocks, slot_offsets, layer[:, 0], layer[:, 1], heads, kv_heads,
+        head_dim,
+    )  # fmt: skip
+    assert torch.equal(pool.view(torch.uint8), reference.view(torch.uint8))
+
+
 @needs_flashinfer
 def test_flashinfer_backend_matches_sdpa_on_a_mixed_step() -> None:
     """FA3's paged prefill for the warm chunks (and the cold one between them), ours for the decodes."""
@@ -220,8 +252,8 @@ def _tiny_config(tmp_path, hidden: int = 256, heads: int = 8, kv_heads: int = 2)
 def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32(tmp_path) -> None:
     """Prompts sharing prefixes (warm chunks over cached blocks), chunked prefill (a small token budget),
     batches that shrink as rows finish; float32 so greedy tokens must agree exactly. The last engine also
-    pipelines its graphed decode steps (pipeline_decode: input ids taken on the device, tokens read through
-    pinned buffers behind events)."""
+    pipelines its steps (pipeline_steps: input ids taken on the device, tokens read through pinned buffers
+    behind events)."""
     from engine_fixtures import generate_greedy, random_prompt
 
     from contracts.config import KvServeConfig
@@ -259,6 +291,39 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
     assert runs[("triton", False, False)] == plain
     assert runs[("triton", True, False)] == plain
     assert runs[("triton", True, True)] == plain
+
+
+def test_fp8_engines_with_triton_and_sdpa_give_the_same_tokens_in_float32(tmp_path) -> None:
+    """kv_cache_dtype fp8_e4m3: auto takes the Triton kernels (FlashInfer's module reads no fp8), graphed and
+    pipelined, and gives the fp8 SDPA engine's greedy tokens; prefixes shared, prefill chunked."""
+    from engine_fixtures import generate_greedy, random_prompt
+
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import build_engine
+
+    base = random_prompt(200, 512, seed=8)
+    prompts = [base[: 30 + 41 * i] + random_prompt(7 + 23 * i, 512, seed=80 + i) for i in range(9)]
+    lengths = [8 + 4 * (i % 3) for i in range(9)]
+    runs = {}
+    for backend in ("sdpa", "auto"):
+        config = KvServeConfig(
+            model=_tiny_config(tmp_path),
+            load_format="dummy",
+            dtype="float32",
+            num_kv_blocks=256,
+            max_num_batched_tokens=256,
+            attention_backend=backend,
+            kv_cache_dtype="fp8_e4m3",
+        )
+        engine = build_engine(config)
+        assert engine.kv_cache.dtype == kv_quant.FP8
+        assert engine.attention.name == ("sdpa" if backend == "sdpa" else "triton")
+        runs[backend] = generate_greedy(engine, prompts, lengths)
+        assert engine.stats().prefix_hit_tokens > 0 and engine.stats().used_blocks == 0
+        if backend == "auto":
+            assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.steps > 5
+            assert engine.pipelined_steps > 0
+    assert runs["auto"] == runs["sdpa"]
 
 
 @needs_flashinfer

@@ -97,15 +97,23 @@ def test_mla_decode_kernel_matches_the_absorbed_sdpa_decode_on_scattered_blocks(
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
-def test_the_mla_kernel_refuses_an_fp8_pool() -> None:
-    """An fp8 pool never reaches it through the engine (kv_quant.check_backend sends fp8 to sdpa); called
-    directly it says so rather than reading bytes as values."""
-    pool = torch.zeros(4, BLOCK_SIZE, 1, 40, device=DEVICE).to(kv_quant.FP8)
-    table, rows = _tables([3], 4, 2)
-    q_lat, q_pe = torch.zeros(1, 4, 32, device=DEVICE), torch.zeros(1, 4, 8, device=DEVICE)
-    lens = torch.tensor([3], device=DEVICE)
-    with pytest.raises(AssertionError, match="fp8"):
-        mla_decode_kernel.mla_decode_attention(q_lat, q_pe, pool, table, torch.tensor(rows, device=DEVICE), lens, 1.0)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_mla_kernel_reads_an_fp8_pool_as_the_sdpa_decode_does(dtype) -> None:
+    """An fp8 pool (kv_cache_dtype fp8_e4m3): the kernel casts each latent it loads to the model's dtype, the
+    SDPA decode dequantises the gathered latents; the same outputs, as over a pool in the model's dtype."""
+    torch.manual_seed(5)
+    heads, rank, rope = SHAPES[1]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in LENGTHS) + 20
+    pool = kv_quant.quantize(torch.randn(num_blocks, 2, 1, BLOCK_SIZE, 1, rank + rope, device=DEVICE))
+    layer = pool[:, 1, 0]
+    table, rows = _tables(LENGTHS, num_blocks, len(LENGTHS) + 4)
+    batch = _decode_batch(table, rows, LENGTHS)
+    q_lat = torch.randn(len(LENGTHS), heads, rank, device=DEVICE).to(dtype)
+    q_pe = torch.randn(len(LENGTHS), heads, rope, device=DEVICE).to(dtype)
+    ours = _decode_latent(MlaTritonAttention(), q_lat, q_pe, layer, batch)
+    reference = _decode_latent(MlaSdpaAttention(), q_lat, q_pe, layer, batch)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
 def _tiny_deepseek(model_type: str, directory):

@@ -53,10 +53,17 @@ class AttentionBackend(ABC):
 
 
 def choose_backend(
-    setting: BackendName, device: torch.device, dtype: torch.dtype, heads: int, head_dim: int, group: int
+    setting: BackendName,
+    device: torch.device,
+    dtype: torch.dtype,
+    heads: int,
+    head_dim: int,
+    group: int,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
-    """group: query heads per kv head. auto: FlashInfer where it runs without compiling (16-bit, its prebuilt
-    modules installed: flashinfer_backend.usable), else the Triton kernels wherever they run (CUDA, Triton, a
+    """group: query heads per kv head; kv_dtype: the pool's (None: dtype). auto: FlashInfer where it runs
+    without compiling (16-bit, its prebuilt modules installed: flashinfer_backend.usable; not over an fp8 pool,
+    which its FA3 module does not read), else the Triton kernels wherever they run (CUDA, Triton, a
     power-of-two head_dim >= 16), else SDPA."""
     from rank_worker.model.attention import decode_kernel
     from rank_worker.model.attention.sdpa_backend import SdpaAttention
@@ -64,7 +71,8 @@ def choose_backend(
     fits = device.type == "cuda" and decode_kernel.available() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
     if setting in ("triton", "flashinfer") and not fits:
         raise RuntimeError(f"attention_backend: {setting} needs CUDA, Triton and a power-of-two head_dim >= 16")
-    if setting in ("flashinfer", "auto") and fits:
+    fp8_pool = kv_dtype is not None and kv_dtype.itemsize == 1  # kv_quant.check_backend refused flashinfer
+    if setting in ("flashinfer", "auto") and fits and not fp8_pool:
         from rank_worker.model.attention import flashinfer_backend
 
         if setting == "flashinfer" or flashinfer_backend.usable(device, dtype, heads, heads // group, head_dim):

@@ -104,14 +104,14 @@ if triton is not None:
             blocks = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0)
             row_at = blocks.to(tl.int64) * stride_kv_block + (tokens % BLOCK_SIZE) * stride_kv_token
             at = row_at[:, None] + kv_head * stride_kv_head + dims[None, :]
-            k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
+            k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0).to(q.dtype)  # fp8 pool: its value (scale 1)
             scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             new_best = tl.maximum(best, tl.max(scores, 1))
             weights = tl.exp(scores - new_best[:, None])
             rescale = tl.exp(best - new_best)
             total = total * rescale + tl.sum(weights, 1)
-            v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
+            v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0).to(q.dtype)
             acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
             best = new_best
         tl.store(lse_at, best + tl.log(total), mask=row_ok)

@@ -107,7 +107,7 @@ class FlashInferAttention(AttentionBackend):
             start, end = plan.span
             wrapper = self._planned(plan, q, k_cache, scale)
             wrapper.run(q[start:end], (k_cache, v_cache), out=out[start:end])
-        attend_cold(q, k, v, plan.cold, scale, out)
+        attend_cold(q, k, v, k_cache, v_cache, plan.cold, scale, out)
         return out
 
     def _planned(self, plan: FlashInferPlan, q: torch.Tensor, k_cache: torch.Tensor, scale: float):

@@ -1,9 +1,10 @@
 """The fp8 KV cache (kv_cache_dtype: fp8_e4m3): the pool holds float8_e4m3fn, one byte a value, so it holds
 twice the tokens of a bf16 pool (four times float32's) in the same memory. Values are stored as x / scale
 saturated to e4m3's +-448 and read back as x.float() * scale, then attended in the model's own dtype: only the
-pool changes. Used by the SDPA path (attention/sdpa_backend.py: Llama's K and V) and the MLA path (mla.py,
-attention/mla_sdpa.py: the latent and rope key); the CUDA kernels (Llama's and the MLA decode kernel) do not
-read fp8, so an fp8 pool runs on those paths only (check_backend).
+pool changes. Used by the SDPA path (attention/sdpa_backend.py: Llama's K and V), the MLA path (mla.py,
+attention/mla_sdpa.py: the latent and rope key) and the Triton kernels (Llama's decode and prefill kernels and
+fused store, the MLA decode kernel), which cast what they load to the model's dtype: they take the scale to be
+1.0. FlashInfer's FA3 module does not read fp8: check_backend refuses it, and auto does not take it.
 
 The scale is static and 1.0 for every layer's K and V (and MLA's latent), as vLLM does without calibration:
 e4m3's relative step (2^-4 at worst, 3 mantissa bits) is the same anywhere in its normal range [2^-6, 448],
@@ -36,16 +37,18 @@ def pool_dtype(setting: KvCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_backend(setting: str, kv_dtype: torch.dtype) -> str:
-    """The attention_backend an fp8 pool runs: sdpa (auto takes it); triton and flashinfer are refused by
-    name, before anything asks for CUDA, since their kernels read 16-bit K/V only."""
+    """The attention_backend setting an fp8 pool runs: flashinfer is refused by name, before anything asks for
+    CUDA, since its FA3 module reads 16-bit K/V only; auto, triton and sdpa stand (auto then takes the Triton
+    kernels where they run, else SDPA: backend.choose_backend)."""
     if kv_dtype != FP8:
         return setting
-    if setting in ("triton", "flashinfer"):
+    if setting == "flashinfer":
         raise RuntimeError(
-            f"attention_backend: {setting} does not read an fp8 KV cache; kv_cache_dtype fp8_e4m3 runs on the "
-            "sdpa path only for now (attention_backend auto or sdpa)"
+            "attention_backend: flashinfer does not read an fp8 KV cache; kv_cache_dtype fp8_e4m3 runs "
+            "attention_backend auto, triton or sdpa"
         )
-    return "sdpa"
+    assert KV_SCALE == 1.0, "the Triton kernels read an fp8 pool's values unscaled"
+    return setting
 
 
 def is_quantised(cache: torch.Tensor) -> bool:

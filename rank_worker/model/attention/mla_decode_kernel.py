@@ -10,13 +10,14 @@ tl.dot for c, one for k_pe), with an online softmax. As in decode_kernel.py each
 number of slices whatever its length (split-K), so the grid depends on the batch size alone and one CUDA
 graph per batch size serves every context length; decode_kernel.merge_slices merges the slices.
 
-A pool in the model's dtype only: an fp8 pool runs on the SDPA path (kv_quant.check_backend).
+An fp8 pool (kv_quant.py) is read as its values, cast to the model's dtype as they are loaded.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.decode_kernel import merge_slices, slices_for
 
 try:
@@ -110,9 +111,10 @@ if triton is not None:
             valid = tokens < end
             blocks = tl.load(table + tokens // BLOCK_SIZE, mask=valid, other=0)
             row_at = cache_ptr + blocks.to(tl.int64) * stride_cache_block + (tokens % BLOCK_SIZE) * stride_cache_token
-            c = tl.load(row_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0)  # [TILE, r]
+            # .to: an fp8 pool's values (kv_quant's scale is 1.0); a no-op in the model's dtype
+            c = tl.load(row_at[:, None] + dims[None, :], mask=valid[:, None], other=0.0).to(q_lat.dtype)  # [TILE, r]
             pe_ok = valid[:, None] & rope_ok[None, :]
-            k_pe = tl.load(row_at[:, None] + RANK + rope_dims[None, :], mask=pe_ok, other=0.0)  # [TILE, rope]
+            k_pe = tl.load(row_at[:, None] + RANK + rope_dims[None, :], mask=pe_ok, other=0.0).to(q_pe.dtype)
             scores = tl.dot(q_lat, tl.trans(c), input_precision=PRECISION)
             scores += tl.dot(q_pe, tl.trans(k_pe), input_precision=PRECISION)
             scores = tl.where(valid[None, :], scores * scale, float("-inf"))
@@ -140,7 +142,7 @@ def mla_decode_attention(
     rows [S] the table row of each sequence, context_lens [S] (>= 1). Returns the attention-weighted latents
     [S, H, r] in q_lat's dtype."""
     assert triton is not None, "the Triton MLA decode kernel needs triton (CUDA builds of torch ship it)"
-    assert latent_cache.dtype == q_lat.dtype, "the MLA kernel reads a pool in the model's dtype (fp8: sdpa path)"
+    assert latent_cache.dtype in (q_lat.dtype, kv_quant.FP8), "the MLA kernel reads the model's dtype or fp8"
     num_seqs, num_heads, rank = q_lat.shape
     rope = q_pe.shape[2]
     block_size = latent_cache.shape[1]

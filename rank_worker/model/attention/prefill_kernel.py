@@ -95,6 +95,7 @@ if triton is not None:
             k = tl.load(k_ptr + at, mask=valid[:, None], other=0.0)
         else:
             k = tl.load(k_ptr + at)
+        k = k.to(q.dtype)  # an fp8 pool: its values (kv_quant's scale is 1.0); a no-op in the model's dtype
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
             visible = valid[None, :] & (keys[None, :] <= query_pos[:, None])
@@ -108,6 +109,7 @@ if triton is not None:
             v = tl.load(v_ptr + at, mask=valid[:, None], other=0.0)
         else:
             v = tl.load(v_ptr + at)
+        v = v.to(q.dtype)
         acc = acc * rescale[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
         return new_best, total, acc
 

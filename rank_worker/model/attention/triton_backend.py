@@ -3,7 +3,8 @@
 Decode rows go to the split-K decode kernel (one launch for all of them, graph-safe: its grid depends on the
 batch size alone); every prefill chunk over a cached prefix goes to one launch of the paged prefill kernel.
 Neither gathers a sequence's blocks. K/V of the step are stored by the fused rotary kernel
-(fused_ops.rope_and_store) before attention, so the kernels read the chunk's own keys from the pool too.
+(fused_ops.rope_and_store) before attention, so the kernels read the chunk's own keys from the pool too. An
+fp8 pool (kv_quant.py) is stored quantised by that kernel and read by both as its values: its scale is 1.0.
 
 A chunk with nothing cached before it attends only to its own K/V, which the step holds contiguously: it
 goes to PyTorch's flash SDPA, measured faster there than our kernel (H200, 8K tokens, one llama-8b layer:
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.decode_kernel import paged_decode_attention
 from rank_worker.model.attention.prefill_kernel import PACK_GQA, paged_prefill_attention, prefill_tiles, tile_tokens
@@ -95,7 +97,7 @@ class TritonAttention(AttentionBackend):
                 out,
                 self.pack_gqa,
             )
-            attend_cold(q, k, v, plan.cold, scale, out)
+            attend_cold(q, k, v, k_cache, v_cache, plan.cold, scale, out)
         return out
 
     def _upload(self, values: list[int], device: torch.device) -> torch.Tensor:
@@ -119,9 +121,18 @@ def attend_decodes(
 
 
 def attend_cold(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cold: list[tuple[int, int]], scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cold: list[tuple[int, int]],
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
-    """Chunks with nothing cached before them ((first token, new tokens) each) by flash SDPA over their own K/V."""
+    """Chunks with nothing cached before them ((first token, new tokens) each) by flash SDPA over their own K/V,
+    as the pool holds them (an fp8 pool: quantised and back, kv_quant.round_trip, as the kernels read them)."""
     for start, count in cold:
         rows = slice(start, start + count)
-        out[rows] = causal_sdpa(q[rows], k[rows], v[rows], scale)
+        keys, values = kv_quant.round_trip(k[rows], k_cache), kv_quant.round_trip(v[rows], v_cache)
+        out[rows] = causal_sdpa(q[rows], keys, values, scale)

@@ -252,6 +252,9 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer", "sdpa"])
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="fp8_e4m3: twice the tokens a pool"
+    )
+    parser.add_argument(
         "--only-measures",
         default="",
         help="comma-separated measure names of bench/peer_plan.py: just those (no match, no legacy prefill rows)",
@@ -282,6 +285,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
         attention_backend=args.attention_backend,
+        kv_cache_dtype=args.kv_cache_dtype,
         max_model_len=max(plan.max_model_len, match_plan[1] + match_plan[2] + match_plan[3] + 64),
     )
     t0 = time.perf_counter()
@@ -290,7 +294,7 @@ def main() -> None:
     shape_config = json.loads((ROOT / "bench" / "shapes" / args.shape / "config.json").read_text())
     bench = Bench(engine, shape_config)
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
-    dtype = str(engine.kv_cache.dtype).removeprefix("torch.")
+    dtype = str(engine.model.embed_tokens.dtype).removeprefix("torch.")  # the model's (the pool's may be fp8)
     print(
         f"engine up in {startup_s:.1f}s on {gpu}: {engine.pool.num_blocks} blocks of {engine.settings.block_size}",
         flush=True,
@@ -316,6 +320,7 @@ def main() -> None:
         "settings": {
             "block_size": engine.settings.block_size,
             "attention_backend": engine.attention.name,
+            "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": config.max_model_len,
             "kv_blocks": engine.pool.num_blocks,

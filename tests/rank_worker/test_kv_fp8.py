@@ -286,7 +286,7 @@ def test_flashinfer_is_refused_by_name_with_fp8(engine_model) -> None:
     """Checked before anything asks for CUDA, so it holds on the CPU as on a GPU: FlashInfer's FA3 module reads
     16-bit K/V only (the Triton kernels read fp8: tests/rank_worker/test_cuda_attention.py, on CUDA)."""
     model, tokenizer = engine_model
-    with pytest.raises(RuntimeError, match="attention_backend: flashinfer does not read an fp8 KV cache.*triton"):
+    with pytest.raises(RuntimeError, match=r"attention_backend: flashinfer does not read an fp8 KV cache.*triton"):
         _fp8_engine(model, tokenizer, num_blocks=4, attention_backend="flashinfer")
 
 

@@ -249,15 +249,28 @@ def _tiny_config(tmp_path, hidden: int = 256, heads: int = 8, kv_heads: int = 2)
     return str(path)
 
 
+def _tiny_float32_engine(tmp_path, **settings):
+    """An engine over random float32 weights of _tiny_config's shape, 256 blocks, 256-token steps."""
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import build_engine
+
+    config = KvServeConfig(
+        model=_tiny_config(tmp_path),
+        load_format="dummy",
+        dtype="float32",
+        num_kv_blocks=256,
+        max_num_batched_tokens=256,
+        **settings,
+    )
+    return build_engine(config)
+
+
 def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32(tmp_path) -> None:
     """Prompts sharing prefixes (warm chunks over cached blocks), chunked prefill (a small token budget),
     batches that shrink as rows finish; float32 so greedy tokens must agree exactly. The last engine also
     pipelines its steps (pipeline_steps: input ids taken on the device, tokens read through pinned buffers
     behind events)."""
     from engine_fixtures import generate_greedy, random_prompt
-
-    from contracts.config import KvServeConfig
-    from rank_worker.engine.factory import build_engine
 
     base = random_prompt(300, 512, seed=5)
     prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
@@ -269,17 +282,12 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
         ("triton", True, False),
         ("triton", True, True),
     ):
-        config = KvServeConfig(
-            model=_tiny_config(tmp_path),
-            load_format="dummy",
-            dtype="float32",
-            num_kv_blocks=256,
-            max_num_batched_tokens=256,
+        engine = _tiny_float32_engine(
+            tmp_path,
             cuda_graphs=graphs,
             attention_backend=backend,
-            pipeline_steps=pipelined,  # graphed decode steps launched before their predecessor is read
+            pipeline_steps=pipelined,  # steps launched before their predecessor is read
         )
-        engine = build_engine(config)
         assert engine.attention.name == backend
         runs[(backend, graphs, pipelined)] = generate_greedy(engine, prompts, lengths)
         if graphs:
@@ -298,24 +306,12 @@ def test_fp8_engines_with_triton_and_sdpa_give_the_same_tokens_in_float32(tmp_pa
     pipelined, and gives the fp8 SDPA engine's greedy tokens; prefixes shared, prefill chunked."""
     from engine_fixtures import generate_greedy, random_prompt
 
-    from contracts.config import KvServeConfig
-    from rank_worker.engine.factory import build_engine
-
     base = random_prompt(200, 512, seed=8)
     prompts = [base[: 30 + 41 * i] + random_prompt(7 + 23 * i, 512, seed=80 + i) for i in range(9)]
     lengths = [8 + 4 * (i % 3) for i in range(9)]
     runs = {}
     for backend in ("sdpa", "auto"):
-        config = KvServeConfig(
-            model=_tiny_config(tmp_path),
-            load_format="dummy",
-            dtype="float32",
-            num_kv_blocks=256,
-            max_num_batched_tokens=256,
-            attention_backend=backend,
-            kv_cache_dtype="fp8_e4m3",
-        )
-        engine = build_engine(config)
+        engine = _tiny_float32_engine(tmp_path, attention_backend=backend, kv_cache_dtype="fp8_e4m3")
         assert engine.kv_cache.dtype == kv_quant.FP8
         assert engine.attention.name == ("sdpa" if backend == "sdpa" else "triton")
         runs[backend] = generate_greedy(engine, prompts, lengths)

@@ -162,8 +162,8 @@ def test_warm_chunks_go_first_and_fifo_obeys_the_budget_too() -> None:
 
 
 def test_the_engine_feeds_each_step_time_to_the_model() -> None:
-    # Not pipelined: a pipelined decode step goes through launch_decode and returns a step later
-    # (test_pipelined_decode.py checks the model hears those too).
+    # Not pipelined: a pipelined step returns its outputs a call later
+    # (test_pipelined_steps.py checks the model hears those too).
     engine = make_engine(tiny_model(), max_num_batched_tokens=64, pipeline_steps=False)
     launch = engine.runner.launch
 

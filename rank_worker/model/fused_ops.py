@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from rank_worker.model.attention import kv_quant
+
 try:
     import triton
     import triton.language as tl
@@ -228,7 +230,7 @@ def rope_and_store(
         HEAD_DIM=head_dim,
         HALF=head_dim // 2,
         APPLY_ROPE=rope,
-        QUANT=k_cache.dtype == torch.float8_e4m3fn,  # kv_quant.FP8
+        QUANT=kv_quant.is_quantised(k_cache),
         num_warps=4,
     )
 

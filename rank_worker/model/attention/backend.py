@@ -21,6 +21,7 @@ from typing import Literal
 
 import torch
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.forward_batch import ForwardBatch
 
 BackendName = Literal["auto", "triton", "flashinfer", "sdpa"]
@@ -71,7 +72,7 @@ def choose_backend(
     fits = device.type == "cuda" and decode_kernel.available() and head_dim >= 16 and head_dim & (head_dim - 1) == 0
     if setting in ("triton", "flashinfer") and not fits:
         raise RuntimeError(f"attention_backend: {setting} needs CUDA, Triton and a power-of-two head_dim >= 16")
-    fp8_pool = kv_dtype is not None and kv_dtype.itemsize == 1  # kv_quant.check_backend refused flashinfer
+    fp8_pool = kv_dtype == kv_quant.FP8  # kv_quant.check_backend refused flashinfer by name
     if setting in ("flashinfer", "auto") and fits and not fp8_pool:
         from rank_worker.model.attention import flashinfer_backend
 

@@ -71,30 +71,35 @@ def prebuilt_module() -> dict:
     return info
 
 
-def scattered_pool(lengths: list[int], layers: int = LAYERS) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-    """A pool [blocks, layers, 2, BLOCK, Hkv, D] (only one layer filled) and a block table whose rows, placed
+def scattered_pool(
+    lengths: list[int], layers: int = LAYERS, block: int = BLOCK, scattered: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A pool [blocks, layers, 2, block, Hkv, D] (only one layer filled) and a block table whose rows, placed
     out of order, hold scattered blocks (never block 0). layers=1: a pool of one layer, each block's K/V
-    64 KB apart instead of the engine's 2 MB (the layout question of timing())."""
-    blocks = sum(-(-n // BLOCK) for n in lengths) + 8
-    pool = torch.empty(blocks, layers, 2, BLOCK, KV_HEADS, HEAD_DIM, device=DEV, dtype=DTYPE)
+    64 KB apart instead of the engine's 2 MB (the layout question of layouts()); scattered=False: each row's
+    blocks in ascending order, as a fresh pool's free list hands them out."""
+    blocks = sum(-(-n // block) for n in lengths) + 8
+    pool = torch.empty(blocks, layers, 2, block, KV_HEADS, HEAD_DIM, device=DEV, dtype=DTYPE)
     pool[:, min(LAYER, layers - 1)].normal_()
-    order = (torch.randperm(blocks - 1) + 1).tolist()
-    width = max(-(-n // BLOCK) for n in lengths) + 3
+    order = ((torch.randperm(blocks - 1) if scattered else torch.arange(blocks - 1)) + 1).tolist()
+    width = max(-(-n // block) for n in lengths) + 3
     rows = torch.randperm(len(lengths) + 2)[: len(lengths)].tolist()
     table = torch.zeros(len(lengths) + 2, width, dtype=torch.int32)
     used = 0
     for row, n in zip(rows, lengths, strict=True):
-        count = -(-n // BLOCK)
+        count = -(-n // block)
         table[row, :count] = torch.tensor(order[used : used + count])
         used += count
     return pool, table.to(DEV), rows
 
 
-def step(decodes: list[int], chunks: list[tuple[int, int]], layers: int = LAYERS) -> tuple:
+def step(
+    decodes: list[int], chunks: list[tuple[int, int]], layers: int = LAYERS, block: int = BLOCK, scattered: bool = True
+) -> tuple:
     """One step: decode rows, then adjacent chunks (new, cached); q is a strided view of a qkv buffer as the
     model passes it; the chunks' own K/V are read back from the pool (the fused rotary kernel stored them)."""
     lengths = decodes + [new + cached for new, cached in chunks]
-    pool, table, rows = scattered_pool(lengths, layers)
+    pool, table, rows = scattered_pool(lengths, layers, block, scattered)
     layer = pool[:, min(LAYER, layers - 1)]
     total = len(decodes) + sum(new for new, _ in chunks)
     pieces, cursor = [], len(decodes)
@@ -122,8 +127,8 @@ def step(decodes: list[int], chunks: list[tuple[int, int]], layers: int = LAYERS
         blocks = table[piece.table_row].long()
         tokens = torch.arange(piece.context_len - piece.num_new, piece.context_len, device=DEV)
         at = slice(piece.token_start, piece.token_start + piece.num_new)
-        k[at] = layer[:, 0][blocks[tokens // BLOCK], tokens % BLOCK]
-        v[at] = layer[:, 1][blocks[tokens // BLOCK], tokens % BLOCK]
+        k[at] = layer[:, 0][blocks[tokens // block], tokens % block]
+        v[at] = layer[:, 1][blocks[tokens // block], tokens % block]
     return q, k, v, layer, batch
 
 
@@ -221,6 +226,40 @@ def timing() -> list[dict]:
     return rows
 
 
+# (name, layers in the pool, block size, scattered): the engine's layout first. What each says: layers=1 is
+# vLLM's per-layer cache (a layer's pages 64 KB apart, not 2 MB); scattered=False is blocks in order; a
+# larger block is fewer, larger pages for the same tokens (fewer TLB entries and index loads).
+LAYOUTS = [
+    ("engine", LAYERS, 16, True),
+    ("engine_in_order", LAYERS, 16, False),
+    ("one_layer", 1, 16, True),
+    ("one_layer_in_order", 1, 16, False),
+    ("engine_block32", LAYERS, 32, True),
+    ("engine_block64", LAYERS, 64, True),
+    ("one_layer_block64", 1, 64, True),
+]
+
+
+def layouts() -> list[dict]:
+    """FA3's time for the timed steps over each pool layout of LAYOUTS (ms, and TFLOP/s of attention)."""
+    rows = []
+    for new, cached in TIMED:
+        row: dict = {"new": new, "cached": cached}
+        for name, layers, block, scattered in LAYOUTS:
+            torch.manual_seed(new)
+            q, k, v, layer, batch = step([], [(new, cached)], layers, block, scattered)
+            backend = FlashInferAttention(DTYPE, HEADS // KV_HEADS)
+            run(backend, q, k, v, layer, batch)
+            ms = time_layer_ms(backend, q, k, v, layer, batch)
+            row[f"{name}_ms"] = round(ms, 3)
+            row[f"{name}_tflops"] = round(attention_flops(new, cached) / ms / 1e9, 1)
+            del q, k, v, layer, batch
+            torch.cuda.empty_cache()
+        rows.append(row)
+        print("layouts", row, flush=True)
+    return rows
+
+
 def table(rows: list[dict]) -> str:
     lines = ["new    cached   flashinfer ms (TFLOP/s)   triton ms (TFLOP/s)   speed-up   flashinfer, 1-layer pool ms"]
     for r in rows:
@@ -248,6 +287,8 @@ def main() -> int:
         stage = "timing"
         result["timing"] = timing()
         print(table(result["timing"]), flush=True)
+        stage = "layouts"
+        result["layouts"] = layouts()
         result["status"] = "PASS"
     except ProbeFailure as failure:
         result["status"] = f"FAIL: {stage}: {failure}"

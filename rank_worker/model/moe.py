@@ -1,17 +1,23 @@
 """DeepSeek's feed-forward: a gated MLP (the leading dense layers, the shared experts) and the routed MoE with
 grouped top-k routing as transformers computes it (deepseek_config.py says which routing each type uses).
 
-Routed experts run as a loop over the experts this batch hit: each takes its tokens, and the weighted
-outputs are summed with index_add_ in expert order (transformers' order, so float32 matches it). Finding the
-experts hit is a host sync, which a CUDA graph cannot hold: while one is recorded (a decode step of the MLA
-kernel backend) every expert runs over every token instead, weighted by its routing weight (0 where it was
-not chosen), n_routed_experts / num_experts_per_tok times the routed flops of a step but no sync; its cost
-against the eager loop is not measured yet. A fast path would sort tokens by expert and run one grouped GEMM
-(a Triton or CUTLASS grouped kernel, or torch._grouped_mm) with no host sync, and with expert parallelism
-dispatch tokens across ranks.
+Routed experts run one of three ways, all giving each token the weighted sum of its experts:
+- grouped (bf16 on a CUDA GPU of compute capability 9.0 or later, eager and inside a recorded decode graph):
+  the (token, expert) pairs sorted by expert and run as two grouped GEMMs (torch._grouped_mm: gate/up, then
+  down, each expert over its contiguous run of rows), the offsets of the runs counted on the device: no host
+  sync, so it is graph-safe. Each token's k outputs are put back in slot order and summed in float32 (no
+  atomics: the same inputs give the same bits, which the warm-vs-cold match needs).
+- experts_hit (the CPU and float32 path): a loop over the experts this batch hit, each over its tokens, the
+  weighted outputs summed with index_add_ in expert order (transformers' order, so float32 matches it).
+  Finding the experts hit is a host sync.
+- every_expert (a recorded graph where grouped GEMMs do not run): every expert over every token, weighted by
+  its routing weight (0 where not chosen): n_routed_experts / num_experts_per_tok times the routed flops.
+With expert parallelism tokens would also be dispatched across ranks; one rank holds every expert here.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +52,26 @@ class GatedMLP(nn.Module):
             f"{prefix}.up_proj.weight": self.gate_up_proj[n:],
             f"{prefix}.down_proj.weight": self.down_proj,
         }
+
+
+def grouped_gemm_runs(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm serves this input: bf16 on a CUDA GPU of compute capability >= 9.0 (its
+    CUTLASS kernels; float32 and older GPUs take the other paths)."""
+    return (
+        x.is_cuda
+        and x.dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and _capability(x.device.index if x.device.index is not None else torch.cuda.current_device()) >= (9, 0)
+    )
+
+
+@functools.cache
+def _capability(device: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return fused_ops.silu_and_mul(gate_up) if gate_up.is_cuda else fused_ops.silu_and_mul_reference(gate_up)
 
 
 class TopkRouter(nn.Module):
@@ -115,8 +141,12 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, weights = self.gate(x)
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        out = self.every_expert(x, ids, weights) if capturing else self.experts_hit(x, ids, weights)
+        if grouped_gemm_runs(x):
+            out = self.grouped_experts(x, ids, weights)
+        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
+            out = self.every_expert(x, ids, weights)
+        else:
+            out = self.experts_hit(x, ids, weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
@@ -131,6 +161,27 @@ class MoE(nn.Module):
             h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
             out.index_add_(0, tokens, (h * weights[tokens, slot, None]).to(out.dtype))
         return out
+
+    def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """The same sum by two grouped GEMMs over the (token, slot) pairs sorted by expert, with no host sync."""
+        tokens, k = ids.shape
+        if tokens == 0:
+            return torch.zeros_like(x)
+        experts = self.cfg.n_routed_experts
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
+        # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        rows = x.index_select(0, order // k)
+        # [E, 2I, H] seen as [E, H, 2I] (column-major per expert: what the grouped kernel takes, no copy)
+        h = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=ends)
+        h = torch._grouped_mm(_silu_and_mul(h), self.experts_down.transpose(1, 2), offs=ends)
+        h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
+        slots = torch.empty_like(h)
+        slots.index_copy_(0, order, h)  # back to (token, slot) order
+        return slots.view(tokens, k, -1).sum(dim=1).to(x.dtype)
 
     def every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same sum with no host sync: every expert over every token, its output weighted by the token's

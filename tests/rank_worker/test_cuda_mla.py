@@ -210,3 +210,40 @@ def test_engines_on_the_mla_kernel_with_and_without_graphs_give_the_pytorch_path
         model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=32, kv_cache_dtype="fp8_e4m3"
     )
     assert build_engine(fp8).attention.name == "mla_sdpa"
+
+
+@needs_cuda
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_grouped_gemm_experts_in_bf16_match_the_loop_and_replay_in_a_cuda_graph(model_type, tmp_path) -> None:
+    """bf16 on an SM90 GPU takes MoE.grouped_experts (two torch._grouped_mm, no host sync): close to the
+    experts_hit loop on the same routing, the same bits on a second run, and recorded in a CUDA graph it
+    replays the eager result exactly (new inputs copied into the recorded buffer)."""
+    from rank_worker.model.moe import grouped_gemm_runs
+
+    write_deepseek(model_type, tmp_path)
+    model = build_model(open_model_source(str(tmp_path)), DEVICE, torch.bfloat16, max_positions=512, seed=0)
+    moe = model.layers[1].mlp
+    torch.manual_seed(12)
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("torch._grouped_mm needs compute capability 9.0")
+    x = torch.randn(37, model.cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
+    assert grouped_gemm_runs(x)
+    with torch.inference_mode():
+        ids, weights = moe.gate(x)
+        grouped = moe.grouped_experts(x, ids, weights)
+        torch.testing.assert_close(grouped, moe.experts_hit(x, ids, weights), rtol=2e-2, atol=2e-2)
+        assert torch.equal(grouped, moe.grouped_experts(x, ids, weights))
+        static = x.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            moe(static)  # warm-up off the capture (allocator pools, kernel selection)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            recorded = moe(static)
+        other = torch.randn_like(x)
+        static.copy_(other)
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(recorded, moe(other), rtol=0, atol=0)

@@ -23,6 +23,7 @@ from rank_worker.model.attention.mla_triton import MlaTritonAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.feature_check import UnsupportedModelError
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+from rank_worker.model.moe import grouped_gemm_runs
 from rank_worker.model_files.hf_config import normalize_hf_config
 from rank_worker.model_files.source import open_model_source
 
@@ -181,6 +182,22 @@ def test_routed_experts_without_a_host_sync_match_the_loop_over_the_experts_hit(
     ids, weights = moe.gate(x)
     close = {"rtol": 1e-6, "atol": 1e-6}
     torch.testing.assert_close(moe.every_expert(x, ids, weights), moe.experts_hit(x, ids, weights), **close)
+
+
+def test_grouped_gemm_experts_match_the_loop_over_the_experts_hit(checkpoint) -> None:
+    """MoE.grouped_experts (sorted pairs, two torch._grouped_mm: the bf16 CUDA path) against experts_hit, here
+    on the CPU in float32, with tokens that leave experts unused and one token batch that is empty."""
+    _, model, _, _ = checkpoint
+    moe = model.layers[1].mlp
+    torch.manual_seed(11)
+    for count in (1, 3, 40):
+        x = torch.randn(count, model.cfg.hidden_size)
+        ids, weights = moe.gate(x)
+        torch.testing.assert_close(moe.grouped_experts(x, ids, weights), moe.experts_hit(x, ids, weights))
+    empty = torch.empty(0, model.cfg.hidden_size)
+    ids, weights = moe.gate(empty)
+    assert moe.grouped_experts(empty, ids, weights).shape == (0, model.cfg.hidden_size)
+    assert not grouped_gemm_runs(x)  # the CPU keeps the exact loop
 
 
 @pytest.mark.parametrize(

@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Source on the GPU machine after the .fa4 chunk calls (bench/fa4_kit.sh): installs flash-attn 4 and its
+# wheels from /tmp/fa4acc into /tmp/fa4site (once per warm machine) and puts that site first on PYTHONPATH.
+# Returns non-zero when the chunks are not there or do not install.
+if [ ! -f /tmp/fa4site/flash_attn/cute/__init__.py ]; then
+  if ! ls /tmp/fa4acc/chunk0* >/dev/null 2>&1; then
+    echo "bench/fa4_env.sh: no chunks in /tmp/fa4acc (send .fa4/chunk00, chunk01 first)"
+    return 1 2>/dev/null || exit 1
+  fi
+  rm -rf /tmp/fa4w && mkdir -p /tmp/fa4w && cat /tmp/fa4acc/chunk0* | tar xf - -C /tmp/fa4w &&
+    timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site \
+      /tmp/fa4w/*.whl || { echo "bench/fa4_env.sh: install failed"; return 1 2>/dev/null || exit 1; }
+fi
+export PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
+export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
+export CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+mkdir -p /tmp/fa4cache

@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flashinfer", "sdpa"])
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "fa4", "flashinfer", "sdpa"])
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3"], help="fp8_e4m3: twice the tokens a pool"
     )

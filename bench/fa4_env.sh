@@ -13,5 +13,5 @@ if [ ! -f /tmp/fa4site/flash_attn/cute/__init__.py ]; then
 fi
 export PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
-export CUTE_DSL_CACHE_DIR=/tmp/fa4cache
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
 mkdir -p /tmp/fa4cache

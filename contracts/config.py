@@ -47,18 +47,20 @@ class KvServeConfig(BaseSettings):
         "taken on the device), so the host's work between steps overlaps the GPU's; decode-only and mixed steps "
         "alike (H200, llama-8b: 5-8% less time per decode step, bench/results/host-gaps-h200)",
     )
-    attention_backend: Literal["auto", "triton", "flashinfer", "sdpa"] = Field(
+    attention_backend: Literal["auto", "triton", "fa4", "flashinfer", "sdpa"] = Field(
         "auto",
-        description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), FlashInfer's "
-        "FA3 kernel for prefill over a cached prefix with ours for decode (CUDA: the kvserve[cuda] extra with "
-        "FlashInfer's prebuilt modules), or gather + SDPA (the CPU path); auto takes FlashInfer where it runs "
+        description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), flash-attn "
+        "4's paged forward for every prefill chunk with ours for decode (SM90 GPUs: the kvserve[cuda] extra; it "
+        "compiles its kernels at start-up, seconds each), FlashInfer's FA3 kernel for prefill over a cached "
+        "prefix with ours for decode (the kvserve[cuda] extra with FlashInfer's prebuilt modules), or gather + "
+        "SDPA (the CPU path); auto takes fa4 where it is installed on an SM90 GPU, else FlashInfer where it runs "
         "without compiling, else our kernels wherever they run, else SDPA",
     )
     kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
         "auto",
         description="what the KV pool stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 (scale 1.0), half "
         "a bf16 pool's bytes per token, so twice the tokens; read by the sdpa path and the Triton kernels "
-        "(attention_backend auto takes those on CUDA), not by FlashInfer",
+        "(attention_backend auto takes those on CUDA), not by fa4 or FlashInfer",
     )
     l1_cache: bool = True
     l1_host_gb: float = Field(32.0, ge=0.0)

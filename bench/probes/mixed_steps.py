@@ -134,7 +134,7 @@ def profile_step(probe: Probe, chunks: list[int], cached: int, rows: int) -> dic
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-8b")
-    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "flashinfer", "sdpa"])
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "fa4", "flashinfer", "sdpa"])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="")
     parser.add_argument("--no-profile", action="store_true")

@@ -4,6 +4,7 @@ after this step. Decode-only steps replay a CUDA graph recorded at start-up wher
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -20,6 +21,8 @@ from rank_worker.engine.step_trace import phase
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.forward_batch import PrefillSlice
+
+log = logging.getLogger(__name__)
 
 # Block-table rows beyond max_num_seqs: preempted sequences keep theirs until a row is needed.
 SPARE_TABLE_ROWS = 16
@@ -120,6 +123,9 @@ class ModelRunner:
         )
         self.model(inputs.batch_view(3, 1, 1, [prefill]), self.kv_cache)
         torch.cuda.synchronize(self.device)
+        seconds = self.backend.warm_up(self.kv_cache)  # kernels that compile per variant (FA4's)
+        if seconds:
+            log.info("attention backend %s compiled its kernels in %.1f s", self.backend.name, seconds)
 
     def capture_graphs(self) -> float:
         """Record the decode graphs (start-up); returns the seconds it took (0 without graphs)."""

@@ -66,11 +66,11 @@ class DeepseekForCausalLM(nn.Module):
     ) -> AttentionBackend:
         """MLA takes its own paths: auto and triton the MLA decode kernel (mla_triton.py) wherever it runs (CUDA,
         Triton, a power-of-two kv_lora_rank >= 16), sdpa and auto elsewhere PyTorch alone (mla_sdpa.py); there
-        is no FlashInfer MLA path."""
+        is no FlashInfer or FA4 MLA path."""
         fits = device.type == "cuda" and decode_kernel.available() and mla_decode_kernel.fits(self.cfg.kv_lora_rank)
-        if setting == "flashinfer":
+        if setting in ("fa4", "flashinfer"):
             raise RuntimeError(
-                "attention_backend: flashinfer has no MLA kernel; DeepSeek models run attention_backend auto, "
+                f"attention_backend: {setting} has no MLA kernel here; DeepSeek models run attention_backend auto, "
                 "triton or sdpa"
             )
         if setting == "triton" and not fits:

@@ -168,7 +168,7 @@ def test_engines_on_the_mla_kernel_with_and_without_graphs_give_the_pytorch_path
     """Prompts sharing prefixes (warm chunks over cached latents), chunked prefill (a small token budget),
     batches that shrink as rows finish; float32 so greedy tokens must agree exactly. auto takes the kernel on
     CUDA; the graphed engines replay their decode steps (MoE.every_expert recorded), the last one pipelined;
-    an fp8 pool under auto runs the PyTorch path."""
+    an fp8 pool under auto runs the kernel too, and gives the fp8 PyTorch path's tokens."""
     from contracts.config import KvServeConfig
     from rank_worker.engine.factory import build_engine
 
@@ -206,10 +206,21 @@ def test_engines_on_the_mla_kernel_with_and_without_graphs_give_the_pytorch_path
     assert runs[("triton", False, False)] == plain
     assert runs[("auto", True, False)] == plain
     assert runs[("triton", True, True)] == plain
-    fp8 = KvServeConfig(
-        model=str(tmp_path), dtype="float32", device="cuda", num_kv_blocks=32, kv_cache_dtype="fp8_e4m3"
-    )
-    assert build_engine(fp8).attention.name == "mla_sdpa"
+    fp8_runs = {}
+    for backend, name in (("auto", "mla_triton"), ("sdpa", "mla_sdpa")):  # the kernel reads an fp8 pool too
+        fp8 = KvServeConfig(
+            model=str(tmp_path),
+            dtype="float32",
+            device="cuda",
+            num_kv_blocks=256,
+            max_num_batched_tokens=96,
+            kv_cache_dtype="fp8_e4m3",
+            attention_backend=backend,
+        )
+        engine = build_engine(fp8)
+        assert engine.attention.name == name
+        fp8_runs[name] = generate_greedy(engine, prompts, lengths)
+    assert fp8_runs["mla_triton"] == fp8_runs["mla_sdpa"]
 
 
 @needs_cuda

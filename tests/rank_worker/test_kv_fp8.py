@@ -282,12 +282,13 @@ def test_the_namespace_carries_the_kv_dtype(engine_model) -> None:
     )
 
 
-def test_flashinfer_is_refused_by_name_with_fp8(engine_model) -> None:
-    """Checked before anything asks for CUDA, so it holds on the CPU as on a GPU: FlashInfer's FA3 module reads
-    16-bit K/V only (the Triton kernels read fp8: tests/rank_worker/test_cuda_attention.py, on CUDA)."""
+@pytest.mark.parametrize("setting", ["fa4", "flashinfer"])
+def test_fa4_and_flashinfer_are_refused_by_name_with_fp8(engine_model, setting) -> None:
+    """Checked before anything asks for CUDA, so it holds on the CPU as on a GPU: FA4's SM90 kernel and
+    FlashInfer's FA3 module read 16-bit K/V only (the Triton kernels read fp8: test_cuda_attention.py)."""
     model, tokenizer = engine_model
-    with pytest.raises(RuntimeError, match=r"attention_backend: flashinfer does not read an fp8 KV cache.*triton"):
-        _fp8_engine(model, tokenizer, num_blocks=4, attention_backend="flashinfer")
+    with pytest.raises(RuntimeError, match=rf"attention_backend: {setting} does not read an fp8 KV cache.*triton"):
+        _fp8_engine(model, tokenizer, num_blocks=4, attention_backend=setting)
 
 
 def test_fp8_runs_the_sdpa_path_under_auto_on_the_cpu() -> None:

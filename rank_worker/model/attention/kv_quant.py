@@ -37,14 +37,14 @@ def pool_dtype(setting: KvCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
 
 
 def check_backend(setting: str, kv_dtype: torch.dtype) -> str:
-    """The attention_backend setting an fp8 pool runs: flashinfer is refused by name, before anything asks for
-    CUDA, since its FA3 module reads 16-bit K/V only; auto, triton and sdpa stand (auto then takes the Triton
+    """The attention_backend setting an fp8 pool runs: fa4 and flashinfer are refused by name, before anything
+    asks for CUDA, since their kernels read 16-bit K/V only; auto, triton and sdpa stand (auto then takes the Triton
     kernels where they run, else SDPA: backend.choose_backend)."""
     if kv_dtype != FP8:
         return setting
-    if setting == "flashinfer":
+    if setting in ("fa4", "flashinfer"):
         raise RuntimeError(
-            "attention_backend: flashinfer does not read an fp8 KV cache; kv_cache_dtype fp8_e4m3 runs "
+            f"attention_backend: {setting} does not read an fp8 KV cache; kv_cache_dtype fp8_e4m3 runs "
             "attention_backend auto, triton or sdpa"
         )
     assert KV_SCALE == 1.0, "the Triton kernels read an fp8 pool's values unscaled"

@@ -18,8 +18,10 @@
 #   carry [".peer/chunk00"] .. [".peer/chunk05"]: bash bench/peer_h200.sh chunk
 #   carry [".peer/chunk06"]:                      bash bench/peer_h200.sh chunk vllm-engine
 #   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
-#   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-engine
-#   carry [".whl", ".fi"]:                        bash bench/peer_h200.sh ours-agents   (until "all steps done")
+#   carry [".fa4/chunk00"], [".fa4/chunk01"]:     bash bench/peer_h200.sh chunk         (flash-attn 4, for ours)
+#   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
+#   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
+# (FlashInfer instead of FA4: carry [".whl", ".fi"] and no .fa4 chunks.)
 # (.peer/ from ../shared/tools/vllm-peer/build_chunks.sh, .whl/ from bench/gpu_kit.sh.)
 # Another shape, e.g. DeepSeek-V2-Lite at the traces' real size (issue 14), with vLLM once plain and once with its
 # CPU offload (PEER_TAG keeps each vLLM variant's state and results apart; ours runs in either):
@@ -60,6 +62,9 @@ if have_kit; then
 fi
 # FlashInfer's wheels and prebuilt FA3 module when carried (.fi): attention_backend auto then takes it
 if [ -d .fi ]; then source "$(dirname "$0")/fi_env.sh" || exit 1; fi
+# flash-attn 4 when its chunks came (carry .fa4/chunk00, then chunk01, with the chunk phase): auto then takes it
+# for our prefill. Not beside .fi: FA4 needs a newer tvm-ffi than the FlashInfer kit's, and it would shadow it.
+if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then source "$(dirname "$0")/fa4_env.sh" || exit 1; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 
 left() { echo $((DEADLINE - SECONDS)); }
@@ -210,7 +215,11 @@ phase() {
         [ -f "$c" ] || continue
         cp "$c" /tmp/acc/ && say "$c -> /tmp/acc ($(du -m "$c" | cut -f1) MB)"
       done
-      ls -la /tmp/acc
+      for c in .fa4/chunk*; do  # flash-attn 4's kit (bench/fa4_kit.sh), for ours
+        [ -f "$c" ] || continue
+        mkdir -p /tmp/fa4acc && cp "$c" /tmp/fa4acc/ && say "$c -> /tmp/fa4acc ($(du -m "$c" | cut -f1) MB)"
+      done
+      ls -la /tmp/acc /tmp/fa4acc 2>/dev/null
       ;;
     vllm-engine)
       ours_stop

@@ -85,6 +85,20 @@ class BlockPool:
     def lookup(self, block_hash: bytes) -> int | None:
         return self._by_hash.get(block_hash) if self.caching else None
 
+    def cached_run(self, hashes: list[bytes], limit: int | None = None) -> list[int]:
+        """The blocks holding the leading run of hashes (at most limit of them) that L0 has: one tight loop,
+        since a 100K-token prompt asks for 6K blocks and a per-block call costs a warm request milliseconds."""
+        if not self.caching:
+            return []
+        get = self._by_hash.get
+        run: list[int] = []
+        for block_hash in hashes if limit is None else hashes[:limit]:
+            block_id = get(block_hash)
+            if block_id is None:
+                break
+            run.append(block_id)
+        return run
+
     def register(self, block_id: int, block_hash: bytes) -> bool:
         """Make a full, computed block a cache entry. False if another block already holds this hash."""
         if not self.caching or block_hash in self._by_hash:

@@ -26,6 +26,11 @@ class _Row:
     preemptions: int  # the sequence's count when the row was written: another means a new table
 
 
+# New entries of one row past which rows_for copies the row's run as one slice (a 100K-token prompt's 6K blocks:
+# 0.3 ms, against 2 ms for its (row, column, block) triples).
+LONG_RUN = 64
+
+
 class BlockTables:
     def __init__(self, max_rows: int, max_blocks: int, scratch_block: int, device: torch.device) -> None:
         self.max_blocks = max_blocks
@@ -44,8 +49,12 @@ class BlockTables:
             table = seq.block_table
             if row.preemptions != seq.preemptions or row.written > len(table):
                 row.written, row.preemptions = 0, seq.preemptions  # a new table after a preemption
-            for column in range(row.written, len(table)):
-                updates += (row.index, column, table[column])
+            if len(table) - row.written > LONG_RUN:  # a long prompt's row: one slice copy, not 3 ints a block
+                run = torch.tensor(table[row.written :], dtype=torch.int32)
+                self.table[row.index, row.written : len(table)].copy_(run, non_blocking=True)
+            else:
+                for column in range(row.written, len(table)):
+                    updates += (row.index, column, table[column])
             row.written = len(table)
             rows.append(row.index)
         if updates:

@@ -114,12 +114,7 @@ class KvCacheManager:
         if not self.pool.caching:
             return 0, 0
         hashes = self.lookup_hashes(seq)
-        blocks: list[int] = []
-        for block_hash in hashes:
-            block_id = self.pool.lookup(block_hash)
-            if block_id is None:
-                break
-            blocks.append(block_id)
+        blocks = self.pool.cached_run(hashes)
         for block_id in blocks:
             self.pool.acquire_cached(block_id)
         restored = 0
@@ -131,10 +126,7 @@ class KvCacheManager:
         return (len(blocks) - restored) * self.block_size, restored * self.block_size
 
     def _l0_run(self, hashes: list[bytes]) -> int:
-        count = 0
-        while count < len(hashes) and self.pool.lookup(hashes[count]) is not None:
-            count += 1
-        return count
+        return len(self.pool.cached_run(hashes))
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be
@@ -162,9 +154,7 @@ class KvCacheManager:
             return 0, 0
         hashes = self.lookup_hashes(seq)
         limit = len(hashes) if enough is None else min(len(hashes), -(-enough // self.block_size))
-        in_l0 = 0
-        while in_l0 < limit and self.pool.lookup(hashes[in_l0]) is not None:
-            in_l0 += 1
+        in_l0 = len(self.pool.cached_run(hashes, limit))
         in_l1 = 0
         if in_l0 < limit and self.host_tier is not None:
             in_l1 = self.host_tier.known_run(hashes[in_l0:limit])

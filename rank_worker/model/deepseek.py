@@ -65,8 +65,9 @@ class DeepseekForCausalLM(nn.Module):
         self, setting: BackendName, device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
     ) -> AttentionBackend:
         """MLA takes its own paths: auto and triton the MLA decode kernel (mla_triton.py) wherever it runs (CUDA,
-        Triton, a power-of-two kv_lora_rank >= 16), sdpa and auto elsewhere PyTorch alone (mla_sdpa.py); there
-        is no FlashInfer or FA4 MLA path."""
+        Triton, a power-of-two kv_lora_rank >= 16), with prefill through flash-attn 4 where it runs (an SM90 GPU,
+        16-bit) and SDPA elsewhere; sdpa and auto elsewhere PyTorch alone (mla_sdpa.py). fa4 and flashinfer by
+        name are refused: their paged kernels read per-head K/V, not latents."""
         fits = device.type == "cuda" and decode_kernel.available() and mla_decode_kernel.fits(self.cfg.kv_lora_rank)
         if setting in ("fa4", "flashinfer"):
             raise RuntimeError(
@@ -76,7 +77,11 @@ class DeepseekForCausalLM(nn.Module):
         if setting == "triton" and not fits:
             raise RuntimeError("attention_backend: triton for MLA needs CUDA, Triton and a power-of-two kv_lora_rank")
         if setting in ("auto", "triton") and fits:
-            return MlaTritonAttention()
+            from rank_worker.model.attention import fa4_backend
+
+            cfg = self.cfg
+            fa4 = (cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, dtype) if fa4_backend.usable(device, dtype) else None
+            return MlaTritonAttention(fa4)
         return MlaSdpaAttention()
 
     def set_attention_backend(self, backend: AttentionBackend) -> None:

@@ -10,6 +10,7 @@ tl.dot multiplies bf16 bit patterns (triton-lang/triton#11584), so float16 stand
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -127,10 +128,16 @@ def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(mod
     over a pool of random latents: the same logits (float32)."""
     torch.manual_seed(4)
     model = _tiny_deepseek(model_type, tmp_path)
+    results = _deepseek_step(model, (MlaSdpaAttention(), MlaTritonAttention()), torch.float32)
+    torch.testing.assert_close(results["mla_triton"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
+
+
+def _deepseek_step(model, backends, dtype) -> dict:
+    """One step (three decode rows, a warm and a cold chunk) through each backend: name -> logits."""
     decodes, chunks = [1, 17, 40], [(5, 30), (9, 0)]  # chunks: (new, cached)
     lengths = decodes + [new + cached for new, cached in chunks]
     num_blocks = 24
-    pool = torch.randn(kv_pool_shape(model, num_blocks, BLOCK_SIZE), device=DEVICE)
+    pool = torch.randn(kv_pool_shape(model, num_blocks, BLOCK_SIZE), device=DEVICE).to(dtype)
     table, rows = _tables(lengths, num_blocks, 8)
     host_table = table.cpu()
     positions, slots, pieces = [n - 1 for n in decodes], [], []
@@ -156,10 +163,44 @@ def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(mod
     )
     results = {}
     with torch.inference_mode():
-        for backend in (MlaSdpaAttention(), MlaTritonAttention()):
+        for backend in backends:
             model.set_attention_backend(backend)
             results[backend.name] = model(ForwardBatch(**batch_fields), pool.clone())
-    torch.testing.assert_close(results["mla_triton"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
+    return results
+
+
+needs_fa4 = pytest.mark.skipif(
+    not ON_CUDA or importlib.util.find_spec("cutlass") is None or torch.cuda.get_device_capability()[0] != 9,
+    reason="needs flash-attn 4 and an SM90 GPU",
+)
+
+
+@needs_fa4
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
+def test_mla_prefill_through_fa4_matches_the_sdpa_prefill_in_bf16(model_type, tmp_path) -> None:
+    """The same step with the kernel backend's prefill through FA4 (one varlen launch over the expanded K/V of
+    a warm and a cold chunk) and through SDPA, in bf16: logits close; auto takes FA4 for prefill here, and
+    after its warm-up the step compiles nothing."""
+    from flash_attn.cute import interface
+
+    def compiled() -> int:
+        return sum(len(f.compile_cache.cache) for f in vars(interface).values() if hasattr(f, "compile_cache"))
+
+    write_deepseek(model_type, tmp_path)
+    model = build_model(open_model_source(str(tmp_path)), DEVICE, torch.bfloat16, max_positions=512, seed=0)
+    cfg = model.cfg
+    chosen = model.choose_attention("auto", DEVICE, torch.bfloat16)
+    assert isinstance(chosen, MlaTritonAttention) and chosen.fa4_prefill
+    assert chosen.warm_up(torch.empty(1, device=DEVICE)) > 0
+    before = compiled()
+    torch.manual_seed(4)
+    fa4 = MlaTritonAttention((cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, torch.bfloat16))
+    fa4.name = "mla_fa4"
+    results = _deepseek_step(model, (MlaTritonAttention(), fa4), torch.bfloat16)
+    assert compiled() == before
+    reference = results["mla_triton"].float()
+    error = float((results["mla_fa4"].float() - reference).norm() / reference.norm())
+    assert error < 2e-2, error
 
 
 @needs_cuda

@@ -21,7 +21,7 @@ from torch.nn.attention.bias import causal_lower_right
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.sdpa_backend import plan_decode_tables
-from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 
 
 class MlaSdpaAttention(AttentionBackend):
@@ -65,18 +65,31 @@ class MlaSdpaAttention(AttentionBackend):
             q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:n], w_uk)  # q_nope folded into W_UK
             o_lat = self.decode_latent(q_lat, q_pe[:n], latent_cache, batch, scale)
             out[:n] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
-        block_size = latent_cache.shape[1]
+        if batch.prefills:
+            self.prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+        return out
+
+    def prefill_chunks(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        kv_b_proj: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """The step's prefill chunks, each over its context's latents expanded into per-head K/V, into out."""
+        nope = q_nope.shape[2]
         for piece in batch.prefills:
             rows = slice(piece.token_start, piece.token_start + piece.num_new)
+            context = chunk_context(piece, latent, latent_cache, batch, q_nope.dtype)
             if piece.context_len == piece.num_new:
-                context, mask, causal = latent[rows], None, True  # nothing cached before this chunk
+                mask, causal = None, True  # nothing cached before this chunk
             else:
-                table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
-                context = latent_cache[table].reshape(-1, latent_cache.shape[-1])[: piece.context_len]
-                context = kv_quant.dequantize(context, q_nope.dtype)
                 mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
             out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
-        return out
 
     def decode_latent(
         self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, scale: float
@@ -84,6 +97,29 @@ class MlaSdpaAttention(AttentionBackend):
         """The decode rows in latent space: q_lat [B, H, r] (q_nope W_UK), q_pe [B, H, rope] over each row's
         [c, k_pe] in the pool -> [B, H, r], the attention-weighted latents (W_UV is applied after)."""
         return _absorbed_decode(q_lat, q_pe, latent_cache, batch, scale)
+
+
+def chunk_context(
+    piece: PrefillSlice, latent: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype
+) -> torch.Tensor:
+    """A chunk's context latents [context_len, r + rope] in the model's dtype: its own (this step's) for a cold
+    chunk, else gathered from the pool through its block-table row (an fp8 pool dequantised)."""
+    if piece.context_len == piece.num_new:
+        return latent[piece.token_start : piece.token_start + piece.num_new]
+    block_size = latent_cache.shape[1]
+    table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
+    context = latent_cache[table].reshape(-1, latent_cache.shape[-1])[: piece.context_len]
+    return kv_quant.dequantize(context, dtype)
+
+
+def expand_latents(context: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int) -> tuple:
+    """Context latents [m, r + rope] -> per-head k [m, H, nope + rope] (k_pe shared by every head) and v [m, H, v]
+    (a view into kv_b_proj's output)."""
+    rank = kv_b_proj.shape[1]
+    c, k_pe = context[:, :rank], context[:, rank:]
+    kv = F.linear(c, kv_b_proj).view(context.shape[0], heads, -1)
+    k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+    return k, kv[..., nope:]
 
 
 def _expanded_prefill(
@@ -97,12 +133,7 @@ def _expanded_prefill(
     causal: bool,
 ) -> torch.Tensor:
     """A chunk over its context's latents [m, r + rope], expanded into per-head K/V: [n, H, v]."""
-    heads = q_nope.shape[1]
-    rank = kv_b_proj.shape[1]
-    c, k_pe = context[:, :rank], context[:, rank:]
-    kv = F.linear(c, kv_b_proj).view(context.shape[0], heads, -1)
-    k_nope, v = kv[..., :nope], kv[..., nope:]
-    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
+    k, v = expand_latents(context, kv_b_proj, q_nope.shape[1], nope)
     q = torch.cat([q_nope, q_pe], dim=-1)
     qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)

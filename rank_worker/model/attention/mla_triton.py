@@ -1,23 +1,40 @@
 """The CUDA MLA backend: decode rows by the Triton kernel reading each row's latents in place through the block
-table (mla_decode_kernel.py), prefill chunks by mla_sdpa.py's expanded-latent SDPA, as on the CPU.
+table (mla_decode_kernel.py); prefill chunks over their contexts' latents expanded into per-head K/V (k:
+nope + rope dims, v: v dims), by mla_sdpa.py's SDPA as on the CPU or, where flash-attn 4 runs (an SM90 GPU,
+16-bit: fa4_backend.usable), by one FA4 varlen launch per layer for all of a step's chunks (q and the expanded
+K/V concatenated, cu_seqlens for both; FA4's causal mask is aligned bottom-right, our chunk-over-prefix mask;
+head dims 192/128 in DeepSeek's shapes). SDPA takes a warm chunk's mask as an explicit lower-right bias, which
+sends it off the flash kernel.
 
 A decode-only step runs the W_UK fold, the kernel and the W_UV product: fixed shapes given the batch size, no
-host sync, nothing gathered, so it can be recorded in a CUDA graph (the MoE's routed experts switch to their
-sync-free form while one is recorded: moe.py).
+host sync, nothing gathered, so it can be recorded in a CUDA graph (the MoE's routed experts run sync-free
+there: moe.py).
 """
 
 from __future__ import annotations
 
+import itertools
+import time
+
 import torch
 
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention
-from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, chunk_context, expand_latents
 from rank_worker.model.forward_batch import ForwardBatch
+
+# (new tokens, context) of the chunks of the steps warm_up runs through FA4 (the kernel variants a step needs:
+# short, two chunks one cold, past one q tile over a longer prefix, a long cold chunk).
+FA4_WARM_UP_STEPS: list[list[tuple[int, int]]] = [[(2, 18)], [(16, 16), (3, 20)], [(300, 2300)], [(1000, 1000)]]
 
 
 class MlaTritonAttention(MlaSdpaAttention):
     name = "mla_triton"
     graph_safe = True
+
+    def __init__(self, fa4_shape: tuple[int, int, int, torch.dtype] | None = None) -> None:
+        """fa4_shape: (heads, qk head dim, v head dim, model dtype) to run prefill through FA4; None: SDPA."""
+        self.fa4_shape = fa4_shape
+        self.fa4_prefill = fa4_shape is not None
 
     def plan(self, batch: ForwardBatch) -> None:
         batch.attention = None  # the kernel reads the persistent block table through decode_rows; prefills too
@@ -29,3 +46,83 @@ class MlaTritonAttention(MlaSdpaAttention):
         return mla_decode_attention(
             q_lat, q_pe, latent_cache, batch.block_tables, batch.decode_rows, batch.decode_lens, scale
         )
+
+    def prefill_chunks(
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        kv_b_proj: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        if not self.fa4_prefill:
+            super().prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+            return
+        pieces = sorted(batch.prefills, key=lambda p: p.token_start)
+        for before, after in itertools.pairwise(pieces):
+            if before.token_start + before.num_new != after.token_start:
+                raise RuntimeError("mla_triton: prefill chunks of a step must be adjacent in the batch")
+        contexts = [chunk_context(p, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
+        k, v = expand_latents(torch.cat(contexts), kv_b_proj, q_nope.shape[1], q_nope.shape[2])
+        start, end = pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new
+        q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)
+        qo, ko = [0], [0]
+        for p in pieces:
+            qo.append(qo[-1] + p.num_new)
+            ko.append(ko[-1] + p.context_len)
+        bounds = torch.tensor(qo + ko, dtype=torch.int32).to(q.device, non_blocking=True)
+        _fa4_varlen(
+            q,
+            k,
+            v,
+            bounds[: len(qo)],
+            bounds[len(qo) :],
+            max(p.num_new for p in pieces),
+            max(p.context_len for p in pieces),
+            scale,
+            out[start:end],
+        )
+
+    def warm_up(self, kv_cache: torch.Tensor) -> float:
+        """Compile FA4's variants for FA4_WARM_UP_STEPS now (start-up); returns the seconds it took."""
+        if self.fa4_shape is None:
+            return 0.0
+        heads, qk_dim, v_dim, dtype = self.fa4_shape
+        device = kv_cache.device
+        started = time.perf_counter()
+        for chunks in FA4_WARM_UP_STEPS:
+            qo, ko = [0], [0]
+            for new, context in chunks:
+                qo.append(qo[-1] + new)
+                ko.append(ko[-1] + context)
+            q = torch.zeros(qo[-1], heads, qk_dim, dtype=dtype, device=device)
+            k = torch.zeros(ko[-1], heads, qk_dim, dtype=dtype, device=device)
+            v = torch.zeros(ko[-1], heads, v_dim, dtype=dtype, device=device)
+            bounds = torch.tensor(qo + ko, dtype=torch.int32, device=device)
+            out = torch.empty(qo[-1], heads, v_dim, dtype=dtype, device=device)
+            max_q, max_k = max(n for n, _ in chunks), max(c for _, c in chunks)
+            _fa4_varlen(q, k, v, bounds[: len(qo)], bounds[len(qo) :], max_q, max_k, qk_dim**-0.5, out)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - started
+
+
+def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:
+    """FA4 over concatenated chunks: q [n, H, qk], k [m, H, qk], v [m, H, v] (a strided view is fine), into out."""
+    from flash_attn.cute.interface import _flash_attn_fwd  # lazily: CUDA steps with FA4 installed only
+
+    _flash_attn_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        softmax_scale=scale,
+        causal=True,
+        pack_gqa=False,
+        out=out,
+    )

@@ -62,3 +62,14 @@ def test_fa4_plan_lays_out_the_steps_chunks_as_a_varlen_batch_over_block_table_r
     )
     with pytest.raises(RuntimeError, match="adjacent"):
         backend.plan(gap)
+
+
+def test_mla_fa4_prefill_falls_back_to_sdpa_when_its_warm_up_fails() -> None:
+    """A rank whose FA4 does not run (here: not installed) keeps serving: warm_up logs, turns FA4 prefill off
+    and the SDPA prefill serves (the engine's start-up calls warm_up before any request)."""
+    from rank_worker.model.attention.mla_triton import MlaTritonAttention
+
+    backend = MlaTritonAttention((4, 24, 16, torch.bfloat16))
+    assert backend.fa4_prefill
+    assert backend.warm_up(torch.empty(1)) == 0.0
+    assert not backend.fa4_prefill and backend.fa4_shape is None

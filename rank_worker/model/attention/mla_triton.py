@@ -1,7 +1,8 @@
 """The CUDA MLA backend: decode rows by the Triton kernel reading each row's latents in place through the block
 table (mla_decode_kernel.py); prefill chunks over their contexts' latents expanded into per-head K/V (k:
 nope + rope dims, v: v dims), by mla_sdpa.py's SDPA as on the CPU or, where flash-attn 4 runs (an SM90 GPU,
-16-bit: fa4_backend.usable), by one FA4 varlen launch per layer for all of a step's chunks (q and the expanded
+16-bit: fa4_backend.usable, and its start-up compile passed: warm_up falls back to SDPA if not), by one FA4
+varlen launch per layer for all of a step's chunks (q and the expanded
 K/V concatenated, cu_seqlens for both; FA4's causal mask is aligned bottom-right, our chunk-over-prefix mask;
 head dims 192/128 in DeepSeek's shapes). SDPA takes a warm chunk's mask as an explicit lower-right bias, which
 sends it off the flash kernel.
@@ -14,6 +15,7 @@ there: moe.py).
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -21,6 +23,8 @@ import torch
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, chunk_context, expand_latents
 from rank_worker.model.forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
 
 # (new tokens, context) of the chunks of the steps warm_up runs through FA4 (the kernel variants a step needs:
 # short, two chunks one cold, past one q tile over a longer prefix, a long cold chunk).
@@ -90,9 +94,18 @@ class MlaTritonAttention(MlaSdpaAttention):
         """Compile FA4's variants for FA4_WARM_UP_STEPS now (start-up); returns the seconds it took."""
         if self.fa4_shape is None:
             return 0.0
-        heads, qk_dim, v_dim, dtype = self.fa4_shape
-        device = kv_cache.device
         started = time.perf_counter()
+        try:
+            self._compile_fa4(kv_cache.device)
+        except Exception as exc:  # FA4 installed but not running this shape here: SDPA serves prefill instead
+            log.warning("flash-attn 4 failed its MLA warm-up (%s): MLA prefill runs SDPA", exc)
+            self.fa4_shape, self.fa4_prefill = None, False
+            return 0.0
+        return time.perf_counter() - started
+
+    def _compile_fa4(self, device: torch.device) -> None:
+        assert self.fa4_shape is not None
+        heads, qk_dim, v_dim, dtype = self.fa4_shape
         for chunks in FA4_WARM_UP_STEPS:
             qo, ko = [0], [0]
             for new, context in chunks:
@@ -106,7 +119,6 @@ class MlaTritonAttention(MlaSdpaAttention):
             max_q, max_k = max(n for n, _ in chunks), max(c for _, c in chunks)
             _fa4_varlen(q, k, v, bounds[: len(qo)], bounds[len(qo) :], max_q, max_k, qk_dim**-0.5, out)
         torch.cuda.synchronize(device)
-        return time.perf_counter() - started
 
 
 def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:

@@ -11,11 +11,9 @@ Prints one line per check, a table, 'PASS' or 'FAIL: <reason>' last; writes JSON
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -32,62 +30,29 @@ from flashinfer_probe import (  # noqa: E402
     KV_HEADS,
     LAYOUTS,
     TIMED,
-    ProbeFailure,
     attention_flops,
     check,
     relative_error,
     run,
+    run_stages,
     step,
     time_ms,
 )
 
+from rank_worker.model.attention.fa4_backend import Fa4Attention, run_fa4  # noqa: E402
 from rank_worker.model.attention.sdpa_backend import SdpaAttention  # noqa: E402
 from rank_worker.model.attention.triton_backend import attend_decodes  # noqa: E402
 
 COLD = [(8192, 0), (32768, 0)]  # chunks with nothing cached: today's flash SDPA against FA4 over the pool
 
 
-class Fa4Call:
-    """One step's FA4 launch over every prefill chunk (cold ones too: their K/V are in the pool), laid out
-    once per step as the engine's plan would: cu_seqlens_q, seqused_k and the chunks' block-table rows."""
-
-    def __init__(self, batch, **options) -> None:
-        pieces = sorted(batch.prefills, key=lambda p: p.token_start)
-        self.span = (pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new)
-        device = batch.block_tables.device
-        qo = [0]
-        for p in pieces:
-            qo.append(qo[-1] + p.num_new)
-        self.cu_q = torch.tensor(qo, dtype=torch.int32, device=device)
-        self.used_k = torch.tensor([p.context_len for p in pieces], dtype=torch.int32, device=device)
-        rows = torch.tensor([p.table_row for p in pieces], device=device)
-        self.pages = batch.block_tables.index_select(0, rows).contiguous()
-        self.max_q = max(p.num_new for p in pieces)
-        self.options = options
-
-    def attend(self, q, k_cache, v_cache, scale, out) -> None:
-        from flash_attn.cute.interface import _flash_attn_fwd
-
-        start, end = self.span
-        _flash_attn_fwd(
-            q[start:end],
-            k_cache,
-            v_cache,
-            cu_seqlens_q=self.cu_q,
-            seqused_k=self.used_k,
-            max_seqlen_q=self.max_q,
-            page_table=self.pages,
-            softmax_scale=scale,
-            causal=True,
-            out=out[start:end],
-            **self.options,
-        )
-
-
 def fa4_run(q, layer, batch, **options) -> torch.Tensor:
+    """The engine's Fa4Attention for a step (its plan; run_fa4 with options), decodes by our kernel."""
+    backend = Fa4Attention(DTYPE, HEADS // KV_HEADS)
+    backend.plan(batch)
     out = torch.zeros_like(q)
     attend_decodes(q, layer[:, 0], layer[:, 1], batch, HEAD_DIM**-0.5, out)
-    Fa4Call(batch, **options).attend(q, layer[:, 0], layer[:, 1], HEAD_DIM**-0.5, out)
+    run_fa4(q, layer[:, 0], layer[:, 1], batch.attention, HEAD_DIM**-0.5, out, **options)
     return out
 
 
@@ -111,10 +76,12 @@ def correctness() -> list[dict]:
 
 
 def time_fa4_ms(q, layer, batch, **options) -> float:
-    call = Fa4Call(batch, **options)
+    backend = Fa4Attention(DTYPE, HEADS // KV_HEADS)
+    backend.plan(batch)
     out = torch.empty_like(q)
-    call.attend(q, layer[:, 0], layer[:, 1], HEAD_DIM**-0.5, out)  # compile outside the timing
-    return time_ms(lambda: call.attend(q, layer[:, 0], layer[:, 1], HEAD_DIM**-0.5, out))
+    args = (q, layer[:, 0], layer[:, 1], batch.attention, HEAD_DIM**-0.5, out)
+    run_fa4(*args, **options)  # compile outside the timing
+    return time_ms(lambda: run_fa4(*args, **options))
 
 
 def timing() -> list[dict]:
@@ -151,29 +118,15 @@ def main() -> int:
     parser.add_argument("--out", default=out)
     args = parser.parse_args()
     result: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    stage = "setup"
-    try:
-        check(torch.cuda.is_available(), "no CUDA device")
-        stage = "import"
+
+    def imported() -> float:
         started = time.perf_counter()
         import flash_attn.cute  # noqa: F401
 
-        result["import_s"] = round(time.perf_counter() - started, 2)
         result["heads"] = [HEADS, KV_HEADS, HEAD_DIM, str(DTYPE)]
-        stage = "correctness"
-        result["correctness"] = correctness()
-        stage = "timing"
-        result["timing"] = timing()
-        result["status"] = "PASS"
-    except ProbeFailure as failure:
-        result["status"] = f"FAIL: {stage}: {failure}"
-    except Exception as exc:  # an import or kernel error is a result too: say where and what
-        traceback.print_exc()
-        result["status"] = f"FAIL: {stage}: {type(exc).__name__}: {str(exc)[:800]}"
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(result["status"], flush=True)
-    return 0 if result["status"] == "PASS" else 1
+        return round(time.perf_counter() - started, 2)
+
+    return run_stages(result, [("import_s", imported), ("correctness", correctness), ("timing", timing)], args.out)
 
 
 if __name__ == "__main__":

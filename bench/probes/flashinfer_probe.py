@@ -271,34 +271,43 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_stages(result: dict, stages: list[tuple[str, object]], out: str) -> int:
+    """Run each (name, fn) stage, its return value stored under its name (a stage named with a leading '_'
+    is run for its checks only); the first failure is the status, 'FAIL: <stage>: <why>', else PASS. Writes
+    result as JSON to out (when given), prints the status; returns the exit code."""
+    stage = "setup"
+    try:
+        check(torch.cuda.is_available(), "no CUDA device")
+        for stage, fn in stages:
+            value = fn()
+            if not stage.startswith("_"):
+                result[stage] = value
+        result["status"] = "PASS"
+    except ProbeFailure as failure:
+        result["status"] = f"FAIL: {stage}: {failure}"
+    except Exception as exc:  # an import or kernel error is a result too: say where and what
+        traceback.print_exc()
+        result["status"] = f"FAIL: {stage}: {type(exc).__name__}: {str(exc)[:800]}"
+    if out:
+        Path(out).write_text(json.dumps(result, indent=2) + "\n")
+    print(result["status"], flush=True)
+    return 0 if result["status"] == "PASS" else 1
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     out = os.path.join(os.environ["OUT"], "flashinfer_probe.json") if "OUT" in os.environ else ""
     parser.add_argument("--out", default=out)
     args = parser.parse_args()
     result: dict = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None}
-    stage = "setup"
-    try:
-        check(torch.cuda.is_available(), "no CUDA device")
-        stage = "module"
-        result["module"] = prebuilt_module()
-        stage = "correctness"
-        result["correctness"] = correctness()
-        stage = "timing"
-        result["timing"] = timing()
-        print(table(result["timing"]), flush=True)
-        stage = "layouts"
-        result["layouts"] = layouts()
-        result["status"] = "PASS"
-    except ProbeFailure as failure:
-        result["status"] = f"FAIL: {stage}: {failure}"
-    except Exception as exc:  # an import or kernel error is a result too: say where and what
-        traceback.print_exc()
-        result["status"] = f"FAIL: {stage}: {type(exc).__name__}: {str(exc)[:500]}"
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(result["status"], flush=True)
-    return 0 if result["status"] == "PASS" else 1
+
+    def timed() -> list[dict]:
+        rows = timing()
+        print(table(rows), flush=True)
+        return rows
+
+    stages = [("module", prebuilt_module), ("correctness", correctness), ("timing", timed), ("layouts", layouts)]
+    return run_stages(result, stages, args.out)
 
 
 if __name__ == "__main__":

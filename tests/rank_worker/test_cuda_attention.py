@@ -389,11 +389,11 @@ def test_fa4_warm_up_compiles_every_variant_the_steps_need(tmp_path) -> None:
     assert _fa4_compiled() == compiled, "a step compiled a kernel that warm_up did not"
 
 
-@needs_fa4
-def test_engines_with_fa4_and_triton_agree_in_bf16(tmp_path) -> None:
-    """The same prompts (shared prefixes, chunked prefill) through engines on fa4 (auto's choice where it is
-    installed on an SM90 GPU) and on the triton backend, in bf16: the first token of every prompt and nearly
-    every later one agree (bf16 roundings differ; bold weights keep argmax off ties)."""
+def _bf16_engines_agree(tmp_path, backends: tuple[str, str], expected: str, around=None) -> None:
+    """The same prompts (shared prefixes, chunked prefill) through bf16 engines on two backends (head_dim 128,
+    the FA kernels' shape), the first taken as `expected`: the first token of every prompt and nearly every
+    later one agree (bf16 roundings differ; bold weights keep argmax off ties). around(run) wraps each
+    engine's run for more checks."""
     from engine_fixtures import embolden_weights, generate_greedy, random_prompt
 
     from contracts.config import KvServeConfig
@@ -402,8 +402,8 @@ def test_engines_with_fa4_and_triton_agree_in_bf16(tmp_path) -> None:
     base = random_prompt(300, 512, seed=5)
     prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
     lengths = [8] * 13
-    runs = {}
-    for backend in ("auto", "triton"):
+    runs = []
+    for index, backend in enumerate(backends):
         config = KvServeConfig(
             model=_tiny_config(tmp_path, hidden=512, heads=4, kv_heads=2),
             load_format="dummy",
@@ -411,54 +411,40 @@ def test_engines_with_fa4_and_triton_agree_in_bf16(tmp_path) -> None:
             num_kv_blocks=256,
             max_num_batched_tokens=256,
             attention_backend=backend,
-            pipeline_steps=backend == "auto",
+            pipeline_steps=index == 0,
         )
         engine = build_engine(config)
-        assert engine.attention.name == ("fa4" if backend == "auto" else backend)
+        assert engine.attention.name == (expected if index == 0 else backend)
         torch.manual_seed(3)
         embolden_weights(engine.model)
-        compiled = _fa4_compiled()
-        runs[backend] = generate_greedy(engine, prompts, lengths)
-        assert _fa4_compiled() == compiled  # start-up compiled what serving needed
+
+        def run(engine=engine):
+            return generate_greedy(engine, prompts, lengths)
+
+        runs.append(run() if around is None else around(run))
         assert engine.stats().prefix_hit_tokens > 0
-    pairs = list(zip(runs["auto"], runs["triton"], strict=True))
+    pairs = list(zip(*runs, strict=True))
     first = [a[0] == b[0] for a, b in pairs]
     assert sum(first) >= 12, first
     same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
     assert same >= 0.8 * 13 * 8, same
+
+
+@needs_fa4
+def test_engines_with_fa4_and_triton_agree_in_bf16(tmp_path) -> None:
+    """auto takes fa4 where it is installed on an SM90 GPU; its engine agrees with the triton one, and serving
+    compiles no kernel that its start-up did not."""
+
+    def compiles_nothing(run):
+        compiled = _fa4_compiled()
+        tokens = run()
+        assert _fa4_compiled() == compiled
+        return tokens
+
+    _bf16_engines_agree(tmp_path, ("auto", "triton"), "fa4", compiles_nothing)
 
 
 @needs_flashinfer
 def test_engines_with_flashinfer_and_triton_agree_in_bf16(tmp_path) -> None:
-    """The same prompts (shared prefixes, chunked prefill) through engines on the flashinfer and the triton
-    backend, in bf16 (FA3 has no float32), head_dim 128 (the prebuilt module's): the first token of every
-    prompt and nearly every later one agree (bf16 roundings differ; bold weights keep argmax off ties)."""
-    from engine_fixtures import embolden_weights, generate_greedy, random_prompt
-
-    from contracts.config import KvServeConfig
-    from rank_worker.engine.factory import build_engine
-
-    base = random_prompt(300, 512, seed=5)
-    prompts = [base[: 40 + 37 * i] + random_prompt(9 + 31 * i, 512, seed=90 + i) for i in range(13)]
-    lengths = [8] * 13
-    runs = {}
-    for backend in ("flashinfer", "triton"):
-        config = KvServeConfig(
-            model=_tiny_config(tmp_path, hidden=512, heads=4, kv_heads=2),
-            load_format="dummy",
-            dtype="bfloat16",
-            num_kv_blocks=256,
-            max_num_batched_tokens=256,
-            attention_backend=backend,
-        )
-        engine = build_engine(config)
-        assert engine.attention.name == backend
-        torch.manual_seed(3)
-        embolden_weights(engine.model)
-        runs[backend] = generate_greedy(engine, prompts, lengths)
-        assert engine.stats().prefix_hit_tokens > 0
-    pairs = list(zip(runs["flashinfer"], runs["triton"], strict=True))
-    first = [a[0] == b[0] for a, b in pairs]
-    assert sum(first) >= 12, first
-    same = sum(x == y for a, b in pairs for x, y in zip(a, b, strict=True))
-    assert same >= 0.8 * 13 * 8, same
+    """FlashInfer by name (auto prefers fa4 where both are installed) against the triton backend."""
+    _bf16_engines_agree(tmp_path, ("flashinfer", "triton"), "flashinfer")

@@ -157,9 +157,16 @@ class Fa4Attention(AttentionBackend):
 
 
 def run_fa4(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: Fa4Plan, scale: float, out: torch.Tensor
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: Fa4Plan,
+    scale: float,
+    out: torch.Tensor,
+    **options: object,
 ) -> None:
-    """One FA4 launch over the plan's chunks: q rows span, K/V read through the page table, into out."""
+    """One FA4 launch over the plan's chunks: q rows span, K/V read through the page table, into out. options:
+    FA4's own (bench/probes/fa4_probe.py times pack_gqa on and off through them)."""
     from flash_attn.cute.interface import _flash_attn_fwd  # lazily: only CUDA prefill steps get here
 
     start, end = plan.span
@@ -173,8 +180,8 @@ def run_fa4(
         page_table=plan.pages,
         softmax_scale=scale,
         causal=True,
-        pack_gqa=False,
         out=out[start:end],
+        **({"pack_gqa": False} | options),
     )
 
 

@@ -8,6 +8,7 @@ one row per running sequence, updated in place as sequences grow).
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -19,6 +20,14 @@ class PrefillSlice:
     num_new: int  # tokens computed in this step
     context_len: int  # tokens with KV after this step (cached prefix + earlier chunks + this chunk)
     table_row: int  # the sequence's row of block_tables
+
+
+def require_adjacent(pieces: list[PrefillSlice], backend: str) -> None:
+    """Chunks (in token order) that one kernel launch reads as one contiguous range of q rows must follow each
+    other in the batch; a batch built otherwise is a bug, said by the backend's name."""
+    for before, after in itertools.pairwise(pieces):
+        if before.token_start + before.num_new != after.token_start:
+            raise RuntimeError(f"{backend}: prefill chunks of a step must be adjacent in the batch")
 
 
 @dataclass

@@ -38,7 +38,7 @@ import torch
 
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.triton_backend import attend_decodes
-from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice, require_adjacent
 
 log = logging.getLogger(__name__)
 
@@ -77,13 +77,9 @@ class Fa4Attention(AttentionBackend):
             batch.attention = None
             return
         pieces = sorted(batch.prefills, key=lambda p: p.token_start)
-        for before, after in itertools.pairwise(pieces):
-            if before.token_start + before.num_new != after.token_start:
-                raise RuntimeError("fa4 backend: prefill chunks of a step must be adjacent in the batch")
+        require_adjacent(pieces, "fa4 backend")
         start = pieces[0].token_start
-        qo = [0]
-        for p in pieces:
-            qo.append(qo[-1] + p.num_new)
+        qo = list(itertools.accumulate((p.num_new for p in pieces), initial=0))
         values = qo + [p.context_len for p in pieces] + [p.table_row for p in pieces]
         device = self._upload(values, batch.block_tables.device)
         n = len(pieces)

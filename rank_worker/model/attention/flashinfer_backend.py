@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-import itertools
 import logging
 import os
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ import torch
 
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.attention.triton_backend import attend_cold, attend_decodes
-from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice, require_adjacent
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +77,7 @@ class FlashInferAttention(AttentionBackend):
             return
         first, last = warm[0], warm[-1]
         launched = pieces[first : last + 1]
-        for before, after in itertools.pairwise(launched):
-            if before.token_start + before.num_new != after.token_start:
-                raise RuntimeError("flashinfer backend: prefill chunks of a step must be adjacent in the batch")
+        require_adjacent(launched, "flashinfer backend")
         outside = pieces[:first] + pieces[last + 1 :]
         cold = [(p.token_start, p.num_new) for p in outside]
         start = launched[0].token_start

@@ -20,15 +20,12 @@ import time
 
 import torch
 
+from rank_worker.model.attention.fa4_backend import WARM_UP_STEPS
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, chunk_context, expand_latents
-from rank_worker.model.forward_batch import ForwardBatch
+from rank_worker.model.forward_batch import ForwardBatch, require_adjacent
 
 log = logging.getLogger(__name__)
-
-# (new tokens, context) of the chunks of the steps warm_up runs through FA4 (the kernel variants a step needs:
-# short, two chunks one cold, past one q tile over a longer prefix, a long cold chunk).
-FA4_WARM_UP_STEPS: list[list[tuple[int, int]]] = [[(2, 18)], [(16, 16), (3, 20)], [(300, 2300)], [(1000, 1000)]]
 
 
 class MlaTritonAttention(MlaSdpaAttention):
@@ -38,7 +35,10 @@ class MlaTritonAttention(MlaSdpaAttention):
     def __init__(self, fa4_shape: tuple[int, int, int, torch.dtype] | None = None) -> None:
         """fa4_shape: (heads, qk head dim, v head dim, model dtype) to run prefill through FA4; None: SDPA."""
         self.fa4_shape = fa4_shape
-        self.fa4_prefill = fa4_shape is not None
+
+    @property
+    def fa4_prefill(self) -> bool:
+        return self.fa4_shape is not None
 
     def plan(self, batch: ForwardBatch) -> None:
         batch.attention = None  # the kernel reads the persistent block table through decode_rows; prefills too
@@ -66,17 +66,13 @@ class MlaTritonAttention(MlaSdpaAttention):
             super().prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
             return
         pieces = sorted(batch.prefills, key=lambda p: p.token_start)
-        for before, after in itertools.pairwise(pieces):
-            if before.token_start + before.num_new != after.token_start:
-                raise RuntimeError("mla_triton: prefill chunks of a step must be adjacent in the batch")
+        require_adjacent(pieces, "mla_triton")
         contexts = [chunk_context(p, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
         k, v = expand_latents(torch.cat(contexts), kv_b_proj, q_nope.shape[1], q_nope.shape[2])
         start, end = pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new
         q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)
-        qo, ko = [0], [0]
-        for p in pieces:
-            qo.append(qo[-1] + p.num_new)
-            ko.append(ko[-1] + p.context_len)
+        qo = list(itertools.accumulate((p.num_new for p in pieces), initial=0))
+        ko = list(itertools.accumulate((p.context_len for p in pieces), initial=0))
         bounds = torch.tensor(qo + ko, dtype=torch.int32).to(q.device, non_blocking=True)
         _fa4_varlen(
             q,
@@ -91,7 +87,7 @@ class MlaTritonAttention(MlaSdpaAttention):
         )
 
     def warm_up(self, kv_cache: torch.Tensor) -> float:
-        """Compile FA4's variants for FA4_WARM_UP_STEPS now (start-up); returns the seconds it took."""
+        """Compile FA4's variants for fa4_backend.WARM_UP_STEPS' steps now (start-up); returns the seconds."""
         if self.fa4_shape is None:
             return 0.0
         started = time.perf_counter()
@@ -99,18 +95,16 @@ class MlaTritonAttention(MlaSdpaAttention):
             self._compile_fa4(kv_cache.device)
         except Exception as exc:  # FA4 installed but not running this shape here: SDPA serves prefill instead
             log.warning("flash-attn 4 failed its MLA warm-up (%s): MLA prefill runs SDPA", exc)
-            self.fa4_shape, self.fa4_prefill = None, False
+            self.fa4_shape = None
             return 0.0
         return time.perf_counter() - started
 
     def _compile_fa4(self, device: torch.device) -> None:
         assert self.fa4_shape is not None
         heads, qk_dim, v_dim, dtype = self.fa4_shape
-        for chunks in FA4_WARM_UP_STEPS:
-            qo, ko = [0], [0]
-            for new, context in chunks:
-                qo.append(qo[-1] + new)
-                ko.append(ko[-1] + context)
+        for chunks in WARM_UP_STEPS:
+            qo = list(itertools.accumulate((new for new, _ in chunks), initial=0))
+            ko = list(itertools.accumulate((context for _, context in chunks), initial=0))
             q = torch.zeros(qo[-1], heads, qk_dim, dtype=dtype, device=device)
             k = torch.zeros(ko[-1], heads, qk_dim, dtype=dtype, device=device)
             v = torch.zeros(ko[-1], heads, v_dim, dtype=dtype, device=device)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.model import fused_ops, latent_store, residual_stream
 from rank_worker.model.attention import decode_kernel, mla_decode_kernel
 from rank_worker.model.attention.backend import AttentionBackend, BackendName
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
@@ -54,6 +55,7 @@ class DeepseekForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size)
         self.backend: AttentionBackend = MlaSdpaAttention()
+        self.fused = False
 
     # --- what the engine asks of a model ---
 
@@ -88,16 +90,25 @@ class DeepseekForCausalLM(nn.Module):
         if not isinstance(backend, MlaSdpaAttention):
             raise TypeError(f"a DeepSeek model attends through MLA, not the {backend.name} backend")
         self.backend = backend
+        # The kernel backend on CUDA takes the fused kernels too: norms with the residual add, the latent's
+        # norm/rotary/store, SiLU x up; the SDPA backend stays the eager reference.
+        self.fused = backend.fused_store and fused_ops.kernels_available(self.embed_tokens.device)
         for layer in self.layers:
             layer.self_attn.backend = backend
+            layer.self_attn.fused = self.fused and latent_store.fits(self.cfg.qk_rope_head_dim)
+            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
+                if isinstance(mlp, GatedMLP):
+                    mlp.fused = self.fused
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 1, block_size, 1, latent_dim]. Returns float32 logits [S, vocab]."""
         self.backend.plan(batch)
         x = F.embedding(batch.input_ids, self.embed_tokens)
+        head = self.embed_tokens if self.lm_head is None else self.lm_head
+        if self.fused:
+            return F.linear(residual_stream.run_fused(self.layers, x, kv_cache, batch, self.norm), head).float()
         for index, layer in enumerate(self.layers):
             x = layer(x, kv_cache[:, index], batch)
-        head = self.embed_tokens if self.lm_head is None else self.lm_head
         return F.linear(self.norm(x[batch.logits_indices]), head).float()
 
     # --- weights ---

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.model import fused_ops
+from rank_worker.model import fused_ops, residual_stream
 from rank_worker.model.attention.backend import AttentionBackend, BackendName, choose_backend
 from rank_worker.model.attention.sdpa_backend import SdpaAttention, write_kv
 from rank_worker.model.config import LlamaFamilyConfig
@@ -129,19 +129,6 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), kv_layer, batch)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(
-        self, x: torch.Tensor, residual: torch.Tensor | None, kv_layer: torch.Tensor, batch: ForwardBatch
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer with the residual adds folded into the norms: returns (this layer's MLP output, the
-        residual stream before it); their sum is forward()'s result, rounded the same way."""
-        if residual is None:
-            residual = x  # the first layer: the stream is the embedding (updated in place from here on)
-            h = self.input_layernorm.add_and_norm(x, None)
-        else:
-            h = self.input_layernorm.add_and_norm(x, residual)
-        h = self.post_attention_layernorm.add_and_norm(self.self_attn(h, kv_layer, batch), residual)
-        return self.mlp(h), residual
-
 
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: LlamaFamilyConfig, max_positions: int) -> None:
@@ -188,12 +175,7 @@ class LlamaForCausalLM(nn.Module):
             for index, layer in enumerate(self.layers):
                 x = layer(x, kv_cache[:, index], batch)
             return F.linear(self.norm(x[batch.logits_indices]), head).float()
-        residual: torch.Tensor | None = None
-        for index, layer in enumerate(self.layers):
-            x, residual = layer.forward_fused(x, residual, kv_cache[:, index], batch)
-        assert residual is not None
-        rows = batch.logits_indices
-        return F.linear(self.norm.add_and_norm(x[rows], residual[rows]), head).float()
+        return F.linear(residual_stream.run_fused(self.layers, x, kv_cache, batch, self.norm), head).float()
 
     # --- weights ---
 

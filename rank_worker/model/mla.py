@@ -1,6 +1,7 @@
 """A DeepSeek attention layer (multi-head latent attention): the projections, the rotary part, and the write
 of each token's latent (kv_a_layernorm(c), rotated k_pe) into the paged pool; the attention itself runs in
-attention/mla_sdpa.py."""
+attention/mla_sdpa.py (or its kernel subclass). With the kernel backend on CUDA the norm, both rotaries and
+the write are one kernel (latent_store.py) instead of eager ops."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.model import latent_store
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
 from rank_worker.model.deepseek_config import DeepseekConfig
@@ -38,6 +40,7 @@ class LatentAttention(nn.Module):
         self.rotary = rotary
         self.scale = softmax_scale(cfg.qk_head_dim, cfg.rope_scaling)
         self.backend = MlaSdpaAttention()
+        self.fused = False  # norms, rotaries and the latent's store by kernels (CUDA, the kernel backend)
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden]; kv_layer: this layer's pool view [blocks, 1, block_size, 1, latent_dim]."""
@@ -46,17 +49,35 @@ class LatentAttention(nn.Module):
             q = F.linear(x, self.q_proj)
         else:
             assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q = F.linear(self.q_a_layernorm(F.linear(x, self.q_a_proj)), self.q_b_proj)
+            q_a = F.linear(x, self.q_a_proj)
+            q_a = self.q_a_layernorm.add_and_norm(q_a, None) if self.fused else self.q_a_layernorm(q_a)
+            q = F.linear(q_a, self.q_b_proj)
         q = q.view(-1, cfg.num_heads, cfg.qk_head_dim)
-        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         kv_a = F.linear(x, self.kv_a_proj_with_mqa)
-        c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
-        q_pe = self.rotary(batch.positions, q_pe)
-        k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [T, latent_dim]: what the pool keeps
         latent_cache = kv_layer[:, 0]  # [blocks, block_size, 1, latent_dim]
-        kv_quant.store(latent_cache, batch.slot_blocks, batch.slot_offsets, latent.unsqueeze(1))  # fp8: quantised
-        latent = kv_quant.round_trip(latent, latent_cache)  # a chunk attends to its own latents as stored
+        if self.fused:  # q's rope part rotated in place; the latent stored, and returned as the pool holds it
+            latent = latent_store.latent_rope_norm_store(
+                q,
+                kv_a,
+                batch.positions,
+                self.rotary.cos_cache,
+                self.rotary.sin_cache,
+                self.kv_a_layernorm.weight,
+                self.kv_a_layernorm.eps,
+                batch.slot_blocks,
+                batch.slot_offsets,
+                latent_cache,
+                self.rotary.interleaved,
+            )
+            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        else:
+            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+            c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+            q_pe = self.rotary(batch.positions, q_pe)
+            k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)
+            latent = torch.cat([self.kv_a_layernorm(c), k_pe], dim=-1)  # [T, latent_dim]: what the pool keeps
+            kv_quant.store(latent_cache, batch.slot_blocks, batch.slot_offsets, latent.unsqueeze(1))  # fp8: quantised
+            latent = kv_quant.round_trip(latent, latent_cache)  # a chunk attends to its own latents as stored
         out = self.backend.attend_mla(q_nope, q_pe, latent, latent_cache, self.kv_b_proj, batch, self.scale)
         return F.linear(out.reshape(-1, cfg.num_heads * cfg.v_head_dim), self.o_proj)
 

@@ -40,9 +40,12 @@ class GatedMLP(nn.Module):
         self.intermediate = intermediate
         self.gate_up_proj = empty_param(2 * intermediate, hidden)
         self.down_proj = empty_param(hidden, intermediate)
+        self.fused = False  # SiLU x up by one kernel (CUDA: the model sets it with its kernel backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(fused_ops.silu_and_mul_reference(F.linear(x, self.gate_up_proj)), self.down_proj)
+        gate_up = F.linear(x, self.gate_up_proj)
+        act = fused_ops.silu_and_mul(gate_up) if self.fused else fused_ops.silu_and_mul_reference(gate_up)
+        return F.linear(act, self.down_proj)
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         """HF tensor name -> the part of our parameters it fills."""

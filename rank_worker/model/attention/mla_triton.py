@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 class MlaTritonAttention(MlaSdpaAttention):
     name = "mla_triton"
     graph_safe = True
+    fused_store = True  # the model's latent_store kernel writes the step's latents (and rotates q) on CUDA
 
     def __init__(self, fa4_shape: tuple[int, int, int, torch.dtype] | None = None) -> None:
         """fa4_shape: (heads, qk head dim, v head dim, model dtype) to run prefill through FA4; None: SDPA."""

@@ -24,10 +24,13 @@
 # (FlashInfer instead of FA4: carry [".whl", ".fi"] and no .fa4 chunks.)
 # (.peer/ from ../shared/tools/vllm-peer/build_chunks.sh, .whl/ from bench/gpu_kit.sh.)
 # Another shape, e.g. DeepSeek-V2-Lite at the traces' real size (issue 14), with vLLM once plain and once with its
-# CPU offload (PEER_TAG keeps each vLLM variant's state and results apart; ours runs in either):
-#   SHAPE=dsv2-lite-chat ENGINE_SHAPE=dsv2-lite-chat CONFIG=bench/configs/agents-dsv2-lite-h200.yaml \
-#   CONTEXT_SCALE=1.0 MAX_CONTEXT=1048576 VLLM_MAX_MODEL_LEN=1048576 VLLM_ALLOW_LONG_MAX_MODEL_LEN=1 \
-#   [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] bash bench/peer_h200.sh vllm-engine ...
+# CPU offload (PEER_TAG keeps each vLLM variant's state and results apart; ours runs in either). The engine
+# measures take the real shape; the agent steps its 1M-window twin (bench/shapes/dsv2-lite-1m-chat/README.md:
+# past 163,840 positions the real one kills vLLM's engine), which the config serves on our side too:
+#   SHAPE=dsv2-lite-chat SERVE_SHAPE=dsv2-lite-1m-chat ENGINE_SHAPE=dsv2-lite-chat \
+#   CONFIG=bench/configs/agents-dsv2-lite-h200.yaml CONTEXT_SCALE=1.0 MAX_CONTEXT=1048576 \
+#   VLLM_MAX_MODEL_LEN=1048576 STEPS=2,4 [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
+#   bash bench/peer_h200.sh vllm-engine ...
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
 DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
@@ -41,7 +44,8 @@ STEP_MAX=${STEP_MAX:-300}      # a step still running after this is stopped (vLL
 VLLM_API=${VLLM_API:-anthropic} # vLLM's /v1/messages drops ignore_eos; `openai` honours it (random weights rarely stop)
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
-SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer), and its served name
+SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer) for its engine measures
+SERVE_SHAPE=${SERVE_SHAPE:-$SHAPE}       # the one `vllm serve` serves for the agent steps (and its served name)
 ENGINE_SHAPE=${ENGINE_SHAPE:-llama-8b}   # bench/engine.py's --shape for ours
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
 VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
@@ -112,7 +116,7 @@ vllm_start() {  # in a session of its own: it outlives this call and keeps compi
   say "starting vllm serve"
   # shellcheck disable=SC2016  # $$ is the new session's own pid, written by the child
   PYTHONPATH=/tmp/vsite setsid bash -c 'echo $$ > '"$STATE"'/vllm.pid; exec python3 -m vllm.entrypoints.openai.api_server \
-      --model bench/shapes/'"$SHAPE"' --load-format dummy --dtype bfloat16 --served-model-name '"$SHAPE"' \
+      --model bench/shapes/'"$SERVE_SHAPE"' --load-format dummy --dtype bfloat16 --served-model-name '"$SERVE_SHAPE"' \
       --max-model-len '"$VLLM_MAX_MODEL_LEN"' --gpu-memory-utilization 0.9 --max-num-seqs 128 --enable-prefix-caching \
       --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT $VLLM_ARGS" \
     > "$STATE/vllm-serve.log" 2>&1 < /dev/null &

@@ -6,7 +6,8 @@ Routed experts run one of three ways, all giving each token the weighted sum of 
   the (token, expert) pairs sorted by expert and run as two grouped GEMMs (torch._grouped_mm: gate/up, then
   down, each expert over its contiguous run of rows), the offsets of the runs counted on the device: no host
   sync, so it is graph-safe. Each token's k outputs are put back in slot order and summed in float32 (no
-  atomics: the same inputs give the same bits, which the warm-vs-cold match needs).
+  atomics: the same inputs give the same bits, which the warm-vs-cold match needs). Decode-sized batches
+  sort and sum by moe_kernels.py's two kernels instead of ~12 small PyTorch ops.
 - experts_hit (the CPU and float32 path): a loop over the experts this batch hit, each over its tokens, the
   weighted outputs summed with index_add_ in expert order (transformers' order, so float32 matches it).
   Finding the experts hit is a host sync.
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.model import fused_ops
+from rank_worker.model import fused_ops, moe_kernels
 from rank_worker.model.deepseek_config import DeepseekConfig
 
 
@@ -112,6 +113,8 @@ class TopkRouter(nn.Module):
             weights = scores.gather(1, ids)
         if cfg.norm_topk_prob:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        if cfg.routed_scaling_factor == 1.0:  # V2-Lite's: x * 1.0 is x, one launch fewer a layer
+            return ids, weights
         return ids, weights * cfg.routed_scaling_factor
 
     def _grouped(self, scores: torch.Tensor) -> torch.Tensor:
@@ -166,21 +169,30 @@ class MoE(nn.Module):
         return out
 
     def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The same sum by two grouped GEMMs over the (token, slot) pairs sorted by expert, with no host sync."""
+        """The same sum by two grouped GEMMs over the (token, slot) pairs sorted by expert, with no host sync.
+        Small batches (decode steps) on CUDA sort and combine by moe_kernels' two launches; large ones and the
+        CPU (where the tests run this path in float32) in PyTorch."""
         tokens, k = ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
         experts = self.cfg.n_routed_experts
-        flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
-        # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
-        counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-        ends = counts.cumsum(0, dtype=torch.int32)
-        rows = x.index_select(0, order // k)
+        small = tokens * k <= moe_kernels.ALIGN_MAX_PAIRS and fused_ops.kernels_available(x.device)
+        if small:
+            token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts)
+        else:
+            flat = ids.reshape(-1)
+            order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
+            # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
+            counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            ends = counts.cumsum(0, dtype=torch.int32)
+            token_of_row = order // k
+        rows = x.index_select(0, token_of_row)
         # [E, 2I, H] seen as [E, H, 2I] (column-major per expert: what the grouped kernel takes, no copy)
         h = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=ends)
         h = torch._grouped_mm(_silu_and_mul(h), self.experts_down.transpose(1, 2), offs=ends)
+        if small:
+            return moe_kernels.combine(h, weights, row_of_pair, x.dtype)
         h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         slots = torch.empty_like(h)
         slots.index_copy_(0, order, h)  # back to (token, slot) order

@@ -7,23 +7,16 @@ and float32; skipped elsewhere."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_device import DEVICE, INTERPRETED, ON_CUDA, TRITON_MARKS
 
-from rank_worker.model import fused_ops, latent_store
+from rank_worker.model import latent_store
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.llama import RMSNorm
 from rank_worker.model.yarn_rope import DeepseekRotary
 
-ON_CUDA = torch.cuda.is_available() and fused_ops.triton is not None
-INTERPRETED = not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and fused_ops.triton is not None
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (ON_CUDA or INTERPRETED), reason="needs CUDA and Triton, or TRITON_INTERPRET=1 and triton"),
-]
+pytestmark = TRITON_MARKS
 DTYPES = [torch.bfloat16, torch.float32] if ON_CUDA else [torch.float16, torch.float32]
 YARN = {
     "type": "yarn",

@@ -6,20 +6,13 @@ On CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, triton i
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from triton_device import DEVICE, ON_CUDA, TRITON_MARKS
 
-from rank_worker.model import fused_ops, moe_kernels
+from rank_worker.model import moe_kernels
 
-ON_CUDA = torch.cuda.is_available() and fused_ops.triton is not None
-INTERPRETED = not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and fused_ops.triton is not None
-DEVICE = torch.device("cuda" if ON_CUDA else "cpu")
-pytestmark = [
-    pytest.mark.cuda,
-    pytest.mark.skipif(not (ON_CUDA or INTERPRETED), reason="needs CUDA and Triton, or TRITON_INTERPRET=1 and triton"),
-]
+pytestmark = TRITON_MARKS
 
 
 def _routing(tokens: int, k: int, experts: int, hot: int) -> torch.Tensor:

@@ -53,9 +53,10 @@ class LatentAttention(nn.Module):
             q_a = self.q_a_layernorm.add_and_norm(q_a, None) if self.fused else self.q_a_layernorm(q_a)
             q = F.linear(q_a, self.q_b_proj)
         q = q.view(-1, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # views of q
         kv_a = F.linear(x, self.kv_a_proj_with_mqa)
         latent_cache = kv_layer[:, 0]  # [blocks, block_size, 1, latent_dim]
-        if self.fused:  # q's rope part rotated in place; the latent stored, and returned as the pool holds it
+        if self.fused:  # q_pe rotated in place (in q); the latent stored, and returned as the pool holds it
             latent = latent_store.latent_rope_norm_store(
                 q,
                 kv_a,
@@ -69,9 +70,7 @@ class LatentAttention(nn.Module):
                 latent_cache,
                 self.rotary.interleaved,
             )
-            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         else:
-            q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
             c, k_pe = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
             q_pe = self.rotary(batch.positions, q_pe)
             k_pe = self.rotary(batch.positions, k_pe.unsqueeze(1)).squeeze(1)

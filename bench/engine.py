@@ -259,6 +259,12 @@ def main() -> None:
         default="",
         help="comma-separated measure names of bench/peer_plan.py: just those (no match, no legacy prefill rows)",
     )
+    parser.add_argument(
+        "--random-weights",
+        default="normal",
+        choices=["normal", "uniform"],
+        help="uniform: vLLM's dummy draw (uniform(-1e-3, 1e-3) everywhere), for a MoE's routing like vLLM's",
+    )
     parser.add_argument("--only-match", action="store_true", help="just the warm-vs-cold match (e.g. in float32)")
     parser.add_argument(
         "--merge-into",
@@ -281,6 +287,7 @@ def main() -> None:
     config = load_config(
         model=str(ROOT / "bench" / "shapes" / args.shape / "config.json"),
         load_format="dummy",
+        random_weights=args.random_weights,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=256,
@@ -324,6 +331,7 @@ def main() -> None:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": config.max_model_len,
             "kv_blocks": engine.pool.num_blocks,
+            "random_weights": args.random_weights,
             "startup_s": startup_s,
             "repeats": plan.repeats,
             "decode_timing": "(t(1 + steps output tokens) - t(1)) / steps over the same cached prompts",

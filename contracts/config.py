@@ -27,6 +27,11 @@ class KvServeConfig(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     seed: int = 0
+    random_weights: Literal["normal", "uniform"] = Field(
+        "normal",
+        description="load_format dummy's draw: normal(0, 0.02) with norms 1, or uniform(-1e-3, 1e-3) for every "
+        "parameter as vLLM's dummy loader draws (a MoE routes alike on both sides)",
+    )
     max_model_len: int | None = Field(None, gt=0, description="default: the model's trained window")
     allow_long_context: bool = Field(False, description="allow max_model_len beyond the trained window")
 

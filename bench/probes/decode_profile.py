@@ -64,11 +64,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--prefill", type=int, default=8192)
+    parser.add_argument("--random-weights", default="normal", choices=["normal", "uniform"])
     parser.add_argument("--out", default="")
     args = parser.parse_args()
     config = load_config(
         model=str(ROOT / "bench" / "shapes" / args.shape / "config.json"),
         load_format="dummy",
+        random_weights=args.random_weights,
         max_num_seqs=256,
         cuda_graphs=False,
         max_model_len=max(args.context, args.prefill) + args.steps + 64,
@@ -78,7 +80,12 @@ def main() -> None:
     prompts = [bench.prompt(args.context) for _ in range(args.batch)]
     bench.run(prompts, 1)  # cached
     bench.run(prompts, 2)  # warm-up
-    result: dict = {"shape": args.shape, "batch": args.batch, "context": args.context}
+    result: dict = {
+        "shape": args.shape,
+        "batch": args.batch,
+        "context": args.context,
+        "random_weights": args.random_weights,
+    }
     for rid_prompt in prompts:
         bench.request(rid_prompt, args.steps + 8)
     for _ in range(4):  # past the prefill of the last blocks

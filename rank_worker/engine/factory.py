@@ -19,7 +19,7 @@ from rank_worker.model.config import LlamaFamilyConfig, is_deepseek
 from rank_worker.model.deepseek import DeepseekForCausalLM
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.feature_check import check_supported
-from rank_worker.model.llama import RANDOM_INIT_SCHEME, LlamaForCausalLM
+from rank_worker.model.llama import RANDOM_INIT_SCHEMES, LlamaForCausalLM
 from rank_worker.model_files.source import ModelSource, open_model_source
 from rank_worker.model_files.weights_digest import random_weights_digest
 
@@ -65,7 +65,12 @@ def resolve_max_model_len(config: KvServeConfig, trained: int) -> int:
 
 
 def build_model(
-    source: ModelSource, device: torch.device, dtype: torch.dtype, max_positions: int, seed: int
+    source: ModelSource,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    seed: int,
+    random_weights: str = "normal",
 ) -> CausalLM:
     """The model of source's config.json (Llama family or DeepSeek), its features checked before any weight
     is read (a refusal takes a second), then loaded or given random weights."""
@@ -80,19 +85,19 @@ def build_model(
         with _default_dtype(dtype), torch.device(device):
             model = LlamaForCausalLM(cfg, max_positions=max_positions)
     if source.load_weights is None:
-        log.info("random weights (load_format dummy), seed %d", seed)
-        model.init_random_weights(seed)
+        log.info("random weights (load_format dummy), seed %d, %s", seed, random_weights)
+        model.init_random_weights(seed, random_weights)
     else:
         model.load_hf_weights(source.load_weights())
     return model.eval()
 
 
-def weights_digest(source: ModelSource, seed: int, device: torch.device) -> str:
+def weights_digest(source: ModelSource, seed: int, device: torch.device, random_weights: str = "normal") -> str:
     """What defines the weights this rank runs, for the block-hash namespace: the files' digest, or for random
     weights the config's digest with the seed and device that drew them."""
     if source.load_weights is not None:
         return source.weights_digest
-    return random_weights_digest(source.weights_digest, seed, device.type, RANDOM_INIT_SCHEME)
+    return random_weights_digest(source.weights_digest, seed, device.type, RANDOM_INIT_SCHEMES[random_weights])
 
 
 def size_kv_pool(
@@ -199,8 +204,8 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
     dtype = resolve_dtype(config.dtype, device)
     trained = int(source.hf_config.get("max_position_embeddings", 2048))
     max_model_len = resolve_max_model_len(config, trained)
-    model = build_model(source, device, dtype, max_model_len, config.seed)
-    digest = weights_digest(source, config.seed, device)
+    model = build_model(source, device, dtype, max_model_len, config.seed, config.random_weights)
+    digest = weights_digest(source, config.seed, device, config.random_weights)
     log.info("model %s: weights digest %s (part of the KV-cache namespace)", source.model_id, digest)
     num_blocks = size_kv_pool(config, model, device, dtype, max_model_len)
     capacity = num_blocks * config.block_size

@@ -155,7 +155,7 @@ class DeepseekForCausalLM(nn.Module):
         index = int(parts[2])
         return self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_mtp_layers
 
-    def init_random_weights(self, seed: int = 0) -> None:
-        """Random weights for benchmarks (llama.RANDOM_INIT_SCHEME): normal(0, 0.02) in named_parameters order,
-        norms 1, biases (the router's correction bias) 0."""
-        init_random_weights(self, seed)
+    def init_random_weights(self, seed: int = 0, scheme: str = "normal") -> None:
+        """Random weights for benchmarks (llama.RANDOM_INIT_SCHEMES): by default normal(0, 0.02) in
+        named_parameters order, norms 1, biases (the router's correction bias) 0."""
+        init_random_weights(self, seed, scheme)

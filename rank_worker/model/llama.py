@@ -20,17 +20,27 @@ from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.forward_batch import ForwardBatch
 from rank_worker.model.rotary import RotaryEmbedding
 
-# Part of the KV-cache namespace of random weights: change it whenever init_random_weights draws differently.
-RANDOM_INIT_SCHEME = "normal(0, 0.02) in named_parameters order; norms 1, biases 0"
+# Part of the KV-cache namespace of random weights: change one whenever init_random_weights draws differently.
+RANDOM_INIT_SCHEMES = {
+    "normal": "normal(0, 0.02) in named_parameters order; norms 1, biases 0",
+    # vLLM's load_format dummy: every parameter, norms too. Its outputs barely depend on the input, so greedy
+    # decode rows converge on the same tokens and a MoE routes a batch to few experts; side by side with vLLM
+    # a MoE's decode is only like for like when both draw this way.
+    "uniform": "uniform(-1e-3, 1e-3) in named_parameters order, every parameter",
+}
 
 
-def init_random_weights(model: nn.Module, seed: int = 0) -> None:
-    """RANDOM_INIT_SCHEME over any model of ours (the Llama and DeepSeek families share it, so a digest of the
-    seed and shape names the same weights wherever they are made)."""
+def init_random_weights(model: nn.Module, seed: int = 0, scheme: str = "normal") -> None:
+    """RANDOM_INIT_SCHEMES[scheme] over any model of ours (the Llama and DeepSeek families share them, so a
+    digest of the seed, scheme and shape names the same weights wherever they are made)."""
+    if scheme not in RANDOM_INIT_SCHEMES:
+        raise ValueError(f"random weights: no scheme {scheme!r} (one of {sorted(RANDOM_INIT_SCHEMES)})")
     generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
+            if scheme == "uniform":
+                param.uniform_(-1e-3, 1e-3, generator=generator)
+            elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith("bias"):
                 param.zero_()
@@ -238,9 +248,9 @@ class LlamaForCausalLM(nn.Module):
             per_layer += ["self_attn.q_norm.weight", "self_attn.k_norm.weight"]
         return keys + [f"layers.{i}.{p}" for i in range(cfg.num_layers) for p in per_layer]
 
-    def init_random_weights(self, seed: int = 0) -> None:
+    def init_random_weights(self, seed: int = 0, scheme: str = "normal") -> None:
         """Random weights for benchmarks: the real shapes, FLOPs and bytes, nonsense text."""
-        init_random_weights(self, seed)
+        init_random_weights(self, seed, scheme)
 
 
 def _named_layer_param(layer: DecoderLayer, module: str, proj: str, kind: str, name: str) -> torch.Tensor:

@@ -75,16 +75,17 @@ def test_the_latent_kernel_gives_the_eager_ops_values(dtype, interleaved, heads,
         q, kv_a, positions, rotary.cos_cache, rotary.sin_cache, norm.weight, norm.eps,
         slot_blocks, slot_offsets, cache[:, 1], interleaved,
     )  # fmt: skip
-    # Within one rounding of the model's dtype (the compiler may keep a product in float32 that the eager op
-    # rounds; fused_ops' rotary test saw 1-ulp differences on the H200), nearly all bitwise equal.
+    # Within one rounding of the model's dtype, not bitwise: the kernel rounds once from float32 where the eager
+    # ops round each product, and on CUDA it fuses multiply-adds (in float32 too, 6-15% of the rotated values
+    # on the H200 were an ulp apart: so no share of exact matches is asked for).
     one_rounding = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 8e-3}[dtype]
     torch.testing.assert_close(q, q_ref, rtol=one_rounding, atol=one_rounding)
-    assert (q != q_ref).float().mean() < 0.02
     torch.testing.assert_close(latent, latent_ref, rtol=one_rounding, atol=one_rounding)
     # an fp8 pool: a value one bf16 rounding off may be one e4m3 step off (3 mantissa bits)
     pool_step = 0.13 if pool == "fp8" else one_rounding
     torch.testing.assert_close(cache.float(), reference.float(), rtol=pool_step, atol=one_rounding)
-    assert (cache.float() != reference.float()).float().mean() < 0.01
+    # what the kernel returns is, bit for bit, what it stored (a chunk attends to its latents as the pool has them)
+    assert torch.equal(kv_quant.dequantize(cache[:, 1][slot_blocks, slot_offsets, 0], dtype), latent)
     # the other layer, and every slot not written, untouched
     assert not cache[:, 0].float().any()
     written = torch.zeros(blocks, BLOCK_SIZE, dtype=torch.bool, device=DEVICE)

@@ -158,6 +158,20 @@ def test_random_weights_from_a_config_json_alone(tmp_path: Path) -> None:
     assert len(out.new_token_ids) == 5
 
 
+def test_uniform_random_weights_draw_every_parameter_as_vllm_does(tmp_path: Path) -> None:
+    """random_weights uniform: every parameter (norms, the float32 router and its bias too) in (-1e-3, 1e-3),
+    none left at its normal-scheme value; an unknown scheme is refused by name."""
+    config = dict(V3, model_type="deepseek_v3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = open_model_source(str(tmp_path / "config.json"))
+    model = build_model(source, torch.device("cpu"), torch.float32, max_positions=256, seed=0, random_weights="uniform")
+    for name, param in model.named_parameters():
+        assert param.abs().max() <= 1e-3, name
+        assert param.std() > 1e-4, name  # drawn, not filled (norms were 1, the bias 0)
+    with pytest.raises(ValueError, match="no scheme 'xavier'"):
+        build_model(source, torch.device("cpu"), torch.float32, max_positions=256, seed=0, random_weights="xavier")
+
+
 def test_attention_backend_is_the_mla_path_and_kernels_are_refused(checkpoint) -> None:
     """On the CPU auto and sdpa take the PyTorch MLA path (the MLA kernel, mla_triton.py, needs CUDA: its
     choice on a GPU is in test_cuda_mla); triton without CUDA and flashinfer anywhere are refused by name."""

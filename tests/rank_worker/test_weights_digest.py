@@ -94,6 +94,7 @@ def test_random_weights_of_another_seed_get_another_namespace(checkpoint: Path) 
     assert namespace(config_json, load_format="dummy", seed=0) == seed0
     assert namespace(config_json, load_format="dummy", seed=1) != seed0
     assert namespace(checkpoint) != seed0  # the real weights of that config are not its random ones
+    assert namespace(config_json, load_format="dummy", seed=0, random_weights="uniform") != seed0  # vLLM's draw
 
 
 def test_large_files_are_sampled_in_every_tensor(checkpoint: Path, monkeypatch: pytest.MonkeyPatch) -> None:

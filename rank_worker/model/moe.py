@@ -7,7 +7,8 @@ Routed experts run one of three ways, all giving each token the weighted sum of 
   down, each expert over its contiguous run of rows), the offsets of the runs counted on the device: no host
   sync, so it is graph-safe. Each token's k outputs are put back in slot order and summed in float32 (no
   atomics: the same inputs give the same bits, which the warm-vs-cold match needs). Decode-sized batches
-  sort by moe_kernels.align instead of ~7 small PyTorch ops, and every batch on CUDA sums by its combine kernel.
+  sort by moe_kernels.align instead of ~7 small PyTorch ops and run the experts by moe_mlp_kernel's two
+  kernels instead of the grouped GEMMs; every batch on CUDA sums by moe_kernels.combine.
 - experts_hit (the CPU and float32 path): a loop over the experts this batch hit, each over its tokens, the
   weighted outputs summed with index_add_ in expert order (transformers' order, so float32 matches it).
   Finding the experts hit is a host sync.
@@ -24,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rank_worker.model import fused_ops, moe_kernels
+from rank_worker.model import fused_ops, moe_kernels, moe_mlp_kernel
 from rank_worker.model.deepseek_config import DeepseekConfig
 
 
@@ -170,9 +171,10 @@ class MoE(nn.Module):
 
     def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The same sum by two grouped GEMMs over the (token, slot) pairs sorted by expert, with no host sync.
-        On CUDA small batches (decode steps) sort by moe_kernels.align, large ones (prefill chunks) by a PyTorch
-        argsort, and both sum by moe_kernels.combine; the CPU (where the tests run this path in float32) does
-        both in PyTorch."""
+        On CUDA small batches (decode steps) sort by moe_kernels.align and run the experts by moe_mlp_kernel
+        (weight-streaming kernels for a few rows an expert) instead of the grouped GEMMs; large ones (prefill
+        chunks) sort by a PyTorch argsort; both sum by moe_kernels.combine. The CPU (where the tests run this
+        path in float32) does it all in PyTorch."""
         tokens, k = ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
@@ -180,18 +182,19 @@ class MoE(nn.Module):
         kernels = fused_ops.kernels_available(x.device)
         if kernels and tokens * k <= moe_kernels.ALIGN_MAX_PAIRS:
             token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts)
-        else:
-            flat = ids.reshape(-1)
-            order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
-            # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
-            counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-            ends = counts.cumsum(0, dtype=torch.int32)
-            token_of_row = order // k
-            if kernels:  # each pair's row, for the combine kernel: the inverse of the sort
-                pairs = order.numel()
-                row_of_pair = torch.empty(pairs, dtype=torch.int32, device=x.device)
-                row_of_pair.scatter_(0, order, torch.arange(pairs, dtype=torch.int32, device=x.device))
+            h = moe_mlp_kernel.expert_mlp(x, self.experts_gate_up, self.experts_down, token_of_row, ends)
+            return moe_kernels.combine(h, weights, row_of_pair, x.dtype)
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
+        # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
+        counts = torch.zeros(experts, dtype=torch.int32, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+        ends = counts.cumsum(0, dtype=torch.int32)
+        token_of_row = order // k
+        if kernels:  # each pair's row, for the combine kernel: the inverse of the sort
+            pairs = order.numel()
+            row_of_pair = torch.empty(pairs, dtype=torch.int32, device=x.device)
+            row_of_pair.scatter_(0, order, torch.arange(pairs, dtype=torch.int32, device=x.device))
         rows = x.index_select(0, token_of_row)
         # [E, 2I, H] seen as [E, H, 2I] (column-major per expert: what the grouped kernel takes, no copy)
         h = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=ends)

@@ -270,8 +270,8 @@ def test_grouped_gemm_experts_in_bf16_match_the_loop_and_replay_in_a_cuda_graph(
     model_type, tmp_path, monkeypatch
 ) -> None:
     """bf16 on an SM90 GPU takes MoE.grouped_experts (two torch._grouped_mm, no host sync): close to the
-    experts_hit loop on the same routing, the same bits on a second run, the same bits with the pairs sorted
-    by PyTorch's argsort (a prefill-sized batch's way) as by moe_kernels.align (a decode batch's), and recorded in a
+    experts_hit loop on the same routing, the same bits on a second run, close to the grouped GEMMs over
+    PyTorch's argsort (a prefill-sized batch's way) from moe_kernels (a decode batch's), and recorded in a
     CUDA graph it replays the eager result exactly (new inputs copied into the recorded buffer)."""
     from rank_worker.model import moe_kernels
     from rank_worker.model.moe import grouped_gemm_runs
@@ -291,8 +291,9 @@ def test_grouped_gemm_experts_in_bf16_match_the_loop_and_replay_in_a_cuda_graph(
         assert torch.equal(grouped, moe.grouped_experts(x, ids, weights))
         with monkeypatch.context() as patch:
             patch.setattr(moe_kernels, "ALIGN_MAX_PAIRS", 0)
-            # the PyTorch argsort's stable order is align's, and both sum by combine: the same bits
-            assert torch.equal(moe.grouped_experts(x, ids, weights), grouped)
+            # a prefill-sized batch's way: the grouped GEMMs instead of moe_mlp_kernel (other float32 sums)
+            by_gemms = moe.grouped_experts(x, ids, weights)
+        torch.testing.assert_close(by_gemms, grouped, rtol=2e-2, atol=2e-2)
         static = x.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())

@@ -48,6 +48,59 @@ def bench_us(fn) -> float:
     return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
 
 
+def one_case(tokens: int, routing: str, gate_up: torch.Tensor, down_w: torch.Tensor, k: int) -> dict:
+    experts, double_inter, hidden = gate_up.shape
+    dev = gate_up.device
+    torch.manual_seed(tokens)
+    if routing == "uniform":
+        ids = torch.rand(tokens, experts, device=dev).topk(k, dim=1).indices
+    else:
+        ids = torch.arange(k, device=dev).repeat(tokens, 1)
+    x = torch.randn(tokens, hidden, device=dev).to(gate_up.dtype)
+    token_of_row, _, ends = moe_kernels.align(ids, experts)
+    hit = int(torch.unique(ids).numel())
+    weight_bytes = hit * 3 * (double_inter // 2) * hidden * gate_up.element_size()
+
+    def grouped():
+        h = torch._grouped_mm(x.index_select(0, token_of_row), gate_up.transpose(1, 2), offs=ends)
+        return torch._grouped_mm(fused_ops.silu_and_mul(h), down_w.transpose(1, 2), offs=ends)
+
+    reference = grouped().float()
+    grouped_us = bench_us(grouped)
+    act = moe_mlp_kernel.gate_up_silu(x, gate_up, token_of_row, ends)
+    best: dict[str, tuple[float, dict]] = {}
+    sweep = []
+    for shape in SHAPES:
+        try:
+            out = moe_mlp_kernel.expert_mlp(x, gate_up, down_w, token_of_row, ends, shape, shape)
+            err = float((out.float() - reference).norm() / reference.norm())
+            up_us = bench_us(lambda s=shape: moe_mlp_kernel.gate_up_silu(x, gate_up, token_of_row, ends, s))
+            down_us = bench_us(lambda s=shape: moe_mlp_kernel.down(act, down_w, ends, s))
+        except Exception as exc:  # a shape past the shared memory: noted, the sweep goes on
+            sweep.append({"shape": shape, "error": str(exc)[:200]})
+            continue
+        sweep.append({"shape": shape, "gate_up_us": up_us, "down_us": down_us, "rel_err": err})
+        for name, us in (("gate_up", up_us), ("down", down_us)):
+            if name not in best or us < best[name][0]:
+                best[name] = (us, shape)
+    default_us = bench_us(lambda: moe_mlp_kernel.expert_mlp(x, gate_up, down_w, token_of_row, ends))
+    kernel_us = best["gate_up"][0] + best["down"][0]
+    return {
+        "tokens": tokens,
+        "routing": routing,
+        "experts_hit": hit,
+        "grouped_mm_us": grouped_us,
+        "kernels_default_us": default_us,
+        "kernels_best_us": kernel_us,
+        "best_gate_up": best["gate_up"][1],
+        "best_down": best["down"][1],
+        "grouped_mm_bandwidth_share": weight_bytes / (grouped_us * 1e-6) / PEAK_BYTES_S,
+        "kernels_default_bandwidth_share": weight_bytes / (default_us * 1e-6) / PEAK_BYTES_S,
+        "kernels_best_bandwidth_share": weight_bytes / (kernel_us * 1e-6) / PEAK_BYTES_S,
+        "sweep": sweep,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="dsv2-lite-chat")
@@ -60,62 +113,16 @@ def main() -> None:
     dev, dtype = torch.device("cuda"), torch.bfloat16
     gate_up = (torch.randn(experts, 2 * inter, hidden, device=dev) * 0.02).to(dtype)
     down_w = (torch.randn(experts, hidden, inter, device=dev) * 0.02).to(dtype)
-    expert_bytes = (3 * inter * hidden) * 2
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:
         for routing in ("uniform", "narrow"):
-            torch.manual_seed(tokens)
-            if routing == "uniform":
-                ids = torch.rand(tokens, experts, device=dev).topk(k, dim=1).indices
-            else:
-                ids = torch.arange(k, device=dev).repeat(tokens, 1)
-            x = torch.randn(tokens, hidden, device=dev).to(dtype)
-            token_of_row, _, ends = moe_kernels.align(ids, experts)
-            hit = int(torch.unique(ids).numel())
-            weight_bytes = hit * expert_bytes
-
-            def grouped():
-                h = torch._grouped_mm(x.index_select(0, token_of_row), gate_up.transpose(1, 2), offs=ends)
-                return torch._grouped_mm(fused_ops.silu_and_mul(h), down_w.transpose(1, 2), offs=ends)
-
-            reference = grouped()
-            grouped_us = bench_us(grouped)
-            act = moe_mlp_kernel.gate_up_silu(x, gate_up, token_of_row, ends)
-            best: dict[str, tuple[float, dict]] = {}
-            sweep = []
-            for shape in SHAPES:
-                try:
-                    out = moe_mlp_kernel.expert_mlp(x, gate_up, down_w, token_of_row, ends, shape, shape)
-                    err = float((out.float() - reference.float()).norm() / reference.float().norm())
-                    up_us = bench_us(lambda s=shape: moe_mlp_kernel.gate_up_silu(x, gate_up, token_of_row, ends, s))
-                    down_us = bench_us(lambda s=shape: moe_mlp_kernel.down(act, down_w, ends, s))
-                except Exception as exc:  # a shape past the shared memory: noted, the sweep goes on
-                    sweep.append({"shape": shape, "error": str(exc)[:200]})
-                    continue
-                sweep.append({"shape": shape, "gate_up_us": up_us, "down_us": down_us, "rel_err": err})
-                for name, us in (("gate_up", up_us), ("down", down_us)):
-                    if name not in best or us < best[name][0]:
-                        best[name] = (us, shape)
-            default_us = bench_us(lambda: moe_mlp_kernel.expert_mlp(x, gate_up, down_w, token_of_row, ends))
-            kernel_us = best["gate_up"][0] + best["down"][0]
-            row = {
-                "tokens": tokens,
-                "routing": routing,
-                "experts_hit": hit,
-                "grouped_mm_us": grouped_us,
-                "kernels_default_us": default_us,
-                "kernels_best_us": kernel_us,
-                "best_gate_up": best["gate_up"][1],
-                "best_down": best["down"][1],
-                "grouped_mm_bandwidth_share": weight_bytes / (grouped_us * 1e-6) / PEAK_BYTES_S,
-                "kernels_best_bandwidth_share": weight_bytes / (kernel_us * 1e-6) / PEAK_BYTES_S,
-                "sweep": sweep,
-            }
+            row = one_case(tokens, routing, gate_up, down_w, k)
             rows.append(row)
             print(
-                f"{tokens:4d} {routing:8s} hit {hit:3d}  grouped_mm {grouped_us:8.1f} us "
-                f"({row['grouped_mm_bandwidth_share']:.0%})  kernels default {default_us:8.1f}  best {kernel_us:8.1f} "
-                f"({row['kernels_best_bandwidth_share']:.0%})  gate_up {best['gate_up'][1]}  down {best['down'][1]}",
+                f"{tokens:4d} {routing:8s} hit {row['experts_hit']:3d}  grouped_mm {row['grouped_mm_us']:8.1f} us "
+                f"({row['grouped_mm_bandwidth_share']:.0%})  kernels default {row['kernels_default_us']:8.1f} "
+                f"({row['kernels_default_bandwidth_share']:.0%})  best {row['kernels_best_us']:8.1f} "
+                f"({row['kernels_best_bandwidth_share']:.0%})  gate_up {row['best_gate_up']}  down {row['best_down']}",
                 flush=True,
             )
     if args.out:

@@ -23,10 +23,10 @@ from rank_worker.model.rotary import RotaryEmbedding
 # Part of the KV-cache namespace of random weights: change one whenever init_random_weights draws differently.
 RANDOM_INIT_SCHEMES = {
     "normal": "normal(0, 0.02) in named_parameters order; norms 1, biases 0",
-    # vLLM's load_format dummy: every parameter, norms too. Its outputs barely depend on the input, so greedy
-    # decode rows converge on the same tokens and a MoE routes a batch to few experts; side by side with vLLM
-    # a MoE's decode is only like for like when both draw this way.
-    "uniform": "uniform(-1e-3, 1e-3) in named_parameters order, every parameter",
+    # vLLM's load_format dummy: every parameter, norms too, each from a generator seeded alike, so tensors of
+    # one size and dtype are equal (every layer's; the LM head is the embedding). Side by side with vLLM on
+    # random weights, a MoE's routing (how many experts a decode step reads) depends on the draw.
+    "uniform": "uniform(-1e-3, 1e-3), every parameter from its own generator seeded alike",
 }
 
 
@@ -35,11 +35,12 @@ def init_random_weights(model: nn.Module, seed: int = 0, scheme: str = "normal")
     digest of the seed, scheme and shape names the same weights wherever they are made)."""
     if scheme not in RANDOM_INIT_SCHEMES:
         raise ValueError(f"random weights: no scheme {scheme!r} (one of {sorted(RANDOM_INIT_SCHEMES)})")
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    device = next(model.parameters()).device
+    generator = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             if scheme == "uniform":
-                param.uniform_(-1e-3, 1e-3, generator=generator)
+                param.uniform_(-1e-3, 1e-3, generator=torch.Generator(device=device).manual_seed(seed))
             elif name.endswith("norm.weight"):
                 param.fill_(1.0)
             elif name.endswith("bias"):

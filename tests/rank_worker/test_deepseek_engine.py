@@ -160,7 +160,7 @@ def test_random_weights_from_a_config_json_alone(tmp_path: Path) -> None:
 
 def test_uniform_random_weights_draw_every_parameter_as_vllm_does(tmp_path: Path) -> None:
     """random_weights uniform: every parameter (norms, the float32 router and its bias too) in (-1e-3, 1e-3),
-    none left at its normal-scheme value; an unknown scheme is refused by name."""
+    none left at its normal-scheme value, equal where shapes are; an unknown scheme is refused by name."""
     config = dict(V3, model_type="deepseek_v3", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
     (tmp_path / "config.json").write_text(json.dumps(config))
     source = open_model_source(str(tmp_path / "config.json"))
@@ -168,6 +168,11 @@ def test_uniform_random_weights_draw_every_parameter_as_vllm_does(tmp_path: Path
     for name, param in model.named_parameters():
         assert param.abs().max() <= 1e-3, name
         assert param.std() > 1e-4, name  # drawn, not filled (norms were 1, the bias 0)
+    # each parameter's generator seeded alike, as vLLM's: tensors of one shape are equal, others differ
+    layers = [layer for layer in model.layers if hasattr(layer.mlp, "experts_gate_up")]
+    assert len(layers) >= 2
+    assert torch.equal(layers[0].mlp.experts_gate_up, layers[1].mlp.experts_gate_up)
+    assert not torch.equal(layers[0].mlp.experts_gate_up[0], layers[0].mlp.experts_gate_up[1])
     with pytest.raises(ValueError, match="no scheme 'xavier'"):
         build_model(source, torch.device("cpu"), torch.float32, max_positions=256, seed=0, random_weights="xavier")
 

@@ -20,9 +20,15 @@ import torch
 from rank_worker.model.fused_ops import triton
 
 # Launch shape, per kernel: rows per program (tl.dot's smallest M), output columns, the reduction step, warps
-# and pipeline depth. Chosen on the H200 by bench/probes/moe_probe.py.
+# and pipeline depth. Chosen on the H200 by bench/probes/moe_probe.py (bench/results/dsv2-decode-h200-moe-kernel):
+# up to 128 tokens of V2-Lite with uniform routing these were within 2% of the sweep's best (81-85% of HBM
+# bandwidth); past ~1,000 pairs (a row block of 16 reads an expert's weights twice or more) 32-row programs
+# were 10-20% faster with uniform routing and ~40% with every token on the same experts.
 GATE_UP = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 DOWN = {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+MANY_PAIRS = 1024
+GATE_UP_MANY = {"BLOCK_M": 32, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 4}
+DOWN_MANY = {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
 
 if triton is not None:
     import triton.language as tl
@@ -143,7 +149,7 @@ def gate_up_silu(
     inter, pairs = double_inter // 2, token_of_row.numel()
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     if pairs:
-        shape = dict(GATE_UP, **(launch or {}))
+        shape = dict(GATE_UP_MANY if pairs > MANY_PAIRS else GATE_UP, **(launch or {}))
         grid = (_grid_blocks(pairs, experts, shape["BLOCK_M"]), triton.cdiv(inter, shape["BLOCK_N"]))
         pad = triton.next_power_of_2(experts)
         _gate_up_silu[grid](
@@ -160,7 +166,7 @@ def down(act: torch.Tensor, down_w: torch.Tensor, ends: torch.Tensor, launch: di
     pairs = act.shape[0]
     out = torch.empty(pairs, hidden, dtype=act.dtype, device=act.device)
     if pairs:
-        shape = dict(DOWN, **(launch or {}))
+        shape = dict(DOWN_MANY if pairs > MANY_PAIRS else DOWN, **(launch or {}))
         grid = (_grid_blocks(pairs, experts, shape["BLOCK_M"]), triton.cdiv(hidden, shape["BLOCK_N"]))
         pad = triton.next_power_of_2(experts)
         _down[grid](

@@ -1,6 +1,7 @@
 """moe_mlp_kernel.expert_mlp (the routed experts' gate/up + SiLU x up + down over align's sorted rows) against
-each expert's MLP in PyTorch, row by row: one token to past several row blocks per expert, experts left unhit,
-widths that are not multiples of the tiles, and other program layouts than the default (the probe's sweep).
+each expert's MLP in PyTorch, row by row: one token to past several row blocks per expert and past MANY_PAIRS
+(the 32-row launch), experts left unhit, widths that are not multiples of the tiles, and other program layouts
+than the default (the probe's sweep).
 
 On CUDA, and on the CPU under Triton's interpreter (TRITON_INTERPRET=1, triton importable); skipped elsewhere."""
 
@@ -31,7 +32,13 @@ def _reference(x, gate_up, down, token_of_row, ends):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
     ("tokens", "k", "experts", "hot", "hidden", "inter"),
-    [(1, 6, 64, 64, 96, 80), (16, 6, 64, 40, 64, 48), (37, 2, 12, 3, 64, 40), (70, 4, 10, 10, 160, 72)],
+    [
+        (1, 6, 64, 64, 96, 80),
+        (16, 6, 64, 40, 64, 48),
+        (37, 2, 12, 3, 64, 40),
+        (70, 4, 10, 10, 160, 72),
+        (300, 4, 16, 16, 64, 48),
+    ],
 )
 @pytest.mark.parametrize(
     "launch",

@@ -34,6 +34,8 @@ HEAD_BLOCK = 16
 # keep the pipelined tiles in shared memory. Not tuned on a GPU yet.
 TILE_TOKENS = {torch.float32: 16}
 DEFAULT_TILE_TOKENS = 32
+# Warps and pipeline depth of a program (Triton's defaults until the probe picks; TILE/slices may be set too).
+LAUNCH: dict = {}
 
 
 def fits(kv_lora_rank: int) -> bool:
@@ -136,11 +138,13 @@ def mla_decode_attention(
     rows: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    launch: dict | None = None,
 ) -> torch.Tensor:
     """q_lat [S, H, r] (q_nope W_UK), q_pe [S, H, rope] (rotated), one token per sequence; latent_cache one
     layer's [blocks, block_size, 1, r + rope] view of the pool; block_tables [table rows, max_blocks] (int32),
     rows [S] the table row of each sequence, context_lens [S] (>= 1). Returns the attention-weighted latents
-    [S, H, r] in q_lat's dtype."""
+    [S, H, r] in q_lat's dtype. launch overrides the launch shape (bench/probes/mla_decode_probe.py's sweep):
+    TILE (tokens a loop step), slices (per row), num_warps, num_stages."""
     assert triton is not None, "the Triton MLA decode kernel needs triton (CUDA builds of torch ship it)"
     assert latent_cache.dtype in (q_lat.dtype, kv_quant.FP8), "the MLA kernel reads the model's dtype or fp8"
     num_seqs, num_heads, rank = q_lat.shape
@@ -149,7 +153,9 @@ def mla_decode_attention(
     assert fits(rank) and latent_cache.shape[-1] == rank + rope, (rank, rope, tuple(latent_cache.shape))
     assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and latent_cache.stride(3) == 1
     head_blocks = triton.cdiv(num_heads, HEAD_BLOCK)
-    num_slices = slices_for(num_seqs, head_blocks)
+    shape = dict(LAUNCH, **(launch or {}))
+    num_slices = shape.pop("slices", None) or slices_for(num_seqs, head_blocks)
+    tile = shape.pop("TILE", None) or TILE_TOKENS.get(q_lat.dtype, DEFAULT_TILE_TOKENS)
     partial = torch.empty(num_seqs, num_heads, num_slices, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(num_seqs, num_heads, num_slices, dtype=torch.float32, device=q_lat.device)
     out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
@@ -179,8 +185,9 @@ def mla_decode_attention(
         ROPE=rope,
         ROPE_PAD=max(16, triton.next_power_of_2(rope)),
         BLOCK_SIZE=block_size,
-        TILE=TILE_TOKENS.get(q_lat.dtype, DEFAULT_TILE_TOKENS),
+        TILE=tile,
         PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",  # full fp32 products for fp32 models
+        **shape,
     )
     merge_slices(partial, lse, out)
     return out

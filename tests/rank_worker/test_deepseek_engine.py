@@ -237,3 +237,17 @@ def test_unsupported_configs_are_refused_by_name(base: dict, change: dict, messa
     config = normalize_hf_config(dict(base, model_type=model_type, **change))
     with pytest.raises(UnsupportedModelError, match=message):
         DeepseekConfig.from_hf(config)
+
+
+def test_whole_query_is_a_view_of_one_projection_and_a_copy_of_two() -> None:
+    """FA4's MLA prefill takes [q_nope | q_pe] per head: the split projection's own tensor (no copy) when the two
+    are its views, a joined copy when they are not."""
+    from rank_worker.model.attention.mla_triton import whole_query
+
+    q = torch.randn(5, 3, 12)
+    q_nope, q_pe = q.split([8, 4], dim=-1)
+    joined = whole_query(q_nope[1:4], q_pe[1:4])
+    assert joined.data_ptr() == q[1:4].data_ptr() and torch.equal(joined, q[1:4])
+    apart = whole_query(q_nope.clone(), q_pe.clone())
+    assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, q)
+    assert torch.equal(whole_query(q_pe, q_nope), torch.cat([q_pe, q_nope], dim=-1))  # the wrong order: copied

@@ -69,9 +69,10 @@ class MlaTritonAttention(MlaSdpaAttention):
         pieces = sorted(batch.prefills, key=lambda p: p.token_start)
         require_adjacent(pieces, "mla_triton")
         contexts = [chunk_context(p, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
-        k, v = expand_latents(torch.cat(contexts), kv_b_proj, q_nope.shape[1], q_nope.shape[2])
+        context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
+        k, v = expand_latents(context, kv_b_proj, q_nope.shape[1], q_nope.shape[2])
         start, end = pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new
-        q = torch.cat([q_nope[start:end], q_pe[start:end]], dim=-1)
+        q = whole_query(q_nope[start:end], q_pe[start:end])
         qo = list(itertools.accumulate((p.num_new for p in pieces), initial=0))
         ko = list(itertools.accumulate((p.context_len for p in pieces), initial=0))
         bounds = torch.tensor(qo + ko, dtype=torch.int32).to(q.device, non_blocking=True)
@@ -114,6 +115,21 @@ class MlaTritonAttention(MlaSdpaAttention):
             max_q, max_k = max(n for n, _ in chunks), max(c for _, c in chunks)
             _fa4_varlen(q, k, v, bounds[: len(qo)], bounds[len(qo) :], max_q, max_k, qk_dim**-0.5, out)
         torch.cuda.synchronize(device)
+
+
+def whole_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
+    """[n, H, nope + rope]: a view when q_pe is the rest of each head of q_nope's tensor (LatentAttention splits
+    one projection, and its fused kernel rotates q_pe in place), else the two joined by a copy."""
+    nope = q_nope.shape[-1]
+    adjacent = (
+        q_nope.stride() == q_pe.stride()
+        and q_nope.stride(-1) == 1
+        and q_pe.data_ptr() == q_nope.data_ptr() + nope * q_nope.element_size()
+        and q_nope.stride(-2) >= nope + q_pe.shape[-1]
+    )
+    if not adjacent:
+        return torch.cat([q_nope, q_pe], dim=-1)
+    return q_nope.as_strided((*q_nope.shape[:-1], nope + q_pe.shape[-1]), q_nope.stride())
 
 
 def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:

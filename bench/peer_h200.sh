@@ -29,7 +29,7 @@
 # past 163,840 positions the real one kills vLLM's engine), which the config serves on our side too:
 #   SHAPE=dsv2-lite-chat SERVE_SHAPE=dsv2-lite-1m-chat ENGINE_SHAPE=dsv2-lite-chat \
 #   CONFIG=bench/configs/agents-dsv2-lite-h200.yaml CONTEXT_SCALE=1.0 MAX_CONTEXT=1048576 \
-#   VLLM_MAX_MODEL_LEN=1048576 STEPS=2,4 [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
+#   VLLM_MAX_MODEL_LEN=1048576 STEPS=2,4 RANDOM_WEIGHTS=uniform [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
 #   bash bench/peer_h200.sh vllm-engine ...
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
@@ -47,6 +47,9 @@ CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer) for its engine measures
 SERVE_SHAPE=${SERVE_SHAPE:-$SHAPE}       # the one `vllm serve` serves for the agent steps (and its served name)
 ENGINE_SHAPE=${ENGINE_SHAPE:-llama-8b}   # bench/engine.py's --shape for ours
+# ours' random draw for the engine measures: `uniform` is vLLM's dummy draw, which is what makes MoE routing (so
+# the experts a decode step reads) alike on both sides; the dense Llama shape costs the same under either
+RANDOM_WEIGHTS=${RANDOM_WEIGHTS:-normal}
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
 VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
 MAX_CONTEXT=${MAX_CONTEXT:-131072}       # the load generator's context window
@@ -249,12 +252,12 @@ phase() {
       wait_gpu_free
       say "bench/engine.py --shape $ENGINE_SHAPE"
       timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
-        --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
+        --random-weights "$RANDOM_WEIGHTS" --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
       tail -n 30 "$WORK/ours-engine.log"
       if [ -f "$WORK/ours-engine.json" ]; then
         say "bench/engine.py --dtype float32 --only-match"
         timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --dtype float32 \
-          --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1
+          --random-weights "$RANDOM_WEIGHTS" --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1
         tail -n 3 "$WORK/ours-match-float32.log"
       fi
       cp "$WORK/ours-engine.json" "$OUT/" 2>/dev/null || say "no ours-engine.json"

@@ -85,13 +85,13 @@ def test_decode_kernel_matches_sdpa_on_scattered_blocks(heads, kv_heads, head_di
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
-def _mixed_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype):
+def _mixed_step(heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, chunks=None):
     """One step: three decode rows, then chunks (new tokens, cached tokens before them) of every shape the
     scheduler makes: cold, warm over a long prefix, a chunk not starting on a tile, a 2-token chunk. Returns
     q, the step's k and v (read back from the pool, as the SDPA path wants them for cold chunks), one
     layer of the pool and the batch."""
     decodes = [33, 700, 1]
-    chunks = [(300, 0), (129, 2000), (2, 77), (1000, 1000), (64, 15)]
+    chunks = chunks or [(300, 0), (129, 2000), (2, 77), (1000, 1000), (64, 15)]
     lengths = decodes + [new + cached for new, cached in chunks]
     pool = _pool(800, kv_heads, head_dim, dtype)
     table, rows = _tables(lengths, 800, 12)
@@ -340,6 +340,31 @@ def test_fa4_backend_matches_sdpa_on_a_mixed_step(heads, kv_heads, head_dim, dty
     q, k, v, layer, batch = _mixed_step(heads, kv_heads, head_dim, dtype)
     error = _relative_error_to_sdpa(Fa4Attention(dtype, heads // kv_heads), q, k, v, layer, batch)
     assert error < 1e-2, error
+
+
+@needs_fa4
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(32, 8, 128), (8, 2, 64)])
+def test_fa4_backend_reads_a_cold_steps_own_kv(heads, kv_heads, head_dim) -> None:
+    """A step whose chunks are all cold (decodes beside them) goes to FA4 over the chunks' own K/V rows, not the
+    pool's pages: the plan says so, and the output matches SDPA's."""
+    from rank_worker.model.attention.fa4_backend import Fa4Attention
+
+    torch.manual_seed(3)
+    q, k, v, layer, batch = _mixed_step(heads, kv_heads, head_dim, torch.bfloat16, [(300, 0), (1, 0), (2000, 0)])
+    backend = Fa4Attention(torch.bfloat16, heads // kv_heads)
+    backend.plan(batch)
+    assert batch.attention.cold
+    error = _relative_error_to_sdpa(backend, q, k, v, layer, batch)
+    assert error < 1e-2, error
+    # The pool's pages are not what it read: noise in the chunks' blocks leaves their output as it was.
+    expected = backend.attend(q, k, v, layer[:, 0], layer[:, 1], batch, head_dim**-0.5)
+    scratch = layer.clone()
+    for piece in batch.prefills:
+        blocks = batch.block_tables[piece.table_row, : -(-piece.context_len // BLOCK_SIZE)].long()
+        scratch[blocks] = torch.randn_like(scratch[blocks])
+    again = backend.attend(q, k, v, scratch[:, 0], scratch[:, 1], batch, head_dim**-0.5)
+    span = slice(*batch.attention.span)
+    torch.testing.assert_close(again[span], expected[span], rtol=0, atol=0)
 
 
 def _fa4_compiled() -> int:

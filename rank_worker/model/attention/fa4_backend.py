@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 # (new tokens, context) of the chunks of the steps warm_up runs, which between them take every kernel variant
 # a step needs: a short chunk over a short prefix, two chunks (one cold), a chunk past one q tile over a long
 # prefix, a long cold chunk.
-WARM_UP_STEPS: list[list[tuple[int, int]]] = [[(2, 18)], [(16, 16), (3, 20)], [(300, 2300)], [(1000, 1000)]]
+WARM_UP_STEPS: list[list[tuple[int, int]]] = [[(2, 18)], [(16, 16), (3, 20)], [(300, 2300)], [(16, 16)], [(1000, 1000)]]
 
 
 @dataclass
@@ -55,6 +55,7 @@ class Fa4Plan:
     used_k: torch.Tensor  # [chunks] int32: each chunk's context length
     pages: torch.Tensor  # [chunks, table width] int32: each chunk's block-table row
     max_q: int
+    cold: bool  # every chunk is its whole context: attention reads the chunks' own K/V, not the pool
 
 
 class Fa4Attention(AttentionBackend):
@@ -90,6 +91,7 @@ class Fa4Attention(AttentionBackend):
             used_k=device[n + 1 : 2 * n + 1],
             pages=batch.block_tables.index_select(0, rows),
             max_q=max(p.num_new for p in pieces),
+            cold=all(p.context_len == p.num_new for p in pieces),
         )
 
     def attend(
@@ -107,7 +109,7 @@ class Fa4Attention(AttentionBackend):
         plan = batch.attention
         if plan is not None:
             assert isinstance(plan, Fa4Plan)
-            run_fa4(q, k_cache, v_cache, plan, scale, out)
+            run_fa4(q, k_cache, v_cache, plan, scale, out, own_kv=(k, v))
         return out
 
     def warm_up(self, kv_cache: torch.Tensor) -> float:
@@ -159,13 +161,34 @@ def run_fa4(
     plan: Fa4Plan,
     scale: float,
     out: torch.Tensor,
+    own_kv: tuple[torch.Tensor, torch.Tensor] | None = None,
     **options: object,
 ) -> None:
     """One FA4 launch over the plan's chunks: q rows span, K/V read through the page table, into out. options:
-    FA4's own (bench/probes/fa4_probe.py times pack_gqa on and off through them)."""
+    FA4's own (bench/probes/fa4_probe.py times pack_gqa on and off through them).
+
+    own_kv: the step's rotated K/V rows ([T, Hkv, D], views of the projection), which a step of cold chunks reads
+    instead of the pool. Through a page table of 16-token pages FA4 loads K/V by cp.async (TMA needs a page of
+    its 128-token tile); contiguous rows go by TMA: a cold 32K chunk of the llama-8b shape 13.3 against 15.1 ms a
+    layer on the H200 (bench/results/fa4-long-probe-h200.json)."""
     from flash_attn.cute.interface import _flash_attn_fwd  # lazily: only CUDA prefill steps get here
 
     start, end = plan.span
+    if plan.cold and own_kv is not None:
+        _flash_attn_fwd(
+            q[start:end],
+            own_kv[0][start:end],
+            own_kv[1][start:end],
+            cu_seqlens_q=plan.cu_q,
+            cu_seqlens_k=plan.cu_q,
+            max_seqlen_q=plan.max_q,
+            max_seqlen_k=plan.max_q,
+            softmax_scale=scale,
+            causal=True,
+            out=out[start:end],
+            **({"pack_gqa": False} | options),
+        )
+        return
     _flash_attn_fwd(
         q[start:end],
         k_cache,

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 # (new tokens, context) of the chunks of the steps warm_up runs, which between them take every kernel variant
 # a step needs: a short chunk over a short prefix, two chunks (one cold), a chunk past one q tile over a long
-# prefix, a long cold chunk.
+# prefix, then steps of cold chunks alone (their own K/V, not the pool): a short one and a long one.
 WARM_UP_STEPS: list[list[tuple[int, int]]] = [[(2, 18)], [(16, 16), (3, 20)], [(300, 2300)], [(16, 16)], [(1000, 1000)]]
 
 
@@ -175,31 +175,21 @@ def run_fa4(
 
     start, end = plan.span
     if plan.cold and own_kv is not None:
-        _flash_attn_fwd(
-            q[start:end],
-            own_kv[0][start:end],
-            own_kv[1][start:end],
-            cu_seqlens_q=plan.cu_q,
-            cu_seqlens_k=plan.cu_q,
-            max_seqlen_q=plan.max_q,
-            max_seqlen_k=plan.max_q,
-            softmax_scale=scale,
-            causal=True,
-            out=out[start:end],
-            **({"pack_gqa": False} | options),
-        )
-        return
+        k, v = own_kv[0][start:end], own_kv[1][start:end]
+        reads: dict[str, object] = {"cu_seqlens_k": plan.cu_q, "max_seqlen_k": plan.max_q}
+    else:
+        k, v = k_cache, v_cache
+        reads = {"seqused_k": plan.used_k, "page_table": plan.pages}
     _flash_attn_fwd(
         q[start:end],
-        k_cache,
-        v_cache,
+        k,
+        v,
         cu_seqlens_q=plan.cu_q,
-        seqused_k=plan.used_k,
         max_seqlen_q=plan.max_q,
-        page_table=plan.pages,
         softmax_scale=scale,
         causal=True,
         out=out[start:end],
+        **reads,
         **({"pack_gqa": False} | options),
     )
 

@@ -249,6 +249,12 @@ def main() -> None:
     parser.add_argument("--out", default="", help="result JSON, rewritten after every measure")
     parser.add_argument("--commit", default="", help="commit to record (defaults to git HEAD)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=32768)
+    parser.add_argument(
+        "--solo-prefill-tokens",
+        type=int,
+        default=None,
+        help="a cold prompt alone on the rank in one step up to this (default: the attention backend's choice)",
+    )
     parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32"])
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "fa4", "flashinfer", "sdpa"])
     parser.add_argument(
@@ -290,6 +296,7 @@ def main() -> None:
         random_weights=args.random_weights,
         dtype=args.dtype,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        solo_prefill_tokens=args.solo_prefill_tokens,
         max_num_seqs=256,
         attention_backend=args.attention_backend,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -329,6 +336,7 @@ def main() -> None:
             "attention_backend": engine.attention.name,
             "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
             "max_num_batched_tokens": args.max_num_batched_tokens,
+            "solo_prefill_tokens": engine.scheduler.policy.solo_prefill_tokens,
             "max_model_len": config.max_model_len,
             "kv_blocks": engine.pool.num_blocks,
             "random_weights": args.random_weights,

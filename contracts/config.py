@@ -101,6 +101,18 @@ class KvServeConfig(BaseSettings):
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
 
+    # FA4 reads a whole cold prompt's K/V as its own contiguous rows (TMA loads) but chunks after the first
+    # through the pool's 16-token pages (cp.async): the attention of a cold 100K prompt, one llama-8b layer on
+    # the H200, 128.1 ms in one piece against 144.8 in chunks (bench/results/fa4-long-probe-h200.json).
+    solo_prefill_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a prompt with nothing cached, admitted when nothing else runs on the rank, is prefilled in "
+        "one step up to this many tokens (past max_num_batched_tokens; the MLP still runs that many rows at a "
+        "time); 0 = chunks of max_num_batched_tokens; unset: the attention backend's choice (fa4: 131072, "
+        "others: 0)",
+    )
+
     # The rank worker's engine thread shares the GIL with its gRPC threads, which turn every token into a
     # stream message. When it comes back from the GPU (or any call that lets the GIL go) and a gRPC thread
     # holds the GIL, CPython makes it wait up to the switch interval (5 ms by default) before forcing a

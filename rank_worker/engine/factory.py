@@ -11,9 +11,9 @@ import torch
 from contracts.config import GPU_DECODE_STEP_BUDGET_MS, KvServeConfig
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
-from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
+from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, solo_prefill_tokens
 from rank_worker.l1.kvstore_client import KvStoreClient
-from rank_worker.model.attention.kv_quant import pool_dtype
+from rank_worker.model.attention.kv_quant import check_backend, pool_dtype
 from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.config import LlamaFamilyConfig, is_deepseek
 from rank_worker.model.deepseek import DeepseekForCausalLM
@@ -111,7 +111,8 @@ def size_kv_pool(
         return config.num_kv_blocks
     if device.type != "cuda":
         return max(int(config.kv_cache_memory_gb * 1024**3) // block_bytes, 1)
-    peak = _profile_peak_bytes(config, model, device, dtype) + _decode_graph_bytes(config, model, max_model_len)
+    peak = _profile_peak_bytes(config, model, device, dtype, max_model_len)
+    peak += _decode_graph_bytes(config, model, max_model_len)
     total = torch.cuda.get_device_properties(device).total_memory
     budget = int(total * config.gpu_memory_utilization) - peak
     if budget < block_bytes:
@@ -122,18 +123,30 @@ def size_kv_pool(
     return budget // block_bytes
 
 
-def _profile_peak_bytes(config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype) -> int:
-    """Run one prefill of max_num_batched_tokens through a throwaway pool and read the allocator's peak."""
-    tokens = config.max_num_batched_tokens
+def _profile_peak_bytes(
+    config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
+) -> int:
+    """Run the longest step the rank will take (a prefill of max_num_batched_tokens, or a solo prefill's longer
+    one) through a throwaway pool and read the allocator's peak, less that pool (the real one replaces it)."""
+    kv_dtype = pool_dtype(config.kv_cache_dtype, dtype)
+    backend = model.choose_attention(check_backend(config.attention_backend, kv_dtype), device, dtype, kv_dtype)
+    limits = EngineSettings(
+        num_blocks=1,
+        max_model_len=max_model_len,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        solo_prefill_tokens=config.solo_prefill_tokens,
+    )
+    tokens = max(config.max_num_batched_tokens, solo_prefill_tokens(limits, backend))
     settings = EngineSettings(
         num_blocks=-(-tokens // config.block_size) + 1,
         block_size=config.block_size,
         max_model_len=tokens + 1,
-        max_num_batched_tokens=tokens,
+        max_num_batched_tokens=config.max_num_batched_tokens,
         prefix_cache=False,
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
         attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
         kv_cache_dtype=config.kv_cache_dtype,
+        solo_prefill_tokens=tokens if tokens > config.max_num_batched_tokens else 0,
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -144,7 +157,7 @@ def _profile_peak_bytes(config: KvServeConfig, model: CausalLM, device: torch.de
     while probe.has_unfinished():
         probe.step()
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device)
+    peak = torch.cuda.max_memory_allocated(device) - probe.kv_cache.numel() * probe.kv_cache.element_size()
     del probe
     torch.cuda.empty_cache()
     return peak
@@ -249,6 +262,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         kv_cache_dtype=config.kv_cache_dtype,
         pipeline_steps=config.pipeline_steps,
         l1_offload_bytes_per_step=int(config.l1_offload_mb_per_step * (1 << 20)),
+        solo_prefill_tokens=config.solo_prefill_tokens,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -86,7 +86,10 @@ class ModelRunner:
         max_model_len: int,
         scratch_block: int,
         cuda_graphs: bool,
+        max_step_tokens: int = 0,
     ) -> None:
+        """max_step_tokens: the most tokens a step carries (a solo prefill's, past max_num_batched_tokens; 0: that);
+        the dense layers of a longer step than max_num_batched_tokens run that many rows at a time."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
@@ -96,9 +99,9 @@ class ModelRunner:
         self.tables = BlockTables(
             max_num_seqs + SPARE_TABLE_ROWS, -(-max_model_len // block_size), scratch_block, self.device
         )
-        # A step carries at most max_num_batched_tokens; a padded decode step at most max_num_seqs rows.
-        capacity = max(max_num_batched_tokens, max_num_seqs) + max_num_seqs
-        self.inputs = StepInputs(capacity, block_size, self.tables, self.device)
+        # A step carries at most max_step_tokens; a padded decode step at most max_num_seqs rows.
+        capacity = max(max_num_batched_tokens, max_step_tokens, max_num_seqs) + max_num_seqs
+        self.inputs = StepInputs(capacity, block_size, self.tables, self.device, dense_rows=max_num_batched_tokens)
         self.gpu_timer = GpuTimer(self.device)  # the forward's GPU time, for the serving loop's step timing
         pin = self.device.type == "cuda"
         self._token_buffers = [

@@ -3,6 +3,7 @@ continuous batching around the model (the Llama family or DeepSeek: model/causal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -38,7 +39,7 @@ from rank_worker.engine.step_trace import phase
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
-from rank_worker.model.attention.backend import BackendName
+from rank_worker.model.attention.backend import AttentionBackend, BackendName
 from rank_worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,9 @@ class EngineSettings:
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
     pipeline_steps: bool = True  # launch step N+1 before reading step N's tokens (see _launch_successor)
     l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
+    # A cold prompt alone on the rank: prefilled in one step up to this many tokens (scheduler.py); None: what the
+    # attention backend prefers (AttentionBackend.solo_prefill_tokens); 0: in max_num_batched_tokens chunks.
+    solo_prefill_tokens: int | None = None
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -81,6 +85,14 @@ class EngineSettings:
             self.decode_step_budget_ms,
             self.min_prefill_chunk_tokens,
         )
+
+
+def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> int:
+    """The scheduler's solo_prefill_tokens: the setting, or where unset the backend's preference; within
+    max_model_len, and 0 where it would not pass max_num_batched_tokens (a step takes that much anyway)."""
+    wanted = backend.solo_prefill_tokens if settings.solo_prefill_tokens is None else settings.solo_prefill_tokens
+    solo = min(wanted, settings.max_model_len)
+    return solo if solo > settings.max_num_batched_tokens else 0
 
 
 @dataclass(eq=False)
@@ -145,9 +157,11 @@ class PagedEngine(Engine):
                 offload_bytes_per_step=settings.l1_offload_bytes_per_step,
             )
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.scheduling)
         # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
         self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
+        solo = solo_prefill_tokens(settings, self.attention)
+        policy = dataclasses.replace(settings.scheduling, solo_prefill_tokens=solo)
+        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, policy)
         self.runner = ModelRunner(
             model,
             self.kv_cache,
@@ -155,6 +169,7 @@ class PagedEngine(Engine):
             self.attention,
             max_num_seqs=settings.max_num_seqs,
             max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_step_tokens=max(settings.max_num_batched_tokens, solo),
             max_model_len=settings.max_model_len,
             scratch_block=settings.num_blocks,
             cuda_graphs=settings.cuda_graphs,

@@ -25,6 +25,12 @@ order (warm ones first under warm_first), and each step still gets min_prefill_c
 prefill is never starved by decoders whose own steps fill the budget. With nobody decoding (or a budget of 0)
 prefill takes the whole max_num_batched_tokens, as one long step stalls no one.
 
+A solo prefill: a prompt with nothing cached, admitted when nothing else runs on the rank, is taken in one step
+up to solo_prefill_tokens (past max_num_batched_tokens; that step carries nothing else), where the attention
+backend reads a whole cold prompt faster than chunks over their predecessors' pages (Fa4Attention). Nobody
+decodes beside it, and a warm request already waiting is admitted first (it is not alone then); one arriving
+during it waits for the step, as for any step.
+
 The load the rank reports (prefill_load) is prefill still to do: for each waiting request its prompt tokens
 not in L0 (those the host tier is known to hold at l1_restore_cost each), for each running one still in
 prefill what is left of it. It is the unit of the router's own estimate and score, so the two add up.
@@ -57,6 +63,7 @@ class SchedulingPolicy:
     l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
     decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders; 0 = no cap on prefill
     min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy
+    solo_prefill_tokens: int = 0  # a cold prompt alone on the rank: prefilled in one step up to this; 0 = chunks
 
     @property
     def warm_first(self) -> bool:
@@ -295,7 +302,10 @@ class Scheduler:
             cached, restored = self.kv.attach_cached_prefix(seq)
             self.restored_tokens += restored
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
-            if num_new == 0 or not self.kv.allocate(seq, num_new):
+            solo = self._solo_tokens(seq, step)
+            if solo and self.kv.allocate(seq, solo):
+                num_new = solo
+            elif num_new == 0 or not self.kv.allocate(seq, num_new):
                 self.kv.free(seq)  # give the prefix back; try again next step
                 step.closed = True
                 return
@@ -313,9 +323,17 @@ class Scheduler:
                 self.prefix_hit_tokens += cached
             self.running.append(seq)
             batch.entries.append((seq, num_new))
-            step.budget -= num_new
+            step.budget = max(step.budget - num_new, 0)  # a solo prefill spends it all
             if step.time_budget_s is not None:
                 step.load = step_load([(seq, num_new)], step.load)
+
+    def _solo_tokens(self, seq: Sequence, step: _Step) -> int:
+        """The one-step chunk of a solo prefill for seq (see the module's doc), or 0: not one."""
+        cap = self.policy.solo_prefill_tokens
+        alone = not self.running and not step.batch.entries
+        if cap <= step.budget or not alone or seq.num_computed_tokens or seq.num_uncomputed_tokens <= step.budget:
+            return 0
+        return min(seq.num_uncomputed_tokens, cap)
 
     # --- the decoders' time budget ---
 

@@ -31,8 +31,11 @@ class CarriedTokens:
 
 
 class StepInputs:
-    def __init__(self, capacity: int, block_size: int, tables: BlockTables, device: torch.device) -> None:
+    def __init__(
+        self, capacity: int, block_size: int, tables: BlockTables, device: torch.device, dense_rows: int = 0
+    ) -> None:
         self.capacity = capacity
+        self.dense_rows = dense_rows  # ForwardBatch.dense_rows of every step
         self.block_size = block_size
         self.tables = tables
         self.device = device
@@ -161,4 +164,5 @@ class StepInputs:
             decode_rows=dev[DECODE_ROWS, :num_decodes],
             decode_lens=dev[DECODE_LENS, :num_decodes],
             prefills=prefills or [],
+            dense_rows=self.dense_rows,
         )

@@ -43,6 +43,10 @@ class ForwardBatch:
     decode_lens: torch.Tensor | None = None  # [num_decodes] tokens with KV, including this step's token
     prefills: list[PrefillSlice] = field(default_factory=list)
     attention: object = None  # the attention backend's per-step metadata (AttentionBackend.plan)
+    # The most rows an MLP runs at once (0: all): a solo prefill's step is longer than max_num_batched_tokens, and
+    # its MLP activations (7x the hidden state in the llama-8b shape) would set the activation peak the KV pool
+    # is sized after; attention needs the whole step at once, the MLP (row by row) does not.
+    dense_rows: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -138,7 +138,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), kv_layer, batch)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + residual_stream.mlp_by_rows(self.mlp, self.post_attention_layernorm(x), batch.dense_rows)
 
 
 class LlamaForCausalLM(nn.Module):

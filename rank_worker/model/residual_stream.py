@@ -5,7 +5,7 @@ than the eager adds, and the same bits (the kernel rounds the sum where the eage
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 import torch
@@ -39,7 +39,20 @@ def run_fused(
         else:
             h = layer.input_layernorm.add_and_norm(x, residual)
         h = layer.post_attention_layernorm.add_and_norm(layer.self_attn(h, kv_cache[:, index], batch), residual)
-        x = layer.mlp(h)
+        x = mlp_by_rows(layer.mlp, h, batch.dense_rows)
     assert residual is not None
     rows = batch.logits_indices
     return final_norm.add_and_norm(x[rows], residual[rows])
+
+
+def mlp_by_rows(mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int) -> torch.Tensor:
+    """mlp(h) (a row-wise map of the hidden state onto itself), `rows` rows at a time where h has more (0: all
+    at once): what a step longer than max_num_batched_tokens (a solo prefill) keeps its activation peak under.
+    Every row is computed on its own either way; a GEMM may round differently by its row count (its kernel is
+    chosen by shape), as between any two chunkings of a prompt."""
+    if rows <= 0 or h.shape[0] <= rows:
+        return mlp(h)
+    out = torch.empty_like(h)
+    for start in range(0, h.shape[0], rows):
+        out[start : start + rows] = mlp(h[start : start + rows])
+    return out

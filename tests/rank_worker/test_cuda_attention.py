@@ -308,6 +308,30 @@ def test_engines_with_triton_and_sdpa_and_graphs_give_the_same_tokens_in_float32
     assert runs[("triton", True, True)] == plain
 
 
+def test_a_solo_prefill_gives_the_chunked_tokens_in_float32(tmp_path) -> None:
+    """A 900-token prompt alone: in 256-token chunks, or in one step (solo_prefill_tokens) whose MLP runs 256
+    rows at a time in the fused residual stream; the same greedy tokens, one prefill step against four."""
+    from engine_fixtures import generate_greedy, random_prompt
+
+    prompt = random_prompt(900, 512, seed=21)
+    runs, prefill_steps = {}, {}
+    for solo in (0, 1024):
+        engine = _tiny_float32_engine(tmp_path, attention_backend="triton", solo_prefill_tokens=solo)
+        assert engine.model.fused and engine.scheduler.policy.solo_prefill_tokens == solo
+        schedule, steps = engine.scheduler.schedule, []
+
+        def counted(preempt: bool = True, schedule=schedule, steps=steps):
+            batch = schedule(preempt)
+            steps.append(max((n for _, n in batch.entries), default=0))
+            return batch
+
+        engine.scheduler.schedule = counted
+        runs[solo] = generate_greedy(engine, [prompt], [16])
+        prefill_steps[solo] = sum(1 for n in steps if n > 1)
+    assert runs[1024] == runs[0]
+    assert prefill_steps == {0: 4, 1024: 1}
+
+
 def test_fp8_engines_with_triton_and_sdpa_give_the_same_tokens_in_float32(tmp_path) -> None:
     """kv_cache_dtype fp8_e4m3: auto takes the Triton kernels (FlashInfer's module reads no fp8), graphed and
     pipelined, and gives the fp8 SDPA engine's greedy tokens; prefixes shared, prefill chunked."""

@@ -34,6 +34,10 @@ class AttentionBackend(ABC):
     fused_store: bool = False
     # Whether attend may run inside a CUDA graph (fixed shapes given the batch size, no host syncs).
     graph_safe: bool = False
+    # The longest prompt with nothing cached that, on a rank with nothing else running, this backend would rather
+    # prefill in one step than in max_num_batched_tokens chunks (the engine's solo_prefill_tokens when unset);
+    # 0: chunks. A backend sets it where a whole cold prompt reads K/V faster than chunks over their pages.
+    solo_prefill_tokens: int = 0
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

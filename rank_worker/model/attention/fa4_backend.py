@@ -62,6 +62,10 @@ class Fa4Attention(AttentionBackend):
     name = "fa4"
     fused_store = True
     graph_safe = True  # decode-only steps (the graphed ones) run the Triton decode kernel alone
+    # A cold prompt in one step reads its own K/V rows (TMA) for all of its attention; in 32K chunks every chunk
+    # past the first reads the ones before through 16-token pages (cp.async): the whole 100K prompt's attention,
+    # one llama-8b layer on the H200, 128.1 against 144.8 ms (bench/results/fa4-long-probe-h200.json).
+    solo_prefill_tokens = 131072
 
     def __init__(self, dtype: torch.dtype, group: int) -> None:
         if dtype not in (torch.bfloat16, torch.float16):

@@ -10,6 +10,7 @@ from dataclasses import astuple
 
 from engine_fixtures import greedy, make_engine, random_prompt
 from l1_fixtures import tiny_model
+from scheduler_fixtures import advance, chunk_of, queue_request
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
@@ -49,30 +50,11 @@ def _scheduler(
     return Scheduler(kv, 64, TOKEN_BUDGET, scheduling, Clock(), step_cost=StepCostModel(prior=prior))
 
 
-def _request(sched: Scheduler, request_id: str, prompt: list[int]) -> Sequence:
-    seq = Sequence(request_id, list(prompt), len(prompt), greedy(10_000), arrival_time=sched.clock())
-    sched.add(seq)
-    return seq
-
-
-def _advance(sched: Scheduler, batch: ScheduledBatch) -> None:
-    """What PagedEngine.step does after the model ran: chunks computed, a token for each finished prompt or decode."""
-    for seq, num_new in batch.entries:
-        seq.num_computed_tokens += num_new
-        sched.kv.register_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(1)
-
-
 def _decoders(sched: Scheduler, count: int, context: int = 100) -> list[Sequence]:
-    seqs = [_request(sched, f"decoder{i}", random_prompt(context, VOCAB, seed=i)) for i in range(count)]
-    _advance(sched, sched.schedule())  # nobody decodes yet: all their prompts in one step
+    seqs = [queue_request(sched, f"decoder{i}", random_prompt(context, VOCAB, seed=i)) for i in range(count)]
+    advance(sched, sched.schedule())  # nobody decodes yet: all their prompts in one step
     assert all(seq.num_uncomputed_tokens == 1 for seq in seqs)
     return seqs
-
-
-def _chunk_of(batch: ScheduledBatch, seq: Sequence) -> int:
-    return next((n for s, n in batch.entries if s is seq), 0)
 
 
 def _cache(sched: Scheduler, tokens: list[int]) -> None:
@@ -87,36 +69,36 @@ def _cache(sched: Scheduler, tokens: list[int]) -> None:
 def test_with_decoders_a_long_cold_prefill_gets_the_chunk_the_budget_allows() -> None:
     sched = _scheduler()
     decoders = _decoders(sched, 4)
-    cold = _request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
     batch = sched.schedule()
-    assert all(_chunk_of(batch, seq) == 1 for seq in decoders)
-    assert _chunk_of(batch, cold) == 2000  # (30 ms - 10 ms) / 10 us, a whole number of blocks
+    assert all(chunk_of(batch, seq) == 1 for seq in decoders)
+    assert chunk_of(batch, cold) == 2000  # (30 ms - 10 ms) / 10 us, a whole number of blocks
     assert sched.step_cost.predict(batch.load) <= 0.030 + 1e-12
 
 
 def test_without_decoders_the_chunk_is_max_num_batched_tokens() -> None:
     sched = _scheduler()
-    cold = _request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
-    assert _chunk_of(sched.schedule(), cold) == TOKEN_BUDGET
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
+    assert chunk_of(sched.schedule(), cold) == TOKEN_BUDGET
 
 
 def test_a_budget_of_zero_is_todays_token_budget_with_decoders_too() -> None:
     sched = _scheduler(budget_ms=0.0)
     _decoders(sched, 4)
-    cold = _request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
-    assert _chunk_of(sched.schedule(), cold) == TOKEN_BUDGET - 4
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
+    assert chunk_of(sched.schedule(), cold) == TOKEN_BUDGET - 4
 
 
 def test_prefill_gets_its_minimum_when_the_decodes_alone_fill_the_budget() -> None:
     busy = StepCost(*astuple(LINEAR)[:2], 0.01, *astuple(LINEAR)[3:])  # 10 ms a decoding row: 4 fill 30 ms
     sched = _scheduler(prior=busy, min_chunk=256)
     _decoders(sched, 4)
-    cold = _request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
-    late = _request(sched, "later-cold", random_prompt(5_000, VOCAB, seed=51))
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
+    late = queue_request(sched, "later-cold", random_prompt(5_000, VOCAB, seed=51))
     for _ in range(3):
         batch = sched.schedule()
-        assert _chunk_of(batch, cold) == 256 and _chunk_of(batch, late) == 0
-        _advance(sched, batch)
+        assert chunk_of(batch, cold) == 256 and chunk_of(batch, late) == 0
+        advance(sched, batch)
     assert cold.num_computed_tokens == 3 * 256
 
 
@@ -125,13 +107,13 @@ def _measured_run(factor: float, steps: int = 4) -> list[int]:
     each step's time is given to the scheduler as the engine measures it. Returns the prefill's chunks."""
     sched = _scheduler()
     _decoders(sched, 4)
-    cold = _request(sched, "cold", random_prompt(50_000, VOCAB, seed=60))
+    cold = queue_request(sched, "cold", random_prompt(50_000, VOCAB, seed=60))
     chunks = []
     for _ in range(steps):
         batch = sched.schedule()
-        chunks.append(_chunk_of(batch, cold))
+        chunks.append(chunk_of(batch, cold))
         sched.observe_step(batch, factor * LINEAR.seconds(batch.load))
-        _advance(sched, batch)
+        advance(sched, batch)
     return chunks
 
 
@@ -150,11 +132,11 @@ def test_warm_chunks_go_first_and_fifo_obeys_the_budget_too() -> None:
         sched = _scheduler(policy)
         _cache(sched, history)
         _decoders(sched, 4)
-        cold = _request(sched, "cold", random_prompt(20_000, VOCAB, seed=72))
-        _advance(sched, sched.schedule())  # the cold prefill runs, with its first chunk behind it
-        warm = _request(sched, "warm", warm_prompt)
+        cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=72))
+        advance(sched, sched.schedule())  # the cold prefill runs, with its first chunk behind it
+        warm = queue_request(sched, "warm", warm_prompt)
         batch = sched.schedule()
-        chunks[policy] = (_chunk_of(batch, warm), _chunk_of(batch, cold))
+        chunks[policy] = (chunk_of(batch, warm), chunk_of(batch, cold))
         assert sched.step_cost.predict(batch.load) <= 0.030 + 1e-12
     # warm_first: the warm turn's 1,504 tokens, then the cold prefill the 496 that are left; fifo: the running cold
     # prefill (the older) takes the step's whole 2,000 and the warm turn waits.

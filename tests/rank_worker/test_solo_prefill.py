@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
 from l1_fixtures import tiny_model
+from scheduler_fixtures import advance, chunk_of, queue_request
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.paged_engine import EngineSettings, solo_prefill_tokens
 from rank_worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulingPolicy
-from rank_worker.engine.sequence import Sequence
 from rank_worker.model.attention.fa4_backend import Fa4Attention
 from rank_worker.model.attention.sdpa_backend import SdpaAttention
 from rank_worker.model.residual_stream import mlp_by_rows
@@ -32,86 +32,68 @@ def _scheduler(solo: int = SOLO, blocks: int = 2000, budget_ms: float = 50.0) ->
     return Scheduler(kv, 64, BUDGET, policy)
 
 
-def _request(sched: Scheduler, request_id: str, prompt: list[int]) -> Sequence:
-    seq = Sequence(request_id, list(prompt), len(prompt), greedy(10_000), arrival_time=sched.clock())
-    sched.add(seq)
-    return seq
-
-
-def _advance(sched: Scheduler, batch: ScheduledBatch) -> None:
-    for seq, num_new in batch.entries:
-        seq.num_computed_tokens += num_new
-        sched.kv.register_full_blocks(seq)
-        if seq.num_computed_tokens == seq.num_tokens:
-            seq.token_ids.append(1)
-
-
-def _chunk_of(batch: ScheduledBatch, seq: Sequence) -> int:
-    return next((n for s, n in batch.entries if s is seq), 0)
-
-
 def test_a_cold_prompt_alone_goes_in_one_step_and_the_next_waits() -> None:
     sched = _scheduler()
-    cold = _request(sched, "cold", random_prompt(3000, VOCAB, seed=1))
-    other = _request(sched, "other", random_prompt(500, VOCAB, seed=2))
+    cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=1))
+    other = queue_request(sched, "other", random_prompt(500, VOCAB, seed=2))
     batch = sched.schedule()
     assert batch.entries == [(cold, 3000)]
-    assert _chunk_of(batch, other) == 0  # the solo step carries nothing else
-    _advance(sched, batch)
-    assert _chunk_of(sched.schedule(), other) == 500  # admitted beside the decoder afterwards
+    assert chunk_of(batch, other) == 0  # the solo step carries nothing else
+    advance(sched, batch)
+    assert chunk_of(sched.schedule(), other) == 500  # admitted beside the decoder afterwards
 
 
 def test_the_cap_holds_and_what_is_left_goes_in_chunks() -> None:
     sched = _scheduler()
-    cold = _request(sched, "cold", random_prompt(6000, VOCAB, seed=3))
+    cold = queue_request(sched, "cold", random_prompt(6000, VOCAB, seed=3))
     first = sched.schedule()
-    assert _chunk_of(first, cold) == SOLO
-    _advance(sched, first)
-    assert _chunk_of(sched.schedule(), cold) == BUDGET  # no longer cold from token 0: a chunk over its prefix
+    assert chunk_of(first, cold) == SOLO
+    advance(sched, first)
+    assert chunk_of(sched.schedule(), cold) == BUDGET  # no longer cold from token 0: a chunk over its prefix
 
 
 def test_not_beside_decoders_nor_over_a_cached_prefix() -> None:
     sched = _scheduler(budget_ms=0.0)  # no time cut: a chunk is then max_num_batched_tokens less the decodes
-    decoder = _request(sched, "decoder", random_prompt(100, VOCAB, seed=4))
-    _advance(sched, sched.schedule())
+    decoder = queue_request(sched, "decoder", random_prompt(100, VOCAB, seed=4))
+    advance(sched, sched.schedule())
     assert decoder.num_uncomputed_tokens == 1
-    cold = _request(sched, "cold", random_prompt(3000, VOCAB, seed=5))
-    assert _chunk_of(sched.schedule(), cold) == BUDGET - 1
+    cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=5))
+    assert chunk_of(sched.schedule(), cold) == BUDGET - 1
 
     sched = _scheduler()
     history = random_prompt(320, VOCAB, seed=6)
-    first = _request(sched, "history", history)
-    _advance(sched, sched.schedule())
+    first = queue_request(sched, "history", history)
+    advance(sched, sched.schedule())
     sched.remove(first)  # a finished turn: its blocks stay as cache entries
-    turn = _request(sched, "turn", history + random_prompt(2700, VOCAB, seed=7))
+    turn = queue_request(sched, "turn", history + random_prompt(2700, VOCAB, seed=7))
     batch = sched.schedule()
     assert turn.num_cached_tokens == 320
-    assert _chunk_of(batch, turn) == BUDGET
+    assert chunk_of(batch, turn) == BUDGET
 
 
 def test_a_warm_request_admitted_first_keeps_the_cold_one_in_chunks() -> None:
     sched = _scheduler()
     history = random_prompt(320, VOCAB, seed=8)
-    first = _request(sched, "history", history)
-    _advance(sched, sched.schedule())
+    first = queue_request(sched, "history", history)
+    advance(sched, sched.schedule())
     sched.remove(first)
-    cold = _request(sched, "cold", random_prompt(3000, VOCAB, seed=9))
-    warm = _request(sched, "warm", history + random_prompt(32, VOCAB, seed=10))
+    cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=9))
+    warm = queue_request(sched, "warm", history + random_prompt(32, VOCAB, seed=10))
     batch = sched.schedule()
-    assert _chunk_of(batch, warm) == 32 and _chunk_of(batch, cold) == BUDGET - 32
+    assert chunk_of(batch, warm) == 32 and chunk_of(batch, cold) == BUDGET - 32
 
 
 def test_in_chunks_when_the_pool_cannot_hold_the_solo_step() -> None:
     sched = _scheduler(blocks=100)  # 1,600 tokens: the 3,000-token prompt's whole blocks do not fit at once
-    cold = _request(sched, "cold", random_prompt(3000, VOCAB, seed=11))
-    assert _chunk_of(sched.schedule(), cold) == BUDGET
+    cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=11))
+    assert chunk_of(sched.schedule(), cold) == BUDGET
 
 
 def test_off_at_zero_and_when_the_cap_is_within_the_token_budget() -> None:
     for solo in (0, BUDGET // 2):
         sched = _scheduler(solo=solo)
-        cold = _request(sched, "cold", random_prompt(3000, VOCAB, seed=12))
-        assert _chunk_of(sched.schedule(), cold) == BUDGET
+        cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=12))
+        assert chunk_of(sched.schedule(), cold) == BUDGET
 
 
 def test_the_setting_resolves_to_the_backends_choice_within_max_model_len() -> None:

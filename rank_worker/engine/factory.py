@@ -146,7 +146,7 @@ def _profile_peak_bytes(
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
         attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
         kv_cache_dtype=config.kv_cache_dtype,
-        solo_prefill_tokens=tokens if tokens > config.max_num_batched_tokens else 0,
+        solo_prefill_tokens=tokens,  # the engine resolves it to 0 where tokens is max_num_batched_tokens
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 

@@ -89,7 +89,7 @@ class ModelRunner:
         max_step_tokens: int = 0,
     ) -> None:
         """max_step_tokens: the most tokens a step carries (a solo prefill's, past max_num_batched_tokens; 0: that);
-        the dense layers of a longer step than max_num_batched_tokens run that many rows at a time."""
+        the MLP of a step longer than max_num_batched_tokens runs that many rows at a time (ForwardBatch.dense_rows)."""
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size

@@ -41,10 +41,16 @@ def draw(result: dict[str, Any], prefix: str | Path) -> list[Path]:
     if steps:
         fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5))
         for side in ("ours", "vllm"):
-            points = [(row["agents"], row[side]) for row in steps if row[side]]
+            points = [(row["agents"], row[side]) for row in steps if row[side] and not row[side].get("unfinished")]
             x = [agents for agents, _ in points]
             left.plot(x, [s["ttft_p95"] or 0 for _, s in points], "o-", color=COLORS[side], label=NAMES[side])
             right.plot(x, [s["tok_s_p50"] or 0 for _, s in points], "o-", color=COLORS[side], label=NAMES[side])
+            # A step the side did not finish has no measures: a cross on the axis says it failed
+            stopped = [row["agents"] for row in steps if row[side] and row[side].get("unfinished")]
+            for ax in (left, right):
+                if stopped:
+                    ax.plot(stopped, [0] * len(stopped), "x", color=COLORS[side], markersize=10,
+                            label=f"{NAMES[side]}: did not finish")  # fmt: skip
         left.axhline(15.0, color="black", linestyle="--", label="bar: p95 <= 15 s")
         right.axhline(20.0, color="black", linestyle="--", label="bar: p50 >= 20")
         left.set_ylabel("TTFT p95 (s)")

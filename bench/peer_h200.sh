@@ -196,8 +196,11 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
       echo "$n" >> "$STATE/$side-done"
     elif [ "$capped" = 1 ]; then
-      # Not this call's deadline but the step's own: N agents overload the side. Not retried; no result.
+      # Not this call's deadline but the step's own: N agents overload the side. Not retried; it fails, and
+      # the marker says so to bench/peer_results.py (the load generator's JSON of a stopped step has no step).
       say "$side: the $n-agent step did not finish in STEP_MAX=${STEP_MAX} s: it fails, the next step goes on"
+      printf '{"side": "%s", "agents": %s, "step_max_s": %s, "seed": %s, "date": "%s"}\n' \
+        "$side" "$n" "$STEP_MAX" "$seed" "$(date -u +%Y-%m-%dT%H:%M:%SZ)" > "$file.unfinished.json"
       echo "$n" >> "$STATE/$side-done"
     else
       say "$side: the $n-agent step did not finish"

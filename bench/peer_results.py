@@ -30,6 +30,8 @@ TARGET = 0.95  # kvserve must reach 95% of vLLM's engine speed (issue 13; the De
 SIDES = ("ours", "vllm")
 ENGINE_FILES = {"ours": "ours-engine.json", "vllm": "vllm-engine.json"}
 STEP_FILE = re.compile(r"^(?P<side>ours|vllm)-agents-(?P<agents>\d+)\.json$")
+# bench/peer_h200.sh's marker of a step stopped at STEP_MAX: the side could not finish it, so it fails.
+UNFINISHED_FILE = re.compile(r"^(?P<side>ours|vllm)-agents-(?P<agents>\d+)\.unfinished\.json$")
 # What this script reads of an engine result file (bench/engine.py, bench/peer_vllm.py) and of each measure.
 ENGINE_KEYS = ("schema", "engine", "date", "commit", "gpu", "shape", "dtype", "settings", "measures")
 MEASURE_KEYS = ("name", "kind", "new", "cached", "batch", "context", "steps", "seconds", "samples")
@@ -98,9 +100,26 @@ def collect(raw: Path) -> tuple[dict[str, dict[str, Any]], dict[str, dict[int, d
             side, agents = match["side"], int(match["agents"])
             step = {**doc["steps"][0], "run": _run_settings(doc), "source": where}
             held = steps[side].get(agents)
-            if held is None or str(doc.get("date", "")) >= held["run"]["date"]:
+            if held is None or held.get("unfinished") or str(doc.get("date", "")) >= held["run"]["date"]:
                 steps[side][agents] = step
+        match = UNFINISHED_FILE.match(name)
+        if match and int(match["agents"]) not in steps[match["side"]]:
+            steps[match["side"]][int(match["agents"])] = unfinished_step(doc, where)
     return engines, steps
+
+
+def unfinished_step(marker: dict[str, Any], where: str) -> dict[str, Any]:
+    """A step the side did not finish within STEP_MAX seconds: failed, with no measures (a finished run of the
+    same step, in any file, takes its place)."""
+    return {
+        "agents": marker["agents"],
+        "passed": False,
+        "failed": [f"unfinished in {marker['step_max_s']} s"],
+        "requests": 0,
+        "unfinished": True,
+        "run": {"date": marker.get("date"), "seed": marker.get("seed")},
+        "source": where,
+    }
 
 
 def _run_settings(doc: dict[str, Any]) -> dict[str, Any]:
@@ -146,6 +165,8 @@ def step_summary(step: dict[str, Any] | None) -> dict[str, Any] | None:
     if step is None:
         return None
     summary = {key: step.get(key) for key in (*STEP_KEYS, *STEP_OPTIONAL)}
+    if step.get("unfinished"):
+        summary["unfinished"] = True
     # The trace's own reuse over 12 turns stays under the 90% bar (83-86%): this verdict leaves that criterion out.
     summary["passed_cache_aside"] = set(step.get("failed") or []) <= {"cache_hit"} and bool(step.get("requests", 1))
     summary["seed"] = step["run"].get("seed")

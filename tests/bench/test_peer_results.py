@@ -138,6 +138,26 @@ def test_a_step_run_twice_keeps_the_later_run(tmp_path: Path) -> None:
     assert result["agents"][0]["vllm"]["passed"] is True and result["agents"][0]["ours"] is None
 
 
+def test_a_step_stopped_at_step_max_fails_unless_a_finished_run_of_it_exists(tmp_path: Path) -> None:
+    for side in ("ours", "vllm"):
+        write(tmp_path, f"{side}-agents-64.json", agent_step(64, False, ["cache_hit"]))
+        stopped = agent_step(80, True)
+        stopped["steps"] = []  # what the load generator writes when the step's timeout stops it
+        write(tmp_path, f"{side}-agents-80.json", stopped)
+    marker = {"side": "vllm", "agents": 80, "step_max_s": 300, "seed": 80, "date": "2026-12-02T10:05:00Z"}
+    write(tmp_path, "vllm-agents-80.unfinished.json", marker)
+    write(tmp_path / "later", "ours-agents-80.unfinished.json", {**marker, "side": "ours"})
+    write(tmp_path / "later", "ours-agents-80.json", agent_step(80, False, ["cache_hit"]))  # a retry that finished
+    result = assemble(tmp_path)
+    row = result["agents"][-1]
+    assert row["agents"] == 80
+    assert row["vllm"]["passed"] is False and row["vllm"]["passed_cache_aside"] is False
+    assert row["vllm"]["unfinished"] is True and row["vllm"]["failed"] == ["unfinished in 300 s"]
+    assert row["ours"]["passed_cache_aside"] is True and "unfinished" not in row["ours"]
+    assert result["largest_passing_cache_aside"] == {"ours": 80, "vllm": 64}
+    assert result["largest_passing_cache_aside_ratio"] == pytest.approx(80 / 64)
+
+
 @pytest.mark.parametrize(
     ("ours", "vllm", "note"),
     [

@@ -137,6 +137,13 @@ class KvServeConfig(BaseSettings):
         description="rank worker: L1 write-through copies issued per engine step on CUDA, in MiB (~10 ms of PCIe "
         "Gen5); more queue for the next steps, so a step's own token read never waits behind a whole prompt's",
     )
+    l1_eviction_horizon_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="rank worker: the L0 cache entries next in line for eviction that are offered to L1 again "
+        "(refreshed there, or copied if L1 lost them), so L1 keeps what L0 lets go; unset: twice the blocks the "
+        "longest step takes (at least 1024); 0: write-through only",
+    )
     kvstore_host: str = "127.0.0.1"
     kvstore_port: int = Field(50141, ge=0, le=65535)
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")

@@ -74,6 +74,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     node.add_argument("--l1-gbps", type=float, default=None, help="restore bandwidth (default: bench/results/l1-*)")
     node.add_argument("--l1-restore-cost", type=float, default=None, help="router score")
+    node.add_argument(
+        "--l1-eviction-horizon-blocks",
+        type=int,
+        default=None,
+        help="L0 entries next in line for eviction offered to L1 again (default: --config's; 0: write-through only)",
+    )
     node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
@@ -140,6 +146,7 @@ _FROM_CONFIG = {
     "block_size": "block_size",
     "max_num_seqs": "max_num_seqs",
     "l1_restore_cost": "l1_restore_cost",
+    "l1_eviction_horizon_blocks": "l1_eviction_horizon_blocks",
     "overload_prefill_tokens": "overload_prefill_tokens",
     "scheduling": "scheduling_policy",
     "warm_prefix_fraction": "warm_prefix_fraction",
@@ -253,6 +260,7 @@ def main(argv: list[str]) -> int:
         max_model_len=max_context,
         kv_bytes_per_token=facts.kv_bytes_per_token,
         l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
+        l1_eviction_horizon_blocks=args.l1_eviction_horizon_blocks,
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * args.block_size))
     route = RoutePolicy(

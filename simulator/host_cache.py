@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 
 from rank_worker.engine.block_pool import BlockPool
+from rank_worker.l1.eviction_horizon import EvictionHorizon
 from rank_worker.l1.host_fetch import HostFetch, hold_prefix
 
 
@@ -26,6 +27,9 @@ class NodeHostCache:
 
     def __len__(self) -> int:
         return len(self._lru)
+
+    def __contains__(self, block_hash: bytes) -> bool:
+        return block_hash in self._lru
 
     def leading_run(self, block_hashes: list[bytes]) -> int:
         run = 0
@@ -60,9 +64,10 @@ class NodeHostCache:
 class RankHostTier:
     """One rank's host tier over the node cache, as the engine's KvCacheManager uses it."""
 
-    def __init__(self, node: NodeHostCache, pool: BlockPool) -> None:
+    def __init__(self, node: NodeHostCache, pool: BlockPool, horizon_blocks: int = 0) -> None:
         self.node = node
         self.pool = pool
+        self.horizon = EvictionHorizon(pool, horizon_blocks)
         # What this rank sent or restored, oldest first: the real tier's peek for warm-first scheduling.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
@@ -94,6 +99,16 @@ class RankHostTier:
         self.node.store(fresh)
         for block_hash in fresh:
             self._remember(block_hash)
+
+    def offer_horizon(self) -> None:
+        """The real tier's eviction-horizon pass: the node cache refreshes what it holds and takes the rest (a
+        copy that lands at once here)."""
+        due = self.horizon.due(self.node.__contains__)
+        if due:
+            hashes = [h for _, h in due]
+            self.node.store(hashes)
+            for block_hash in hashes:
+                self._remember(block_hash)
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         run = 0

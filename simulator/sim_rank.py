@@ -3,7 +3,8 @@ a model runner that computes nothing and instead says how long the step took on 
 
 step() follows PagedEngine.step: schedule, advance every scheduled sequence by its tokens, register full
 blocks, append a token to each sequence that reached its end (a made-up id: outputs are never reused, as
-in the load generator, whose next turn is the trace's content), write through to L1 at the first output,
+in the load generator, whose next turn is the trace's content), write through to L1 at the first output
+(and offer L1 the entries L0 evicts next, rank_worker/l1/eviction_horizon.py),
 finish at max_tokens or max_model_len. Output lengths come from the trace (ignore_eos). As the engine measures
 its steps, the scheduler's step-cost model is told each step's modelled time, so its decode time budget
 (decode_step_budget_ms) cuts prefill chunks as it would on the GPU the step-time model was fitted to.
@@ -21,6 +22,7 @@ from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.scheduler import Scheduler, SchedulingPolicy
 from rank_worker.engine.sequence import Sequence, SequenceStatus
+from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from simulator.host_cache import NodeHostCache, RankHostTier
 from simulator.step_time import StepTimeModel
 
@@ -35,6 +37,7 @@ class RankSettings:
     policy: SchedulingPolicy = field(default_factory=SchedulingPolicy)
     kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
     l1_bytes_per_s: float = 50e9
+    l1_eviction_horizon_blocks: int | None = None  # None: the engine's default for a full chunk
 
 
 @dataclass
@@ -79,7 +82,10 @@ class SimulatedRank:
         self.settings = settings
         self.step_time = step_time
         self.pool = BlockPool(settings.num_blocks, caching=True)
-        self.tier = RankHostTier(node_cache, self.pool) if node_cache is not None else None
+        horizon = settings.l1_eviction_horizon_blocks
+        if horizon is None:
+            horizon = horizon_blocks_for(settings.max_num_batched_tokens, settings.block_size)
+        self.tier = RankHostTier(node_cache, self.pool, horizon) if node_cache is not None else None
         self.kv = KvCacheManager(self.pool, settings.block_size, namespace, self.tier)
         self.scheduler = Scheduler(
             self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.policy, clock=clock
@@ -131,6 +137,8 @@ class SimulatedRank:
                 seq.status = SequenceStatus.FINISHED
                 seq.finish_time = end
                 outcome.finished.append(seq)
+        if self.tier is not None:
+            self.tier.offer_horizon()  # the real tier's pass follows the step's launch; copies cost no step time
         if not batch.entries and not batch.preempted:
             raise RuntimeError(
                 f"rank {self.rank_id} is stuck: {len(self.scheduler.waiting)} waiting requests and none fits "

@@ -6,6 +6,7 @@ prefix-cache entry until allocation takes it from the front of the queue, which 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._events: list[KvEvent] = []
+        self.allocated_total = 0  # blocks handed out since start: how far eviction has moved down the queue
 
     @property
     def num_blocks(self) -> int:
@@ -56,6 +58,7 @@ class BlockPool:
                 block.block_hash = None
             block.ref_count = 1
             taken.append(block_id)
+        self.allocated_total += count
         if evicted:
             self._events.append(KvEvent(KvEventKind.REMOVED, tuple(evicted)))
         return taken
@@ -67,8 +70,10 @@ class BlockPool:
             del self._free[block_id]
         block.ref_count += 1
 
-    def release(self, block_ids: list[int]) -> None:
-        """Drop one reference on each block; pass a sequence's blocks tail first so its head lives longest."""
+    def release(self, block_ids: list[int], *, to_front: bool = False) -> None:
+        """Drop one reference on each block; pass a sequence's blocks tail first so its head lives longest.
+        to_front: a block left idle goes back to the front of the queue, next to be reused (the L1 tier's copy
+        of a block about to be evicted must not give it a second life in L0)."""
         for block_id in block_ids:
             block = self.blocks[block_id]
             if block.ref_count <= 0:
@@ -76,8 +81,19 @@ class BlockPool:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None
-                if block.block_hash is None:
-                    self._free.move_to_end(block_id, last=False)  # no cache value: reuse first
+                if to_front or block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)  # no cache value (or kept elsewhere): reuse first
+
+    def idle_front(self, limit: int) -> list[tuple[int, bytes]]:
+        """(block, hash) of the cache entries among the first `limit` blocks of the free queue: the next ones
+        allocation evicts."""
+        front: list[tuple[int, bytes]] = []
+        blocks = self.blocks
+        for block_id in itertools.islice(self._free, limit):
+            block_hash = blocks[block_id].block_hash
+            if block_hash is not None:
+                front.append((block_id, block_hash))
+        return front
 
     def cached_hashes(self) -> list[bytes]:
         return list(self._by_hash)

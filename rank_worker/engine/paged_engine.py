@@ -36,6 +36,7 @@ from rank_worker.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
 from rank_worker.engine.step_inputs import CarriedTokens
 from rank_worker.engine.step_trace import phase
+from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
@@ -70,6 +71,9 @@ class EngineSettings:
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
     pipeline_steps: bool = True  # launch step N+1 before reading step N's tokens (see _launch_successor)
     l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
+    # L1Tier: the cache entries L0 evicts next, offered to L1 again (eviction_horizon.py); None: sized to the
+    # longest step (eviction_horizon_blocks below); 0: write-through only
+    l1_eviction_horizon_blocks: int | None = None
     # A cold prompt alone on the rank: prefilled in one step up to this many tokens (scheduler.py); None: what the
     # attention backend prefers (AttentionBackend.solo_prefill_tokens); 0: in max_num_batched_tokens chunks.
     solo_prefill_tokens: int | None = None
@@ -93,6 +97,13 @@ def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> 
     wanted = backend.solo_prefill_tokens if settings.solo_prefill_tokens is None else settings.solo_prefill_tokens
     solo = min(wanted, settings.max_model_len)
     return solo if solo > settings.max_num_batched_tokens else 0
+
+
+def eviction_horizon_blocks(settings: EngineSettings, solo_tokens: int) -> int:
+    """L1Tier's horizon: the setting, or what the longest step (a solo prefill, else a full chunk) asks for."""
+    if settings.l1_eviction_horizon_blocks is not None:
+        return settings.l1_eviction_horizon_blocks
+    return horizon_blocks_for(max(settings.max_num_batched_tokens, solo_tokens), settings.block_size)
 
 
 @dataclass(eq=False)
@@ -145,6 +156,9 @@ class PagedEngine(Engine):
             settings.weights_digest,
         )
         self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
+        # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
+        self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
+        solo = solo_prefill_tokens(settings, self.attention)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None
         if l1_client is not None and settings.prefix_cache:
@@ -155,11 +169,9 @@ class PagedEngine(Engine):
                 self.namespace,
                 retry_interval_s=l1_retry_interval_s,
                 offload_bytes_per_step=settings.l1_offload_bytes_per_step,
+                eviction_horizon_blocks=eviction_horizon_blocks(settings, solo),
             )
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
-        # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
-        self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
-        solo = solo_prefill_tokens(settings, self.attention)
         policy = dataclasses.replace(settings.scheduling, solo_prefill_tokens=solo)
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, policy)
         self.runner = ModelRunner(

@@ -38,6 +38,7 @@ class CopyJob:
     slots: list[int]
     event: torch.cuda.Event | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # what the copied blocks hold (offloads)
+    to_front: bool = False  # offloads: the blocks go back to the front of L0's free queue (L1Tier's horizon)
 
     @property
     def done(self) -> bool:

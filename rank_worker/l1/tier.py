@@ -11,6 +11,9 @@ return; answers come back through a Mailbox that poll() drains each step, never 
   tokens of an 8B model, ~25 ms of PCIe) a step's read waited with the GPU idle: 1.7 s of a 9.3 s window of
   64 agents on the H200 (bench/probes/trace_gaps.py). Issued after the step's launch, a step's share of
   copies queues behind its tokens and is done within about a step.
+- Eviction horizon (eviction_horizon.py): the cache entries L0 evicts next are offered again, so L1 keeps
+  what L0 lets go; the kvstore refreshes those it holds and gives slots for those it lost, which are copied
+  as write-through blocks are (ahead of them) and go back to the front of L0's free queue once copied.
 - Restore: a sequence about to be admitted whose blocks past its L0 prefix L1 holds starts a HostFetch and
   waits; the lookup's slots are copied into fresh pool blocks (on the compute stream on CUDA, so the next
   step's kernels see them), registered in L0, and the slots released once the copy has landed.
@@ -39,6 +42,7 @@ import torch
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.arena import ArenaMapping
 from rank_worker.l1.block_copier import BlockCopier, CopyJob
+from rank_worker.l1.eviction_horizon import MIN_HORIZON_BLOCKS, EvictionHorizon
 from rank_worker.l1.host_fetch import HostFetch, hold_prefix
 from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
 from rank_worker.l1.kvstore_watch import KvStoreNews, KvStoreWatch
@@ -68,6 +72,7 @@ class _RetryDue:
 class _Offload:
     block_ids: list[int]
     block_hashes: list[bytes]
+    to_front: bool = False  # blocks about to be evicted from L0 (the horizon): back to the front once copied
 
 
 @dataclass
@@ -77,6 +82,7 @@ class _QueuedCopy:
     block_ids: list[int]
     slots: list[int]
     block_hashes: list[bytes]
+    to_front: bool = False
 
 
 class L1Tier:
@@ -93,6 +99,7 @@ class L1Tier:
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP,
+        eviction_horizon_blocks: int = MIN_HORIZON_BLOCKS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -104,6 +111,7 @@ class L1Tier:
         self.fetch_timeout_s = fetch_timeout_s
         # Whole blocks per pump(), at least one so the queue always drains.
         self.offload_blocks_per_step = max(1, offload_bytes_per_step // max(1, self.slot_bytes))
+        self.horizon = EvictionHorizon(pool, eviction_horizon_blocks)  # 0 blocks: write-through only
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
@@ -242,9 +250,20 @@ class L1Tier:
         ]
         if not fresh or not self._ready():
             return
-        hashes = [h for _, h in fresh]
+        self._offer(fresh, to_front=False)
+
+    def _offer(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
+        hashes = [h for _, h in blocks]
         self._sending.update(hashes)
-        self._submit(CallKind.ALLOCATE, hashes=hashes, purpose=_Offload([b for b, _ in fresh], hashes))
+        self._submit(CallKind.ALLOCATE, hashes=hashes, purpose=_Offload([b for b, _ in blocks], hashes, to_front))
+
+    def _offer_horizon(self) -> None:
+        """Offer L1 the cache entries L0 evicts next (eviction_horizon.py), when a pass is due."""
+        if self._arena is None:
+            return
+        due = self.horizon.due(self.view.__contains__, self._sending)
+        if due:
+            self._offer(due, to_front=True)
 
     def _on_allocate(self, call: L1Call, offload: _Offload) -> None:
         blocks: list[int] = []
@@ -267,12 +286,18 @@ class L1Tier:
         assert self._copier is not None
         for block_id in blocks:
             self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
-        self._queued.append(_QueuedCopy(blocks, slots, hashes))  # the engine's next step pumps it
+        queued = _QueuedCopy(blocks, slots, hashes, offload.to_front)
+        if offload.to_front:
+            self._queued.appendleft(queued)  # about to be evicted from L0: copied before write-through's backlog
+        else:
+            self._queued.append(queued)  # the engine's next step pumps it
 
     def pump(self) -> None:
         """Issue queued offload copies, at most offload_blocks_per_step blocks of them; call it after the step's
         launch, so on CUDA its tokens' copy goes first. Never waits for a CUDA copy (a CPU copy is done when it
-        returns, and is paced all the same: a CPU step never stalls behind a whole prompt's memcpy either)."""
+        returns, and is paced all the same: a CPU step never stalls behind a whole prompt's memcpy either).
+        First, when due, the eviction horizon's offer."""
+        self._offer_horizon()
         budget = self.offload_blocks_per_step
         while self._queued and self._copier is not None and budget > 0:
             queued = self._queued[0]
@@ -289,6 +314,7 @@ class L1Tier:
             budget -= n
             self.issued_blocks += n
             job.block_hashes = hashes
+            job.to_front = queued.to_front
             if job.done:
                 self._commit(job)
             else:
@@ -296,7 +322,7 @@ class L1Tier:
 
     def _commit(self, job: CopyJob) -> None:
         """A finished offload copy: let go of its pool blocks and make it visible in L1."""
-        self.pool.release(job.block_ids)
+        self.pool.release(job.block_ids, to_front=job.to_front)
         self._submit(CallKind.COMMIT, slots=job.slots, purpose=job)
 
     def _on_commit(self, job: CopyJob) -> None:
@@ -459,7 +485,7 @@ class L1Tier:
         if self._copier is not None:
             self._copier.synchronize()
         for job in [*self._offloads, *self._queued]:
-            self.pool.release(job.block_ids)  # never committed; the kvstore drops the write pins
+            self.pool.release(job.block_ids, to_front=job.to_front)  # never committed; the kvstore drops the pins
         self._offloads.clear()
         self._queued.clear()
         self._restores.clear()
@@ -467,6 +493,7 @@ class L1Tier:
             fetch.done = True  # nothing restored: the sequence computes its blocks
         self._fetching.clear()
         self._sending.clear()
+        self.horizon.clear()
         self._outstanding = 0
         self._epoch += 1
         self._watch.mapped_arena_id = ""

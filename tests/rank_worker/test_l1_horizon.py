@@ -1,0 +1,118 @@
+"""L1 keeps what L0 lets go (L1Tier's eviction horizon), against the real kvstore process.
+
+With write-through alone, an arena smaller than the pool holds the blocks written last, which L0 holds too,
+and a session's head, written first, leaves it first: a session L0 evicts finds nothing to restore. Offering
+L1 again the blocks L0 evicts next makes the arena keep what L0 lets go, so L0 and L1 add up."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from engine_fixtures import generate_one, greedy, make_engine, random_prompt
+from l1_fixtures import kvstore_settings, l1_engine, tiny_model
+from service_processes import free_port, start_kvstore
+
+from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, eviction_horizon_blocks
+from rank_worker.l1.eviction_horizon import EvictionHorizon
+
+BLOCK = 16
+SESSIONS = 8
+ROUNDS = 4
+POOL_BLOCKS = 40  # 640 tokens of L0 ...
+ARENA_SLOTS = 24  # ... and ~384 of L1 (rounded to whole pages), against ~1,100 tokens of sessions at the end
+
+
+def play_sessions(engine: PagedEngine, vocab: int) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    """Rounds of turns over SESSIONS sessions, one turn at a time, each resending its whole conversation plus
+    20 new tokens. Returns the tokens restored from L1 after the first round, and every (prompt, output)."""
+    prompts = [random_prompt(3 * BLOCK + 5, vocab, seed=100 + s) for s in range(SESSIONS)]
+    restored = 0
+    turns: list[tuple[list[int], list[int]]] = []
+    for round_ in range(ROUNDS):
+        for s in range(SESSIONS):
+            out = generate_one(engine, prompts[s], greedy(4), f"s{s}-t{round_}")
+            if round_:
+                restored += out.stats.l1_cached_tokens
+            turns.append((prompts[s], out.new_token_ids))
+            prompts[s] = prompts[s] + out.new_token_ids + random_prompt(20, vocab, seed=1000 * round_ + s)
+    return restored, turns
+
+
+def restored_from_l1(tmp_path: Path, horizon_blocks: int) -> tuple[int, list[tuple[list[int], list[int]]]]:
+    tmp_path.mkdir()
+    model = tiny_model()
+    probe = make_engine(model, None, num_blocks=2)
+    slot_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
+    port = free_port()
+    settings = kvstore_settings(tmp_path) | {"KVSERVE_L1_HOST_GB": str(ARENA_SLOTS * slot_bytes / 1e9)}
+    with start_kvstore(tmp_path / "kvstore.log", port, **settings):
+        engine = l1_engine(
+            model, None, port, num_blocks=POOL_BLOCKS, max_model_len=320, l1_eviction_horizon_blocks=horizon_blocks
+        )
+        assert engine.l1 is not None and engine.l1.attached
+        assert engine.l1.arena is not None and ARENA_SLOTS <= engine.l1.arena.layout.num_slots <= ARENA_SLOTS + 2
+        restored, turns = play_sessions(engine, model.cfg.vocab_size)
+        assert all(block.ref_count == 0 for block in engine.pool.blocks)  # the copies let every block go
+        engine.close()
+    return restored, turns
+
+
+def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tmp_path: Path) -> None:
+    through_only, _ = restored_from_l1(tmp_path / "through", horizon_blocks=0)
+    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8)
+    # Write-through alone: the arena mirrors L0's newest blocks and an evicted session's head is gone from it
+    # (0 tokens in each of four runs); with the horizon 240-384 tokens came back (how much depends on when the
+    # kvstore's answers land between the engine's steps).
+    assert with_horizon >= through_only + 8 * BLOCK, (through_only, with_horizon)
+    # Restored blocks are the computed ones: every turn's greedy tokens are the uncached engine's.
+    cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
+    for i, (prompt, output) in enumerate(turns):
+        assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output
+
+
+def test_idle_front_lists_the_cache_entries_allocation_takes_next() -> None:
+    pool = BlockPool(6, caching=True)
+    blocks = pool.allocate(4)
+    for i, block_id in enumerate(blocks[:3]):
+        pool.register(block_id, bytes([i]) * 16)
+    pool.release(list(reversed(blocks)))  # tail first; the unregistered block goes to the front
+    assert [h for _, h in pool.idle_front(6)] == [bytes([2]) * 16, bytes([1]) * 16, bytes([0]) * 16]
+    assert pool.idle_front(3) == []  # the first three are the two never used and the blank one
+    assert pool.allocated_total == 4
+
+    taken = pool.acquire_cached(blocks[1]) or blocks[1]
+    pool.release([taken], to_front=True)  # back first in line (L1 holds it now)
+    assert pool.idle_front(1) == [(blocks[1], bytes([1]) * 16)]
+
+
+def test_a_pass_comes_every_quarter_horizon_of_allocations_and_skips_what_l1_kept() -> None:
+    pool = BlockPool(16, caching=True)
+    horizon = EvictionHorizon(pool, horizon_blocks=8)
+    blocks = pool.allocate(8)
+    hashes = [bytes([i]) * 16 for i in range(8)]
+    for block_id, block_hash in zip(blocks, hashes, strict=True):
+        pool.register(block_id, block_hash)
+    pool.release(list(reversed(blocks)))  # idle, tail first: behind the 8 blocks never used
+    in_l1: set[bytes] = set()
+    assert horizon.due(in_l1.__contains__) == []  # the front 8 are the unused blocks: nothing to offer
+
+    pool.allocate(8)  # the unused ones go: the cached blocks are next in line
+    due = horizon.due(in_l1.__contains__)
+    assert [h for _, h in due] == list(reversed(hashes))  # next evicted first: the tail
+    in_l1.update(h for _, h in due)
+    pool.allocate(1)
+    assert horizon.due(in_l1.__contains__) == []  # 1 block allocated: under a quarter horizon, no pass
+    pool.allocate(1)
+    assert horizon.due(in_l1.__contains__) == []  # a pass, and everything in it is offered and kept by L1
+    in_l1.discard(hashes[0])  # L1 lost one
+    pool.allocate(2)
+    assert [h for _, h in horizon.due(in_l1.__contains__, busy={hashes[1]})] == [hashes[0]]  # busy: on its way
+
+
+def test_the_default_horizon_covers_twice_the_longest_step() -> None:
+    chunked = EngineSettings(num_blocks=100, block_size=16, max_num_batched_tokens=4096)
+    assert eviction_horizon_blocks(chunked, solo_tokens=0) == 1024  # 2 x 256 blocks, raised to the minimum
+    assert eviction_horizon_blocks(chunked, solo_tokens=104_160) == 2 * 6510  # a solo prefill takes 6510 blocks
+    assert eviction_horizon_blocks(dataclasses.replace(chunked, l1_eviction_horizon_blocks=0), 104_160) == 0

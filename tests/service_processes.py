@@ -86,7 +86,8 @@ def service_env(**settings: str) -> dict[str, str]:
     env.update(settings)
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // workers))
-    env["PYTHONPATH"] = str(ROOT)
+    # The checkout first; then what the caller had (the GPU machine's wheels live in a PYTHONPATH site)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
     return env
 
 

@@ -53,6 +53,7 @@ class Bench:
         self.gen = torch.Generator().manual_seed(seed)
         self.counter = 0
         self.decode_rows: list[dict] = []
+        self.last_outputs: list[list[int]] = []  # run()'s, per prompt (bench/peer_plan.py's PeerEngine)
 
     def prompt(self, length: int) -> list[int]:
         return torch.randint(0, self.cfg.vocab_size, (length,), generator=self.gen).tolist()
@@ -99,12 +100,16 @@ class Bench:
         start = time.perf_counter()
         ids = [self.request(prompt, max_tokens) for prompt in prompts]
         cached: dict[str, int] = {}
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
         while self.engine.has_unfinished():
             for out in self.engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished and out.stats:
                     cached[out.request_id] = out.stats.cached_tokens
         sync()
-        return time.perf_counter() - start, [cached.get(rid, 0) for rid in ids]
+        seconds = time.perf_counter() - start
+        self.last_outputs = [tokens[rid] for rid in ids]
+        return seconds, [cached.get(rid, 0) for rid in ids]
 
     # --- the measurements ---
 

@@ -85,6 +85,17 @@ def record(measure: Measure, samples: list[float], **observed: Any) -> dict[str,
     return {**asdict(measure), "seconds": statistics.median(samples), "samples": samples, **observed}
 
 
+def distinct_tokens(outputs: list[list[int]]) -> dict[str, float] | None:
+    """How many different token ids a decode batch produced at each output position (mean, min, max over the
+    positions). On random weights the rows' tokens can collapse onto a few ids, and a MoE's rows then pick the
+    same experts: a step reads far fewer expert weights than real text makes it read."""
+    positions = min((len(tokens) for tokens in outputs), default=0)
+    if not positions:
+        return None
+    counts = [len({tokens[i] for tokens in outputs}) for i in range(positions)]
+    return {"mean": statistics.fmean(counts), "min": min(counts), "max": max(counts), "batch": len(outputs)}
+
+
 def decode_step_samples(first_only: list[float], with_steps: list[float], steps: int) -> list[float]:
     """Seconds per decode step from paired timings of the same prompts with 1 and 1 + steps output tokens."""
     return [(full - first) / steps for first, full in zip(first_only, with_steps, strict=True)]
@@ -97,8 +108,12 @@ class PeerEngine(Protocol):
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
         """Submit every prompt together (temperature 0, exactly max_tokens output tokens each) and wait for
-        all: the seconds it took (after a device synchronize) and each request's prefix-cached tokens."""
+        all: the seconds it took (after a device synchronize) and each request's prefix-cached tokens. The
+        output token ids of that run, per prompt in order, are left in `last_outputs`."""
         ...
+
+    @property
+    def last_outputs(self) -> list[list[int]]: ...
 
 
 def run_plan(
@@ -131,10 +146,11 @@ def run_plan(
             for _ in range(plan.repeats):
                 first_only.append(engine.run(prompts, 1)[0])
                 with_steps.append(engine.run(prompts, 1 + m.steps)[0])
+            spread = distinct_tokens(engine.last_outputs)  # of the last timed run with steps
             if after_decode is not None:
                 after_decode(m, prompts)
             samples = decode_step_samples(first_only, with_steps, m.steps)
-            entry = record(m, samples, first_only_s=first_only, with_steps_s=with_steps)
+            entry = record(m, samples, first_only_s=first_only, with_steps_s=with_steps, distinct_tokens=spread)
         entries[m.name] = entry
         done(m.name, entry)
     return entries

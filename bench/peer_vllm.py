@@ -70,6 +70,7 @@ class VllmEngine:
         self.rng = random.Random(seed)
         self._sampling = SamplingParams
         self._prompt = TokensPrompt
+        self.last_outputs: list[list[int]] = []
 
     def prompt(self, length: int) -> list[int]:
         return [self.rng.randrange(self.vocab_size) for _ in range(length)]
@@ -84,6 +85,7 @@ class VllmEngine:
             produced = len(out.outputs[0].token_ids)
             if produced != max_tokens:
                 raise RuntimeError(f"vLLM produced {produced} tokens, asked for {max_tokens} (ignore_eos=True)")
+        self.last_outputs = [list(out.outputs[0].token_ids) for out in outputs]
         return seconds, [int(out.num_cached_tokens or 0) for out in outputs]
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from fake_vllm import FAKE_MODULE
 
-from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, record
+from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, distinct_tokens, record
 from bench.peer_results import assemble, engine_keys_missing, passing_ratio, with_reference, with_vllm_variant
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -214,6 +214,12 @@ def test_a_vllm_variant_counts_against_ours_when_it_does_better(tmp_path: Path) 
     assert variant["largest_passing"] is None and variant["largest_passing_ratio_best"] is None
 
 
+def test_distinct_tokens_counts_the_ids_of_each_output_position() -> None:
+    assert distinct_tokens([[5, 7, 9], [5, 8, 9], [5, 6, 1]]) == {"mean": 2.0, "min": 1, "max": 3, "batch": 3}
+    assert distinct_tokens([[1, 2], [3]]) == {"mean": 2.0, "min": 2, "max": 2, "batch": 2}  # the shortest's length
+    assert distinct_tokens([]) is None and distinct_tokens([[]]) is None
+
+
 def test_engine_keys_missing_names_what_a_result_lacks() -> None:
     result = engine_result("kvserve", {})
     assert engine_keys_missing(result) == []
@@ -246,6 +252,8 @@ def test_engine_quick_writes_every_key_peer_results_reads(tmp_path: Path) -> Non
             assert entry["cached_tokens"] == m.cached  # the primed prefix was a hit
         if m.kind == "cold":
             assert entry["cached_tokens"] == 0
+    spread = measures["decode_4k_b16"]["distinct_tokens"]  # random prompts on random weights: rows differ
+    assert spread["batch"] == 16 and 1 <= spread["min"] <= spread["mean"] <= spread["max"] <= 16
     # the simulator's step-time fit reads these (simulator/step_time.py)
     assert {r["batch"] for r in result["decode"]} == {1, 16, 64, 128}
     assert [r["context"] for r in result["ttft"]] == [QUICK.measures[1].cached, QUICK.measures[4].cached]
@@ -266,6 +274,8 @@ def test_peer_vllm_over_vllms_offline_api_writes_every_key_peer_results_reads(tm
     assert measures["prefill_warm_8k_over_32k"]["cached_tokens"] == QUICK.measures[1].cached
     assert measures["prefill_cold_8k"]["cached_tokens"] == 0
     assert all(measures[f"decode_4k_b{b}"]["seconds"] > 0 for b in (1, 16, 64, 128))
+    # The fake gives every row the same tokens: one id per position, what a collapsed random-weight batch does
+    assert measures["decode_4k_b16"]["distinct_tokens"] == {"mean": 1.0, "min": 1, "max": 1, "batch": 16}
     write(tmp_path / "raw", "ours-engine.json", engine_result("kvserve", {}))
     assert all(row["sizes_match"] is False for row in assemble(tmp_path / "raw")["engine"])  # quick vs full sizes
 

@@ -82,9 +82,9 @@ class SimulatedRank:
         self.settings = settings
         self.step_time = step_time
         self.pool = BlockPool(settings.num_blocks, caching=True)
-        horizon = settings.l1_eviction_horizon_blocks
-        if horizon is None:
-            horizon = horizon_blocks_for(settings.max_num_batched_tokens, settings.block_size)
+        horizon = horizon_blocks_for(
+            settings.l1_eviction_horizon_blocks, settings.max_num_batched_tokens, settings.block_size
+        )
         self.tier = RankHostTier(node_cache, self.pool, horizon) if node_cache is not None else None
         self.kv = KvCacheManager(self.pool, settings.block_size, namespace, self.tier)
         self.scheduler = Scheduler(

@@ -101,9 +101,8 @@ def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> 
 
 def eviction_horizon_blocks(settings: EngineSettings, solo_tokens: int) -> int:
     """L1Tier's horizon: the setting, or what the longest step (a solo prefill, else a full chunk) asks for."""
-    if settings.l1_eviction_horizon_blocks is not None:
-        return settings.l1_eviction_horizon_blocks
-    return horizon_blocks_for(max(settings.max_num_batched_tokens, solo_tokens), settings.block_size)
+    step_tokens = max(settings.max_num_batched_tokens, solo_tokens)
+    return horizon_blocks_for(settings.l1_eviction_horizon_blocks, step_tokens, settings.block_size)
 
 
 @dataclass(eq=False)

@@ -17,9 +17,12 @@ from rank_worker.engine.block_pool import BlockPool
 MIN_HORIZON_BLOCKS = 1024
 
 
-def horizon_blocks_for(step_tokens: int, block_size: int) -> int:
-    """The default horizon: twice the blocks one step can allocate (at least MIN_HORIZON_BLOCKS), so that a pass,
-    every quarter horizon of allocations, comes before a step's allocation reaches what was not offered yet."""
+def horizon_blocks_for(setting: int | None, step_tokens: int, block_size: int) -> int:
+    """The horizon: the setting (l1_eviction_horizon_blocks) or, unset, twice the blocks one step of step_tokens
+    can allocate (at least MIN_HORIZON_BLOCKS), so that a pass, every quarter horizon of allocations, comes
+    before a step's allocation reaches what was not offered yet."""
+    if setting is not None:
+        return setting
     return max(MIN_HORIZON_BLOCKS, 2 * -(-step_tokens // block_size))
 
 

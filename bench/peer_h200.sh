@@ -29,7 +29,7 @@
 # past 163,840 positions the real one kills vLLM's engine), which the config serves on our side too:
 #   SHAPE=dsv2-lite-chat SERVE_SHAPE=dsv2-lite-1m-chat ENGINE_SHAPE=dsv2-lite-chat \
 #   CONFIG=bench/configs/agents-dsv2-lite-h200.yaml CONTEXT_SCALE=1.0 MAX_CONTEXT=1048576 \
-#   VLLM_MAX_MODEL_LEN=1048576 STEPS=2,4 RANDOM_WEIGHTS=uniform [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
+#   VLLM_MAX_MODEL_LEN=1048576 STEPS=2,4,8 RANDOM_WEIGHTS=uniform VLLM_ROUTING=uniform_random [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
 #   bash bench/peer_h200.sh vllm-engine ...
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}
@@ -52,6 +52,14 @@ ENGINE_SHAPE=${ENGINE_SHAPE:-llama-8b}   # bench/engine.py's --shape for ours
 RANDOM_WEIGHTS=${RANDOM_WEIGHTS:-normal}
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
 VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
+# vLLM's MoE routing for the DeepSeek shape: `uniform_random` (its VLLM_MOE_ROUTING_SIMULATION_STRATEGY) gives each
+# token 6 experts at random, as ours routes under either random draw. Its own router cannot with dummy weights: the
+# gate's bf16 logits are ~1e-5 apart, torch.softmax of bf16 logits returns bf16, and every one of the 64 scores
+# rounds to exactly 2^-6, so top-k sees a 64-way tie and gives every token of a batch the same experts (vLLM 0.25's
+# grouped_topk_router.py; its b16 decode, 4.3 ms, was under the 4.7 ms that reading the ~50 experts a layer that 16
+# tokens hit takes at the H200's 4.8 TB/s). Recorded in vllm-engine.json's settings.
+VLLM_ROUTING=${VLLM_ROUTING:-}
+[ -n "$VLLM_ROUTING" ] && export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$VLLM_ROUTING
 MAX_CONTEXT=${MAX_CONTEXT:-131072}       # the load generator's context window
 PORT=${PORT:-8080}               # vLLM's port, and our gateway's (gateway_port in $CONFIG)
 TAG=${PEER_TAG:+-$PEER_TAG}

@@ -151,6 +151,10 @@ def main() -> None:
             "startup_s": startup_s,
             "repeats": plan.repeats,
             "decode_timing": "(t(1 + steps output tokens) - t(1)) / steps over the same cached prompts",
+            # how its MoE routes: None is the model's own router, which with dummy weights sends every token of
+            # a batch to the same experts (bench/peer_h200.sh VLLM_ROUTING says why); a name is vLLM's routing
+            # simulation (VLLM_MOE_ROUTING_SIMULATION_STRATEGY, e.g. uniform_random)
+            "moe_routing_simulation": os.environ.get("VLLM_MOE_ROUTING_SIMULATION_STRATEGY") or None,
         },
         "measures": {},
     }

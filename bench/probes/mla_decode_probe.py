@@ -1,9 +1,13 @@
 """The MLA decode kernel (rank_worker/model/attention/mla_decode_kernel.py) over a V2-Lite-shaped latent pool at
-decode batch sizes, across launch shapes (tokens a loop step, warps, pipeline depth, slices a row): microseconds
-per layer and the share of the H200's ~4.8 TB/s its latent reads reach. Each shape's output is checked against
-the default launch's. Prints a table, writes JSON.
+decode batch sizes, across launch shapes: microseconds per layer and the share of the H200's ~4.8 TB/s its
+latent reads reach. Two stages per batch size: the program's shape (tokens a loop step, warps, pipeline depth)
+at the default slicing, then, with the best of those, the slicing (slices a row, the shortest slice) at each
+context length; the slicing kept is the one with the best geometric mean over the lengths of its time over that
+length's best, since one CUDA graph per batch size serves every length. Each shape's output is checked against
+the default launch's. Prints a table, writes JSON; --write-launch merges the picks into the kernel's launch
+table (mla_decode_kernel.LAUNCH_FILE) for this GPU and shape, where the engine takes them.
 
-    python3 bench/probes/mla_decode_probe.py --out $OUT/mla-decode-probe.json
+    python3 bench/probes/mla_decode_probe.py --out $OUT/mla-decode-probe.json --write-launch
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -19,75 +24,130 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from rank_worker.model.attention import mla_decode_kernel  # noqa: E402
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention  # noqa: E402
 
 PEAK_BYTES_S = 4.8e12
 BLOCK_SIZE = 16
-SWEEP = [{"TILE": t, "num_warps": w, "num_stages": s} for t, w, s in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+PROGRAM_SHAPES = [
+    {"TILE": t, "num_warps": w, "num_stages": s} for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))
+]
+SLICINGS = [{"slices": n, "min_slice": m} for n, m in itertools.product((1, 2, 4, 8, 16, 32, 64), (0, 256, 1024))]
+MAX_REL_ERR = 1e-2
 
 
 def bench_us(fn) -> float:
     import triton
 
-    return triton.testing.do_bench(fn, warmup=25, rep=150, return_mode="median") * 1e3
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
 
 
-def one_batch(batch: int, context: int, heads: int, rank: int, rope: int) -> dict:
-    dev = torch.device("cuda")
-    blocks_per_row = context // BLOCK_SIZE
-    pool = torch.randn(batch * blocks_per_row + 8, BLOCK_SIZE, 1, rank + rope, device=dev).to(torch.bfloat16)
-    tables = torch.randperm(pool.shape[0] - 8, device=dev)[: batch * blocks_per_row].view(batch, -1).int()
-    rows = torch.arange(batch, device=dev, dtype=torch.int32)
-    lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
-    q_lat = torch.randn(batch, heads, rank, device=dev).to(torch.bfloat16)
-    q_pe = torch.randn(batch, heads, rope, device=dev).to(torch.bfloat16)
-    scale = (128 + rope) ** -0.5
-    reference = mla_decode_attention(q_lat, q_pe, pool, tables, rows, lens, scale).float()
-    latent_bytes = batch * context * (rank + rope) * 2
-    default_us = bench_us(lambda: mla_decode_attention(q_lat, q_pe, pool, tables, rows, lens, scale))
-    sweep = []
-    for shape in SWEEP + [{"slices": s} for s in (8, 16, 64)]:
+class Case:
+    """One batch of rows of one context length over scattered blocks of a bf16 latent pool."""
+
+    def __init__(self, batch: int, context: int, heads: int, rank: int, rope: int) -> None:
+        dev = torch.device("cuda")
+        blocks_per_row = context // BLOCK_SIZE
+        self.pool = torch.randn(batch * blocks_per_row + 8, BLOCK_SIZE, 1, rank + rope, device=dev).to(torch.bfloat16)
+        self.tables = torch.randperm(self.pool.shape[0] - 8, device=dev)[: batch * blocks_per_row].view(batch, -1).int()
+        self.rows = torch.arange(batch, device=dev, dtype=torch.int32)
+        self.lens = torch.full((batch,), context, device=dev, dtype=torch.int32)
+        self.q_lat = torch.randn(batch, heads, rank, device=dev).to(torch.bfloat16)
+        self.q_pe = torch.randn(batch, heads, rope, device=dev).to(torch.bfloat16)
+        self.scale = (128 + rope) ** -0.5
+        self.latent_bytes = batch * context * (rank + rope) * 2
+        self.reference = self.run({}).float()
+
+    def run(self, shape: dict) -> torch.Tensor:
+        args = (self.q_lat, self.q_pe, self.pool, self.tables, self.rows, self.lens, self.scale)
+        return mla_decode_attention(*args, shape)
+
+    def measure(self, shape: dict) -> dict:
         try:
-            out = mla_decode_attention(q_lat, q_pe, pool, tables, rows, lens, scale, shape).float()
-            err = float((out - reference).norm() / reference.norm())
-            us = bench_us(lambda s=shape: mla_decode_attention(q_lat, q_pe, pool, tables, rows, lens, scale, s))
+            out = self.run(shape).float()
+            err = float((out - self.reference).norm() / self.reference.norm())
+            us = bench_us(lambda: self.run(shape))
         except Exception as exc:  # past the shared memory: noted, the sweep goes on
-            sweep.append({"shape": shape, "error": str(exc)[:200]})
-            continue
-        share = latent_bytes / us / 1e-6 / PEAK_BYTES_S
-        sweep.append({"shape": shape, "us": us, "rel_err": err, "bandwidth_share": share})
-    best = min((r for r in sweep if "us" in r), key=lambda r: r["us"])
+            return {"shape": shape, "error": str(exc)[:200]}
+        share = self.latent_bytes / us / 1e-6 / PEAK_BYTES_S
+        return {"shape": shape, "us": us, "rel_err": err, "bandwidth_share": share, "ok": err < MAX_REL_ERR}
+
+
+def fastest(rows: list[dict]) -> dict:
+    return min((r for r in rows if r.get("ok")), key=lambda r: r["us"])
+
+
+def one_batch(batch: int, contexts: list[int], heads: int, rank: int, rope: int) -> dict:
+    # the measured table must not steer the sweep's "default" launch: the defaults are the kernel's own
+    mla_decode_kernel._measured.cache_clear()
+    saved, mla_decode_kernel.LAUNCH_FILE = mla_decode_kernel.LAUNCH_FILE, Path("/nonexistent")
+    try:
+        cases = {context: Case(batch, context, heads, rank, rope) for context in contexts}
+        first = cases[contexts[0]]
+        default_us = {context: bench_us(lambda c=case: c.run({})) for context, case in cases.items()}
+        programs = [first.measure(shape) for shape in PROGRAM_SHAPES]
+        program = fastest(programs)["shape"]
+        slicings = {context: [case.measure({**program, **s}) for s in SLICINGS] for context, case in cases.items()}
+    finally:
+        mla_decode_kernel.LAUNCH_FILE = saved
+        mla_decode_kernel._measured.cache_clear()
+    best_at = {context: fastest(rows)["us"] for context, rows in slicings.items()}
+
+    def spread(index: int) -> float:  # geometric mean over the lengths of (time / that length's best)
+        rows = [slicings[context][index] for context in contexts]
+        if not all(r.get("ok") for r in rows):
+            return math.inf
+        return math.exp(sum(math.log(r["us"] / best_at[c]) for r, c in zip(rows, contexts, strict=True)) / len(rows))
+
+    pick = min(range(len(SLICINGS)), key=spread)
+    chosen = {**program, **SLICINGS[pick]}
     return {
         "batch": batch,
-        "context": context,
+        "contexts": contexts,
         "default_us": default_us,
-        "default_bandwidth_share": latent_bytes / default_us / 1e-6 / PEAK_BYTES_S,
-        "best": best,
-        "sweep": sweep,
+        "default_bandwidth_share": {c: cases[c].latent_bytes / default_us[c] / 1e-6 / PEAK_BYTES_S for c in contexts},
+        "chosen": chosen,
+        "chosen_us": {c: slicings[c][pick]["us"] for c in contexts},
+        "chosen_bandwidth_share": {c: slicings[c][pick]["bandwidth_share"] for c in contexts},
+        "chosen_over_best": spread(pick),
+        "programs": programs,
+        "slicings": slicings,
     }
+
+
+def write_launch(path: Path, gpu: str, key: str, rows: list[dict], source: str) -> None:
+    table = json.loads(path.read_text()) if path.exists() else {}
+    table.setdefault("about", "bench/probes/mla_decode_probe.py --write-launch: launch shapes by batch size")
+    table.setdefault("gpus", {}).setdefault(gpu, {})[key] = {str(r["batch"]): r["chosen"] for r in rows}
+    table.setdefault("sources", {}).setdefault(gpu, {})[key] = source
+    path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="dsv2-lite-chat")
-    parser.add_argument("--batches", default="1,16,64,128")
-    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--batches", default="1,8,16,32,64,128")
+    parser.add_argument("--contexts", default="4096,32768")
     parser.add_argument("--out", default="")
+    parser.add_argument("--write-launch", action="store_true", help="merge the picks into the kernel's table")
+    parser.add_argument("--source", default="", help="what to record as the picks' source (date, commit)")
     args = parser.parse_args()
     cfg = json.loads((ROOT / "bench" / "shapes" / args.shape / "config.json").read_text())
     heads, rank, rope = cfg["num_attention_heads"], cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    contexts = [int(c) for c in args.contexts.split(",")]
     rows = []
     for batch in [int(b) for b in args.batches.split(",")]:
-        row = one_batch(batch, args.context, heads, rank, rope)
+        row = one_batch(batch, contexts, heads, rank, rope)
         rows.append(row)
-        best = row["best"]
-        print(
-            f"b{batch:<4d} default {row['default_us']:7.1f} us ({row['default_bandwidth_share']:.0%})  "
-            f"best {best['us']:7.1f} us ({best['bandwidth_share']:.0%}) {best['shape']} err {best['rel_err']:.1e}",
-            flush=True,
-        )
+        us, share = row["chosen_us"], row["chosen_bandwidth_share"]
+        cells = "  ".join(f"{c}: {row['default_us'][c]:7.1f} -> {us[c]:7.1f} us ({share[c]:.0%})" for c in contexts)
+        print(f"b{batch:<4d} {cells}  {row['chosen']}", flush=True)
+    gpu = torch.cuda.get_device_name()
     if args.out:
-        Path(args.out).write_text(json.dumps({"shape": args.shape, "gpu": torch.cuda.get_device_name(), "rows": rows}))
+        Path(args.out).write_text(json.dumps({"shape": args.shape, "gpu": gpu, "rows": rows}))
+    if args.write_launch:
+        write_launch(mla_decode_kernel.LAUNCH_FILE, gpu, f"{heads}/{rank}/{rope}", rows, args.source or args.out)
+        print(f"wrote {mla_decode_kernel.LAUNCH_FILE}")
 
 
 if __name__ == "__main__":

@@ -98,6 +98,54 @@ def test_mla_decode_kernel_matches_the_absorbed_sdpa_decode_on_scattered_blocks(
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
+# slicings the probe may pick: one slice, slices with a floor that leaves a short row's later slices empty (they
+# write only their lse, and the merge must not read their partial outputs), many slices, a small tile
+LAUNCHES = [
+    {"slices": 1},
+    {"slices": 4, "min_slice": 32},
+    {"slices": 16, "min_slice": 1000},
+    {"slices": 64, "TILE": 16},
+]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda launch: "-".join(f"{k}{v}" for k, v in launch.items()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_slicing_of_the_mla_kernel_gives_the_sdpa_decode(launch, dtype) -> None:
+    torch.manual_seed(3)
+    heads, rank, rope = SHAPES[1]
+    num_blocks = sum(-(-n // BLOCK_SIZE) for n in LENGTHS) + 20
+    # NaN in every block no row holds: the kernel must read only the rows' own tokens
+    pool = torch.full((num_blocks, BLOCK_SIZE, 1, rank + rope), float("nan"), device=DEVICE, dtype=dtype)
+    table, rows = _tables(LENGTHS, num_blocks, len(LENGTHS) + 4)
+    for row, length in zip(rows, LENGTHS, strict=True):
+        blocks = table[row, : -(-length // BLOCK_SIZE)].long()
+        pool[blocks] = torch.randn(len(blocks), BLOCK_SIZE, 1, rank + rope, device=DEVICE).to(dtype)
+    batch = _decode_batch(table, rows, LENGTHS)
+    q_lat = torch.randn(len(LENGTHS), heads, rank, device=DEVICE).to(dtype)
+    q_pe = torch.randn(len(LENGTHS), heads, rope, device=DEVICE).to(dtype)
+    lens = batch.decode_lens
+    ours = mla_decode_kernel.mla_decode_attention(q_lat, q_pe, pool, table, batch.decode_rows, lens, SCALE, launch)
+    # the SDPA decode gathers whole padded block rows (weight 0 is still NaN there): its pool has zeros instead
+    reference = _decode_latent(MlaSdpaAttention(), q_lat, q_pe, pool.nan_to_num(0.0), batch)
+    tolerance = TOLERANCE[dtype]
+    torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
+
+
+def test_the_merge_weighs_slices_by_their_mass_and_never_reads_an_empty_slices_output() -> None:
+    """Empty slices (lse -inf) write no partial output: NaN there must not reach the merged output."""
+    torch.manual_seed(4)
+    seqs, heads, slices, dim = 3, 2, 8, 256  # 256 dims: two programs per head (MERGE_DIMS 128)
+    partial = torch.randn(seqs, heads, slices, dim, device=DEVICE)
+    lse = torch.randn(seqs, heads, slices, device=DEVICE)
+    lse[:, :, 5:] = float("-inf")
+    partial[:, :, 5:] = float("nan")
+    out = torch.empty(seqs, heads, dim, device=DEVICE)
+    decode_kernel.merge_slices(partial, lse, out)
+    weights = torch.softmax(lse[:, :, :5], dim=-1)
+    expected = (partial[:, :, :5] * weights[..., None]).sum(dim=2)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_the_mla_kernel_reads_an_fp8_pool_as_the_sdpa_decode_does(dtype) -> None:
     """An fp8 pool (kv_cache_dtype fp8_e4m3): the kernel casts each latent it loads to the model's dtype, the

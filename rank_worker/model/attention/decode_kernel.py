@@ -31,6 +31,7 @@ MAX_SLICES = 32
 # 1K-30K 34.9 -> 30.0 ms going from 1024 to 4096; uniform 4K rows 1-4% slower; under the 64-agent load
 # per-agent decode went from 13.6 to 16.2 tok/s).
 TARGET_PROGRAMS = 4096
+MERGE_DIMS = 128  # a head's dims merged by one program (a power of two)
 
 
 def available() -> bool:
@@ -118,18 +119,29 @@ if triton is not None:
         tl.store(out_at, acc / total[:, None], mask=row_ok[:, None])
 
     @triton.jit
-    def _merge_slices(partial_ptr, lse_ptr, out_ptr, stride_out_seq, NUM_SLICES: tl.constexpr, HEAD_DIM: tl.constexpr):
-        """One (sequence, head): the slices' outputs weighted by their share of the softmax mass."""
+    def _merge_slices(
+        partial_ptr,
+        lse_ptr,
+        out_ptr,
+        stride_out_seq,
+        NUM_SLICES: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        DIM_BLOCK: tl.constexpr,
+    ):
+        """One (sequence, head, DIM_BLOCK dims): the slices' outputs weighted by their share of the softmax mass.
+        An empty slice (lse -inf) has weight 0 and its partial is not read (it need not have been written)."""
         seq = tl.program_id(0)
         head = tl.program_id(1)
         num_heads = tl.num_programs(1)
         pieces = tl.arange(0, NUM_SLICES)
-        dims = tl.arange(0, HEAD_DIM)
+        dims = tl.program_id(2) * DIM_BLOCK + tl.arange(0, DIM_BLOCK)
         base = seq * num_heads + head
         lse = tl.load(lse_ptr + base * NUM_SLICES + pieces)
-        weights = tl.exp(lse - tl.max(lse, 0))  # empty slices have lse -inf: weight 0
+        filled = lse > float("-inf")
+        weights = tl.exp(lse - tl.max(lse, 0))  # empty slices: weight 0
         weights = weights / tl.sum(weights, 0)
-        partial = tl.load(partial_ptr + (base * NUM_SLICES + pieces)[:, None] * HEAD_DIM + dims[None, :])
+        at = (base * NUM_SLICES + pieces)[:, None] * HEAD_DIM + dims[None, :]
+        partial = tl.load(partial_ptr + at, mask=filled[:, None], other=0.0)
         merged = tl.sum(partial * weights[:, None], 0)
         tl.store(out_ptr + seq * stride_out_seq + head * HEAD_DIM + dims, merged.to(out_ptr.dtype.element_ty))
 
@@ -189,7 +201,12 @@ def paged_decode_attention(
 
 def merge_slices(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
     """out [S, H, D] = the slices' partial outputs [S, H, slices, D] (float32) weighted by their share of the
-    softmax mass, from their log-sum-exps lse [S, H, slices] (-inf for an empty slice)."""
+    softmax mass, from their log-sum-exps lse [S, H, slices] (-inf for an empty slice, whose partial is not
+    read). A program merges MERGE_DIMS of a head's dims: MLA's 512-wide latent over 64 slices would not fit
+    one program's registers."""
     num_seqs, num_heads, num_slices, head_dim = partial.shape
     assert out.stride(2) == 1 and out.stride(1) == head_dim
-    _merge_slices[(num_seqs, num_heads)](partial, lse, out, out.stride(0), NUM_SLICES=num_slices, HEAD_DIM=head_dim)
+    dim_block = min(head_dim, MERGE_DIMS)
+    assert head_dim % dim_block == 0, (head_dim, dim_block)
+    grid = (num_seqs, num_heads, head_dim // dim_block)
+    _merge_slices[grid](partial, lse, out, out.stride(0), NUM_SLICES=num_slices, HEAD_DIM=head_dim, DIM_BLOCK=dim_block)

@@ -15,6 +15,10 @@ An fp8 pool (kv_quant.py) is read as its values, cast to the model's dtype as th
 
 from __future__ import annotations
 
+import functools
+import json
+from pathlib import Path
+
 import torch
 
 from rank_worker.model.attention import kv_quant
@@ -36,6 +40,38 @@ TILE_TOKENS = {torch.float32: 16}
 DEFAULT_TILE_TOKENS = 32
 # Warps and pipeline depth of a program (Triton's defaults until the probe picks; TILE/slices may be set too).
 LAUNCH: dict = {}
+# Launch shapes by batch size that bench/probes/mla_decode_probe.py measured best on a GPU (--write-launch):
+# {"gpus": {name: {"heads/rank/rope": {batch: {TILE, num_warps, num_stages, slices, min_slice}}}}}. A batch takes
+# the entry of the largest measured batch not above it; other GPUs and shapes keep the defaults above.
+LAUNCH_FILE = Path(__file__).with_name("mla_launch.json")
+
+
+@functools.cache
+def _measured(device_index: int, heads: int, rank: int, rope: int) -> tuple[tuple[int, dict], ...]:
+    try:
+        table = json.loads(LAUNCH_FILE.read_text())
+    except FileNotFoundError:
+        return ()
+    by_batch = table.get("gpus", {}).get(torch.cuda.get_device_name(device_index), {}).get(f"{heads}/{rank}/{rope}", {})
+    return tuple(sorted((int(batch), dict(shape)) for batch, shape in by_batch.items()))
+
+
+def launch_for(entries: tuple[tuple[int, dict], ...], batch: int) -> dict:
+    """The entry of the largest measured batch size not above `batch` (the smallest one below them all)."""
+    chosen: dict = {}
+    for measured_batch, shape in entries:
+        if measured_batch > batch and chosen:
+            break
+        chosen = shape
+    return dict(chosen)
+
+
+def measured_launch(device: torch.device, batch: int, heads: int, rank: int, rope: int) -> dict:
+    """The probe's launch shape for this batch size on this GPU ({} where none was measured)."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return launch_for(_measured(index, heads, rank, rope), batch)
 
 
 def fits(kv_lora_rank: int) -> bool:
@@ -63,8 +99,9 @@ if triton is not None:
         stride_cache_token,
         stride_table_row,
         scale,
+        num_slices,
+        min_slice,
         NUM_HEADS: tl.constexpr,
-        NUM_SLICES: tl.constexpr,
         HEAD_BLOCK: tl.constexpr,
         RANK: tl.constexpr,
         ROPE: tl.constexpr,
@@ -84,14 +121,15 @@ if triton is not None:
         rope_dims = tl.arange(0, ROPE_PAD)
         rope_ok = rope_dims < ROPE
         # partial outputs: [seq, head, slice, r]; log-sum-exps: [seq, head, slice]
-        lse_at = lse_ptr + (seq * NUM_HEADS + heads) * NUM_SLICES + piece
-        out_at = out_ptr + ((seq * NUM_HEADS + heads) * NUM_SLICES + piece)[:, None] * RANK + dims[None, :]
-        # Every row is cut into NUM_SLICES tile-aligned slices of its own length.
-        per_slice = tl.cdiv(tl.cdiv(length, NUM_SLICES), TILE) * TILE
+        lse_at = lse_ptr + (seq * NUM_HEADS + heads) * num_slices + piece
+        out_at = out_ptr + ((seq * NUM_HEADS + heads) * num_slices + piece)[:, None] * RANK + dims[None, :]
+        # Every row is cut into num_slices tile-aligned slices of its own length, none shorter than min_slice (a
+        # multiple of TILE): a short row fills its first slices only, and the rest end here at once.
+        per_slice = tl.maximum(tl.cdiv(tl.cdiv(length, num_slices), TILE) * TILE, min_slice)
         start = piece * per_slice
         if start >= length:
+            # an empty slice: merge_slices weighs it 0 from its lse and does not read its partial output
             tl.store(lse_at, tl.full([HEAD_BLOCK], float("-inf"), tl.float32), mask=head_ok)
-            tl.store(out_at, tl.zeros([HEAD_BLOCK, RANK], tl.float32), mask=head_ok[:, None])
             return
         q_lat = tl.load(
             q_lat_ptr + seq * stride_lat_seq + heads[:, None] * stride_lat_head + dims[None, :],
@@ -144,7 +182,8 @@ def mla_decode_attention(
     layer's [blocks, block_size, 1, r + rope] view of the pool; block_tables [table rows, max_blocks] (int32),
     rows [S] the table row of each sequence, context_lens [S] (>= 1). Returns the attention-weighted latents
     [S, H, r] in q_lat's dtype. launch overrides the launch shape (bench/probes/mla_decode_probe.py's sweep):
-    TILE (tokens a loop step), slices (per row), num_warps, num_stages."""
+    TILE (tokens a loop step), slices (per row), min_slice (tokens, the shortest slice), num_warps, num_stages;
+    unset ones come from LAUNCH, then LAUNCH_FILE's entry for this GPU and batch size, then the defaults."""
     assert triton is not None, "the Triton MLA decode kernel needs triton (CUDA builds of torch ship it)"
     assert latent_cache.dtype in (q_lat.dtype, kv_quant.FP8), "the MLA kernel reads the model's dtype or fp8"
     num_seqs, num_heads, rank = q_lat.shape
@@ -153,9 +192,14 @@ def mla_decode_attention(
     assert fits(rank) and latent_cache.shape[-1] == rank + rope, (rank, rope, tuple(latent_cache.shape))
     assert q_lat.stride(2) == 1 and q_pe.stride(2) == 1 and latent_cache.stride(3) == 1
     head_blocks = triton.cdiv(num_heads, HEAD_BLOCK)
-    shape = dict(LAUNCH, **(launch or {}))
+    # the probe measures bf16 latents and queries; an fp8 pool or another dtype keeps the defaults
+    measured = q_lat.dtype == latent_cache.dtype == torch.bfloat16
+    shape = measured_launch(q_lat.device, num_seqs, num_heads, rank, rope) if measured else {}
+    shape.update(LAUNCH, **(launch or {}))
     num_slices = shape.pop("slices", None) or slices_for(num_seqs, head_blocks)
+    assert num_slices & (num_slices - 1) == 0, f"slices must be a power of two (the merge's arange): {num_slices}"
     tile = shape.pop("TILE", None) or TILE_TOKENS.get(q_lat.dtype, DEFAULT_TILE_TOKENS)
+    min_slice = -(-int(shape.pop("min_slice", 0) or 0) // tile) * tile  # a whole number of tiles
     partial = torch.empty(num_seqs, num_heads, num_slices, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(num_seqs, num_heads, num_slices, dtype=torch.float32, device=q_lat.device)
     out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)
@@ -178,8 +222,9 @@ def mla_decode_attention(
         latent_cache.stride(1),
         block_tables.stride(0),
         scale,
+        num_slices,
+        min_slice,
         NUM_HEADS=num_heads,
-        NUM_SLICES=num_slices,
         HEAD_BLOCK=HEAD_BLOCK,
         RANK=rank,
         ROPE=rope,

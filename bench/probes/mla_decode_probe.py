@@ -2,10 +2,13 @@
 decode batch sizes, across launch shapes: microseconds per layer and the share of the H200's ~4.8 TB/s its
 latent reads reach. Two stages per batch size: the program's shape (tokens a loop step, warps, pipeline depth)
 at the default slicing, then, with the best of those, the slicing (slices a row, the shortest slice) at each
-context length; the slicing kept is the one with the best geometric mean over the lengths of its time over that
-length's best, since one CUDA graph per batch size serves every length. Each shape's output is checked against
-the default launch's. Prints a table, writes JSON; --write-launch merges the picks into the kernel's launch
-table (mla_decode_kernel.LAUNCH_FILE) for this GPU and shape, where the engine takes them.
+context length (the longer ones only where the batch's latents fit MAX_CASE_TOKENS); the slicing kept is the one
+with the best geometric mean over the lengths of its time over that length's best, since one CUDA graph per
+batch size serves every length. Every launch is timed as a CUDA graph replay, as the engine runs decode: timed
+from Python, a small batch measures the launches (the 2026-12-03 run's b1 picks, made that way, were slower in
+the engine). Each shape's output is checked against the default launch's. Prints a table, writes JSON;
+--write-launch merges the picks into the kernel's launch table (mla_decode_kernel.LAUNCH_FILE) for this GPU and
+shape, where the engine takes them.
 
     python3 bench/probes/mla_decode_probe.py --out $OUT/mla-decode-probe.json --write-launch
 """
@@ -32,14 +35,20 @@ BLOCK_SIZE = 16
 PROGRAM_SHAPES = [
     {"TILE": t, "num_warps": w, "num_stages": s} for t, w, s in itertools.product((16, 32, 64), (4, 8), (2, 3, 4))
 ]
-SLICINGS = [{"slices": n, "min_slice": m} for n, m in itertools.product((1, 2, 4, 8, 16, 32, 64), (0, 256, 1024))]
+SLICE_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+SLICINGS = [{"slices": n, "min_slice": m} for n, m in itertools.product(SLICE_COUNTS, (0, 256, 1024))]
 MAX_REL_ERR = 1e-2
+MAX_CASE_TOKENS = 4 << 20  # a case's latents (4M tokens: 4.8 GB in bf16)
+MAX_PARTIALS = 16384  # rows x slices: the partial outputs (16 heads x 512 floats each)
 
 
 def bench_us(fn) -> float:
+    """Median microseconds of one call replayed from a CUDA graph (captured after a warm-up call)."""
     import triton
 
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median") * 1e3
+    fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench_cudagraph(fn, rep=30, return_mode="median") * 1e3
 
 
 class Case:
@@ -82,12 +91,19 @@ def one_batch(batch: int, contexts: list[int], heads: int, rank: int, rope: int)
     mla_decode_kernel._measured.cache_clear()
     saved, mla_decode_kernel.LAUNCH_FILE = mla_decode_kernel.LAUNCH_FILE, Path("/nonexistent")
     try:
+        contexts = [c for c in contexts if batch * c <= MAX_CASE_TOKENS] or contexts[:1]
         cases = {context: Case(batch, context, heads, rank, rope) for context in contexts}
         first = cases[contexts[0]]
         default_us = {context: bench_us(lambda c=case: c.run({})) for context, case in cases.items()}
         programs = [first.measure(shape) for shape in PROGRAM_SHAPES]
         program = fastest(programs)["shape"]
-        slicings = {context: [case.measure({**program, **s}) for s in SLICINGS] for context, case in cases.items()}
+        slicings = {
+            context: [
+                case.measure({**program, **s}) if batch * s["slices"] <= MAX_PARTIALS else {"shape": s, "skipped": True}
+                for s in SLICINGS
+            ]
+            for context, case in cases.items()
+        }
     finally:
         mla_decode_kernel.LAUNCH_FILE = saved
         mla_decode_kernel._measured.cache_clear()
@@ -127,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="dsv2-lite-chat")
     parser.add_argument("--batches", default="1,8,16,32,64,128")
-    parser.add_argument("--contexts", default="4096,32768")
+    parser.add_argument("--contexts", default="4096,32768,131072")
     parser.add_argument("--out", default="")
     parser.add_argument("--write-launch", action="store_true", help="merge the picks into the kernel's table")
     parser.add_argument("--source", default="", help="what to record as the picks' source (date, commit)")
@@ -140,7 +156,9 @@ def main() -> None:
         row = one_batch(batch, contexts, heads, rank, rope)
         rows.append(row)
         us, share = row["chosen_us"], row["chosen_bandwidth_share"]
-        cells = "  ".join(f"{c}: {row['default_us'][c]:7.1f} -> {us[c]:7.1f} us ({share[c]:.0%})" for c in contexts)
+        cells = "  ".join(
+            f"{c}: {row['default_us'][c]:7.1f} -> {us[c]:7.1f} us ({share[c]:.0%})" for c in row["contexts"]
+        )
         print(f"b{batch:<4d} {cells}  {row['chosen']}", flush=True)
     gpu = torch.cuda.get_device_name()
     if args.out:

@@ -105,6 +105,7 @@ LAUNCHES = [
     {"slices": 4, "min_slice": 32},
     {"slices": 16, "min_slice": 1000},
     {"slices": 64, "TILE": 16},
+    {"slices": 128, "min_slice": 0},
 ]
 
 
@@ -131,18 +132,19 @@ def test_every_slicing_of_the_mla_kernel_gives_the_sdpa_decode(launch, dtype) ->
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
-def test_the_merge_weighs_slices_by_their_mass_and_never_reads_an_empty_slices_output() -> None:
+@pytest.mark.parametrize(("slices", "filled"), [(8, 5), (128, 77)])  # 128: four chunks of MERGE_SLICES
+def test_the_merge_weighs_slices_by_their_mass_and_never_reads_an_empty_slices_output(slices, filled) -> None:
     """Empty slices (lse -inf) write no partial output: NaN there must not reach the merged output."""
     torch.manual_seed(4)
-    seqs, heads, slices, dim = 3, 2, 8, 256  # 256 dims: two programs per head (MERGE_DIMS 128)
+    seqs, heads, dim = 3, 2, 256  # 256 dims: two programs per head (MERGE_DIMS 128)
     partial = torch.randn(seqs, heads, slices, dim, device=DEVICE)
     lse = torch.randn(seqs, heads, slices, device=DEVICE)
-    lse[:, :, 5:] = float("-inf")
-    partial[:, :, 5:] = float("nan")
+    lse[:, :, filled:] = float("-inf")
+    partial[:, :, filled:] = float("nan")
     out = torch.empty(seqs, heads, dim, device=DEVICE)
     decode_kernel.merge_slices(partial, lse, out)
-    weights = torch.softmax(lse[:, :, :5], dim=-1)
-    expected = (partial[:, :, :5] * weights[..., None]).sum(dim=2)
+    weights = torch.softmax(lse[:, :, :filled], dim=-1)
+    expected = (partial[:, :, :filled] * weights[..., None]).sum(dim=2)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 

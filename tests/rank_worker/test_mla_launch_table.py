@@ -43,3 +43,13 @@ def test_the_committed_table_holds_launches_the_kernel_takes() -> None:
                 assert int(batch) >= 1 and set(launch) <= keys, (batch, launch)
                 assert launch["slices"] & (launch["slices"] - 1) == 0, launch  # the merge's arange
                 assert launch.get("min_slice", 0) >= 0 and launch["TILE"] in (16, 32, 64), launch
+
+
+def test_default_slicing_fills_the_gpu_at_small_batches_and_thins_out_at_large_ones() -> None:
+    from rank_worker.model.attention.mla_decode_kernel import MAX_SLICES, TARGET_PROGRAMS, default_slices
+
+    assert default_slices(1, 1) == MAX_SLICES  # one V2-Lite row: one head block, as many slices as allowed
+    assert default_slices(16, 1) == TARGET_PROGRAMS // 16
+    assert default_slices(1, 8) == TARGET_PROGRAMS // 8  # V3's 128 heads: eight head blocks a row
+    assert default_slices(3, 1) == 512 and default_slices(5, 1) == 256  # a power of two, rounded down
+    assert default_slices(4096, 1) == 1

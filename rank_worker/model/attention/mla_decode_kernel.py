@@ -7,8 +7,9 @@ with q_lat = q_nope W_UK, and its output the softmax-weighted sum of c (W_UV is 
 Each program takes a block of HEAD_BLOCK heads of one sequence over one slice of its context: the heads'
 queries are loaded once and every tile of latents read from the blocks is scored against all of them (one
 tl.dot for c, one for k_pe), with an online softmax. As in decode_kernel.py each row is cut into the same
-number of slices whatever its length (split-K), so the grid depends on the batch size alone and one CUDA
-graph per batch size serves every context length; decode_kernel.merge_slices merges the slices.
+number of slices whatever its length (split-K), none shorter than a floor (min_slice), so the grid depends on
+the batch size alone and one CUDA graph per batch size serves every context length; decode_kernel.merge_slices
+merges the slices. A short row fills its first slices only; the others write -inf as their lse and end.
 
 An fp8 pool (kv_quant.py) is read as its values, cast to the model's dtype as they are loaded.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rank_worker.model.attention import kv_quant
-from rank_worker.model.attention.decode_kernel import merge_slices, slices_for
+from rank_worker.model.attention.decode_kernel import merge_slices
 
 try:
     import triton
@@ -38,6 +39,13 @@ HEAD_BLOCK = 16
 # keep the pipelined tiles in shared memory. Not tuned on a GPU yet.
 TILE_TOKENS = {torch.float32: 16}
 DEFAULT_TILE_TOKENS = 32
+# Slicing where no measured launch applies. A V2-Lite row is one head block, so a few rows make few programs:
+# with 64 slices a row, 2 agents at 60-100K tokens decoded at ~10% of HBM bandwidth on the H200 (vLLM ~50%;
+# bench/results/peer-dsv2-lite-h200-raw/bf769de). Aim at TARGET_PROGRAMS programs, up to MAX_SLICES a row, none
+# shorter than MIN_SLICE tokens, so a short row fills only its first slices and the rest end at once.
+TARGET_PROGRAMS = 2048
+MAX_SLICES = 512
+MIN_SLICE = 256
 # Warps and pipeline depth of a program (Triton's defaults until the probe picks; TILE/slices may be set too).
 LAUNCH: dict = {}
 # Launch shapes by batch size that bench/probes/mla_decode_probe.py measured best on a GPU (--write-launch):
@@ -72,6 +80,12 @@ def measured_launch(device: torch.device, batch: int, heads: int, rank: int, rop
         return {}
     index = device.index if device.index is not None else torch.cuda.current_device()
     return launch_for(_measured(index, heads, rank, rope), batch)
+
+
+def default_slices(batch: int, head_blocks: int) -> int:
+    """Slices a row (a power of two) for TARGET_PROGRAMS programs over the batch, at most MAX_SLICES."""
+    wanted = max(1, min(MAX_SLICES, TARGET_PROGRAMS // max(1, batch * head_blocks)))
+    return 1 << (wanted.bit_length() - 1)
 
 
 def fits(kv_lora_rank: int) -> bool:
@@ -196,10 +210,10 @@ def mla_decode_attention(
     measured = q_lat.dtype == latent_cache.dtype == torch.bfloat16
     shape = measured_launch(q_lat.device, num_seqs, num_heads, rank, rope) if measured else {}
     shape.update(LAUNCH, **(launch or {}))
-    num_slices = shape.pop("slices", None) or slices_for(num_seqs, head_blocks)
+    num_slices = shape.pop("slices", None) or default_slices(num_seqs, head_blocks)
     assert num_slices & (num_slices - 1) == 0, f"slices must be a power of two (the merge's arange): {num_slices}"
     tile = shape.pop("TILE", None) or TILE_TOKENS.get(q_lat.dtype, DEFAULT_TILE_TOKENS)
-    min_slice = -(-int(shape.pop("min_slice", 0) or 0) // tile) * tile  # a whole number of tiles
+    min_slice = -(-int(shape.pop("min_slice", MIN_SLICE)) // tile) * tile  # a whole number of tiles
     partial = torch.empty(num_seqs, num_heads, num_slices, rank, dtype=torch.float32, device=q_lat.device)
     lse = torch.empty(num_seqs, num_heads, num_slices, dtype=torch.float32, device=q_lat.device)
     out = torch.empty_like(q_lat, memory_format=torch.contiguous_format)

@@ -3,8 +3,8 @@
 # wheels from /tmp/fa4acc into /tmp/fa4site (once per warm machine) and puts that site first on PYTHONPATH.
 # Returns non-zero when the chunks are not there or do not install.
 if [ ! -f /tmp/fa4site/flash_attn/cute/__init__.py ]; then
-  if [ "$(ls /tmp/fa4acc/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-2}" ]; then
-    echo "bench/fa4_env.sh: not every chunk is in /tmp/fa4acc yet (send .fa4/chunk00, chunk01 first)"
+  if [ "$(ls /tmp/fa4acc/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-3}" ]; then
+    echo "bench/fa4_env.sh: not every chunk is in /tmp/fa4acc yet (send .fa4/chunk00..chunk02 first)"
     return 1 2>/dev/null || exit 1
   fi
   rm -rf /tmp/fa4w && mkdir -p /tmp/fa4w && cat /tmp/fa4acc/chunk0* | tar xf - -C /tmp/fa4w &&

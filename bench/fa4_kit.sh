@@ -2,8 +2,9 @@
 # Build .fa4/, the flash-attn 4 (CuTe DSL) kit for the GPU machine, which cannot reach a package registry:
 # flash-attn-4 4.0.0b36 and what it needs that the machine lacks (nvidia-cutlass-dsl 4.8.1 with its CUDA 13
 # libraries, quack-kernels, apache-tvm-ffi >= 0.1.11), wheels for Python 3.12, tarred and split into
-# .fa4/chunk00, chunk01 (~50 MB each: a call carries at most 64 MiB). The machine has torch, einops and
-# cuda-bindings. FA4 compiles its kernels at first use (CuTe DSL, seconds; no nvcc), so nothing is prebuilt.
+# .fa4/chunk00..chunk02 (36 MB each: a call carries at most 64 MiB, the working tree's ~14 MB included). The
+# machine has torch, einops and cuda-bindings. FA4 compiles its kernels at first use (CuTe DSL, seconds; no
+# nvcc), so nothing is prebuilt.
 #
 #     bash bench/fa4_kit.sh          # idempotent
 # Then, one device call per chunk (carry [".fa4/chunk00"]): mkdir -p /tmp/fa4acc && cp .fa4/chunk00 /tmp/fa4acc/
@@ -27,6 +28,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   "${platforms[@]}" -d "$work/wheels" "${WHEELS[@]}"
 mkdir -p "$KIT"
 tar cf "$work/fa4.tar" -C "$work/wheels" .
-split -b 50M -d "$work/fa4.tar" "$KIT/chunk"
+split -b 36M -d "$work/fa4.tar" "$KIT/chunk"
 rm -rf "$work"
 ls -l "$KIT"

@@ -15,10 +15,12 @@
 # the same seed per agent count. Results: $OUT/<phase>.tar.gz (everything so far on this machine) and the
 # engine JSONs; bench/peer_results.py assembles them.
 # Calls, back to back (a machine idle for 30 s is given back, and with it /tmp):
-#   carry [".peer/chunk00"] .. [".peer/chunk05"]: bash bench/peer_h200.sh chunk
-#   carry [".peer/chunk06"]:                      bash bench/peer_h200.sh chunk vllm-engine
+#   carry [".peer/chunk00"] .. [".peer/chunk06"]: bash bench/peer_h200.sh chunk
+#   carry [".peer/chunk07"]:                      bash bench/peer_h200.sh chunk vllm-engine
+# (the working tree, ~14 MB, travels beside each carried chunk within the 64 MiB a call takes: split the
+# vllm-peer kit's chunks to 45 MB, `cat .peer/chunk* > t && rm .peer/chunk* && split -b 45M -d t .peer/chunk`)
 #   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
-#   carry [".fa4/chunk00"], [".fa4/chunk01"]:     bash bench/peer_h200.sh chunk         (flash-attn 4, for ours)
+#   carry [".fa4/chunk00"] .. [".fa4/chunk02"]:   bash bench/peer_h200.sh chunk         (flash-attn 4, for ours)
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
 # (FlashInfer instead of FA4: carry [".whl", ".fi"] and no .fa4 chunks.)
@@ -77,7 +79,7 @@ if have_kit; then
 fi
 # FlashInfer's wheels and prebuilt FA3 module when carried (.fi): attention_backend auto then takes it
 if [ -d .fi ]; then source "$(dirname "$0")/fi_env.sh" || exit 1; fi
-# flash-attn 4 when its chunks came (carry .fa4/chunk00, then chunk01, with the chunk phase): auto then takes it
+# flash-attn 4 when its chunks came (carry .fa4/chunk00 .. chunk02, one a call, with the chunk phase): auto then takes it
 # for our prefill. Not beside .fi: FA4 needs a newer tvm-ffi than the FlashInfer kit's, and it would shadow it.
 if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then source "$(dirname "$0")/fa4_env.sh" || true; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}

@@ -39,9 +39,10 @@ def available() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def slices_for(batch: int, num_kv_heads: int) -> int:
-    """Slices per row (a power of two): few rows or kv heads need more of them to fill the GPU; many need none."""
-    wanted = max(1, min(MAX_SLICES, TARGET_PROGRAMS // max(1, batch * num_kv_heads)))
+def slices_for(batch: int, num_kv_heads: int, target: int = TARGET_PROGRAMS, most: int = MAX_SLICES) -> int:
+    """Slices per row (a power of two) for about `target` programs, at most `most`: few rows or kv heads need
+    more of them to fill the GPU; many need none."""
+    wanted = max(1, min(most, target // max(1, batch * num_kv_heads)))
     return 1 << (wanted.bit_length() - 1)
 
 

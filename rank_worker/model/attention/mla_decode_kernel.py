@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from rank_worker.model.attention import kv_quant
-from rank_worker.model.attention.decode_kernel import merge_slices
+from rank_worker.model.attention.decode_kernel import merge_slices, slices_for
 
 try:
     import triton
@@ -84,8 +84,7 @@ def measured_launch(device: torch.device, batch: int, heads: int, rank: int, rop
 
 def default_slices(batch: int, head_blocks: int) -> int:
     """Slices a row (a power of two) for TARGET_PROGRAMS programs over the batch, at most MAX_SLICES."""
-    wanted = max(1, min(MAX_SLICES, TARGET_PROGRAMS // max(1, batch * head_blocks)))
-    return 1 << (wanted.bit_length() - 1)
+    return slices_for(batch, head_blocks, TARGET_PROGRAMS, MAX_SLICES)
 
 
 def fits(kv_lora_rank: int) -> bool:

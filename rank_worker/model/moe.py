@@ -8,7 +8,8 @@ Routed experts run one of three ways, all giving each token the weighted sum of 
   sync, so it is graph-safe. Each token's k outputs are put back in slot order and summed in float32 (no
   atomics: the same inputs give the same bits, which the warm-vs-cold match needs). Decode-sized batches
   sort by moe_kernels.align instead of ~7 small PyTorch ops and run the experts by moe_mlp_kernel's two
-  kernels instead of the grouped GEMMs; every batch on CUDA sums by moe_kernels.combine.
+  kernels instead of the grouped GEMMs; every batch on CUDA sums by moe_kernels.combine. Their greedy routing
+  is one moe_kernels.route launch (the other routing methods, prefill and the CPU keep PyTorch's).
 - experts_hit (the CPU and float32 path): a loop over the experts this batch hit, each over its tokens, the
   weighted outputs summed with index_add_ in expert order (transformers' order, so float32 matches it).
   Finding the experts hit is a host sync.
@@ -71,6 +72,11 @@ def grouped_gemm_runs(x: torch.Tensor) -> bool:
 
 
 @functools.cache
+def route_runs(x: torch.Tensor) -> bool:
+    """Whether moe_kernels.route routes this batch: decode-sized, on CUDA, with Triton."""
+    return x.is_cuda and moe_kernels.triton is not None and x.shape[0] <= moe_kernels.ROUTE_MAX_TOKENS
+
+
 def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
@@ -93,9 +99,13 @@ class TopkRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids [T, k], float32 weights [T, k])."""
         cfg = self.cfg
+        k = cfg.num_experts_per_tok
+        if cfg.topk_method == "greedy" and route_runs(x):  # decode steps on CUDA: one launch, not four
+            softmax = cfg.scoring_func == "softmax"
+            scaling = cfg.routed_scaling_factor
+            return moe_kernels.route(x, self.weight, k, softmax, cfg.norm_topk_prob, scaling)
         logits = F.linear(x.float(), self.weight)
         scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
-        k = cfg.num_experts_per_tok
         if cfg.topk_method == "greedy":
             weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
         elif cfg.topk_method == "group_limited_greedy":

@@ -1,4 +1,9 @@
-"""Two Triton kernels around MoE's grouped GEMMs (moe.py grouped_experts), for the small batches of decode steps:
+"""Three Triton kernels around MoE's grouped GEMMs (moe.py), for the small batches of decode steps:
+
+- route: greedy top-k routing (TopkRouter's greedy method: softmax or sigmoid scores of the float32 gate,
+  the k best, optionally renormalised and scaled) in one launch; in eager PyTorch a cast, the gate GEMM, the
+  scores and the top-k were four launches a layer (~25 us at 16 rows on the H200,
+  bench/results/dsv2-decode-h200-moe-kernel/decode-profile-b16-uniform.log).
 
 - align: the (token, slot) pairs sorted by expert, stably, as the grouped GEMMs take them: for each sorted row
   the token it reads, each pair's row, and the runs' ends. One program, O(pairs x experts); in eager PyTorch
@@ -19,6 +24,9 @@ import torch
 from rank_worker.model.fused_ops import triton
 
 ALIGN_MAX_PAIRS = 4096  # decode batches (256 rows x 8 experts a token at most); prefill sorts in PyTorch
+ROUTE_MAX_TOKENS = 256  # decode batches; prefill chunks route in PyTorch (one cuBLAS GEMM)
+ROUTE_BLOCK_T = 16  # tokens a route program scores (tl.dot's smallest M)
+ROUTE_BLOCK_H = 64  # hidden values a loop step of route reads
 ALIGN_BLOCK = 64  # pairs per loop iteration of align: a [64, experts] one-hot tile
 
 if triton is not None:
@@ -58,6 +66,62 @@ if triton is not None:
             tl.store(row_of_pair_ptr + p, row, mask=ok)
             tl.store(token_of_row_ptr + row, p // K, mask=ok)
             seen += tl.sum(hot, axis=0)
+
+    @triton.jit
+    def _route(
+        x_ptr,
+        gate_ptr,
+        ids_ptr,
+        weights_ptr,
+        tokens,
+        stride_x,
+        scaling,
+        HIDDEN: tl.constexpr,
+        EXPERTS: tl.constexpr,
+        EXPERTS_PAD: tl.constexpr,
+        K: tl.constexpr,
+        K_PAD: tl.constexpr,
+        SOFTMAX: tl.constexpr,
+        NORMALIZE: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+    ):
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < tokens
+        experts = tl.arange(0, EXPERTS_PAD)
+        expert_ok = experts < EXPERTS
+        logits = tl.zeros([BLOCK_T, EXPERTS_PAD], tl.float32)
+        for start in range(0, HIDDEN, BLOCK_H):
+            cols = start + tl.arange(0, BLOCK_H)
+            col_ok = cols < HIDDEN
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
+            gate_at = gate_ptr + experts[:, None] * HIDDEN + cols[None, :]
+            gate = tl.load(gate_at, mask=expert_ok[:, None] & col_ok, other=0.0)
+            # float32 products, as F.linear(x.float(), gate) computes them (the gate is kept in float32)
+            logits += tl.dot(x.to(tl.float32), tl.trans(gate), input_precision="ieee")
+        if SOFTMAX:
+            logits = tl.where(expert_ok[None, :], logits, float("-inf"))
+            exp = tl.exp(logits - tl.max(logits, 1)[:, None])
+            scores = exp / tl.sum(exp, 1)[:, None]
+        else:
+            scores = tl.sigmoid(logits)
+        left = tl.where(expert_ok[None, :], scores, float("-inf"))
+        slots = tl.arange(0, K_PAD)
+        chosen = tl.zeros([BLOCK_T, K_PAD], tl.int32)
+        weights = tl.zeros([BLOCK_T, K_PAD], tl.float32)
+        for slot in tl.static_range(K):  # the k best, best first; a tie goes to the lower expert id
+            best = tl.max(left, 1)
+            pick = tl.min(tl.where(left == best[:, None], experts[None, :], EXPERTS_PAD), 1)
+            chosen = tl.where(slots[None, :] == slot, pick[:, None], chosen)
+            weights = tl.where(slots[None, :] == slot, best[:, None], weights)
+            left = tl.where(experts[None, :] == pick[:, None], float("-inf"), left)
+        if NORMALIZE:
+            weights = weights / (tl.sum(weights, 1)[:, None] + 1e-20)
+        weights = weights * scaling
+        at = rows[:, None] * K + slots[None, :]
+        ok = row_ok[:, None] & (slots[None, :] < K)
+        tl.store(ids_ptr + at, chosen.to(tl.int64), mask=ok)
+        tl.store(weights_ptr + at, weights, mask=ok)
 
     @triton.jit
     def _combine(h_ptr, weights_ptr, row_of_pair_ptr, out_ptr, width, K: tl.constexpr, BLOCK: tl.constexpr):
@@ -112,3 +176,40 @@ def combine(h: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, d
             h.contiguous(), weights.contiguous(), row_of_pair, out, width, K=k, BLOCK=block, num_warps=4
         )
     return out
+
+
+def route(
+    x: torch.Tensor, gate: torch.Tensor, k: int, softmax: bool, normalize: bool, scaling: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, hidden] (any float dtype), gate [experts, hidden] float32 -> (ids [T, k] int64, weights [T, k]
+    float32): each token's k best experts by softmax (or sigmoid) scores of x . gate in float32, best first,
+    their scores as weights, renormalised to sum 1 when `normalize`, times `scaling`."""
+    assert triton is not None
+    tokens, hidden = x.shape
+    experts = gate.shape[0]
+    assert tokens <= ROUTE_MAX_TOKENS and gate.dtype == torch.float32 and gate.shape[1] == hidden, gate.shape
+    assert gate.is_contiguous()
+    x = x if x.stride(1) == 1 else x.contiguous()
+    ids = torch.empty(tokens, k, dtype=torch.int64, device=x.device)
+    weights = torch.empty(tokens, k, dtype=torch.float32, device=x.device)
+    if tokens:
+        _route[(triton.cdiv(tokens, ROUTE_BLOCK_T),)](
+            x,
+            gate,
+            ids,
+            weights,
+            tokens,
+            x.stride(0),
+            float(scaling),
+            HIDDEN=hidden,
+            EXPERTS=experts,
+            EXPERTS_PAD=max(16, triton.next_power_of_2(experts)),
+            K=k,
+            K_PAD=max(2, triton.next_power_of_2(k)),
+            SOFTMAX=softmax,
+            NORMALIZE=normalize,
+            BLOCK_T=ROUTE_BLOCK_T,
+            BLOCK_H=ROUTE_BLOCK_H,
+            num_warps=4,
+        )
+    return ids, weights

@@ -53,3 +53,44 @@ def test_combine_is_the_weighted_slot_sum_in_float32(dtype) -> None:
     for slot in range(1, k):  # in slot order, as the kernel adds
         expected = expected + per_slot[:, slot]
     torch.testing.assert_close(out, expected.to(dtype), rtol=1e-6, atol=1e-6)
+
+
+def _router_reference(x, gate, k, softmax, normalize, scaling):
+    """TopkRouter's greedy PyTorch path (moe.py), as it ran before route: float32 gate, scores, top-k."""
+    logits = torch.nn.functional.linear(x.float(), gate)
+    scores = logits.softmax(dim=-1) if softmax else logits.sigmoid()
+    weights, ids = torch.topk(scores, k=k, dim=-1)
+    if normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "experts", "k", "softmax", "normalize", "scaling"),
+    [
+        (1, 2048, 64, 6, True, False, 1.0),  # V2-Lite at batch 1
+        (16, 2048, 64, 6, True, False, 1.0),
+        (37, 96, 12, 2, True, True, 1.0),  # a partial block of tokens; experts not a power of two
+        (5, 200, 256, 8, False, True, 2.5),  # sigmoid scores, renormalised and scaled; hidden not a multiple of 64
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_CUDA else torch.float16])
+def test_route_picks_the_k_best_experts_as_the_pytorch_router_does(
+    tokens, hidden, experts, k, softmax, normalize, scaling, dtype
+) -> None:
+    torch.manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, device=DEVICE).to(dtype)
+    gate = torch.randn(experts, hidden, device=DEVICE) / hidden**0.5
+    ids, weights = moe_kernels.route(x, gate, k, softmax, normalize, scaling)
+    expected_ids, expected_weights = _router_reference(x, gate, k, softmax, normalize, scaling)
+    assert ids.shape == (tokens, k) and ids.dtype == torch.int64 and weights.dtype == torch.float32
+    # best first, as torch.topk(sorted=True) gives them (random scores: no ties)
+    assert torch.equal(ids, expected_ids)
+    torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_route_reads_a_strided_batch_and_a_tie_goes_to_the_lower_expert() -> None:
+    x = torch.zeros(3, 2 * 64, device=DEVICE)[:, ::2]  # every score equal: a 64-way tie
+    ids, weights = moe_kernels.route(x, torch.ones(64, 64, device=DEVICE), 6, True, False, 1.0)
+    assert torch.equal(ids, torch.arange(6, device=DEVICE).expand(3, 6))
+    torch.testing.assert_close(weights, torch.full((3, 6), 1 / 64, device=DEVICE))

@@ -100,6 +100,13 @@ class KvServeConfig(BaseSettings):
     min_prefill_chunk_tokens: int = Field(
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
+    # Over a long context that floor alone can take several budgets (DeepSeek-V2-Lite, H200: 80-270 ms steps
+    # beside 4 agents' decoders at 250-400K tokens). Off until the agent benchmark has measured it.
+    decode_payback: bool = Field(
+        False,
+        description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "
+        "decode-only steps (no prefill, no admission) until they average the budget again",
+    )
 
     # FA4 reads a whole cold prompt's K/V as its own contiguous rows (TMA loads) but chunks after the first
     # through the pool's 16-token pages (cp.async): the attention of a cold 100K prompt, one llama-8b layer on

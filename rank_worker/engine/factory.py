@@ -264,6 +264,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         l1_offload_bytes_per_step=int(config.l1_offload_mb_per_step * (1 << 20)),
         l1_eviction_horizon_blocks=config.l1_eviction_horizon_blocks,
         solo_prefill_tokens=config.solo_prefill_tokens,
+        decode_payback=config.decode_payback,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client)
 

@@ -77,6 +77,7 @@ class EngineSettings:
     # A cold prompt alone on the rank: prefilled in one step up to this many tokens (scheduler.py); None: what the
     # attention backend prefers (AttentionBackend.solo_prefill_tokens); 0: in max_num_batched_tokens chunks.
     solo_prefill_tokens: int | None = None
+    decode_payback: bool = False  # scheduler.py: steps past the decode budget paid back by decode-only steps
 
     @property
     def scheduling(self) -> SchedulingPolicy:
@@ -88,6 +89,7 @@ class EngineSettings:
             self.l1_restore_cost,
             self.decode_step_budget_ms,
             self.min_prefill_chunk_tokens,
+            decode_payback=self.decode_payback,
         )
 
 

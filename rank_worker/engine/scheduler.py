@@ -25,6 +25,13 @@ order (warm ones first under warm_first), and each step still gets min_prefill_c
 prefill is never starved by decoders whose own steps fill the budget. With nobody decoding (or a budget of 0)
 prefill takes the whole max_num_batched_tokens, as one long step stalls no one.
 
+Paying back an overrun (decode_payback, off by default): over a long context even min_prefill_chunk_tokens can
+take several budgets (DeepSeek-V2-Lite on the H200: 1-1.5K tokens over 250-400K cached took 80-270 ms a step,
+so 4 agents' decoders got a token per such step, bench/results/peer-dsv2-lite-h200-raw/bf769de). With the
+option on, the time a step carrying prefill beside decoders measured past the budget is owed to the decoders,
+and the next steps decode only (no prefill, no admission) until what they leave of their budget has paid it
+back: the decoders average about one token a budget, the prefill runs a little slower.
+
 A solo prefill: a prompt with nothing cached, admitted when nothing else runs on the rank, is taken in one step
 up to solo_prefill_tokens (past max_num_batched_tokens; that step carries nothing else), where the attention
 backend reads a whole cold prompt faster than chunks over their predecessors' pages (Fa4Attention). Nobody
@@ -64,6 +71,7 @@ class SchedulingPolicy:
     decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders; 0 = no cap on prefill
     min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy
     solo_prefill_tokens: int = 0  # a cold prompt alone on the rank: prefilled in one step up to this; 0 = chunks
+    decode_payback: bool = False  # steps that ran past the decode budget are paid back by decode-only steps
 
     @property
     def warm_first(self) -> bool:
@@ -85,6 +93,20 @@ class ScheduledBatch:
     def load(self) -> StepLoad:
         """What the step carries, for the step-cost model (read before the step advances its sequences)."""
         return step_load(self.entries)
+
+
+def payback(overrun_s: float, load: StepLoad, seconds: float, budget_s: float) -> float:
+    """What decoders are still owed after a step of `seconds` carrying `load`: a step with prefill beside
+    decoders adds its time past the budget; a decode-only step pays back what it leaves of the budget, and one
+    that fills the budget by itself clears the debt (decoders cannot go faster, and prefill must not starve)."""
+    if load.decode_rows == 0:
+        return overrun_s
+    if load.prefill_tokens > 0:
+        return overrun_s + max(0.0, seconds - budget_s)
+    if seconds >= budget_s:
+        return 0.0
+    owed = overrun_s - (budget_s - seconds)
+    return owed if owed > 1e-6 else 0.0  # a microsecond's rounding is not worth a step
 
 
 def step_load(entries: Iterable[tuple[Sequence, int]], load: StepLoad = StepLoad()) -> StepLoad:
@@ -121,6 +143,7 @@ class _Step:
     closed: bool = False  # no more admissions this step
     preempt: bool = True  # False: a running sequence that gets no blocks sits this step out instead
     time_budget_s: float | None = None  # what the step may take, while sequences are decoding (None: no cap)
+    decode_only: bool = False  # paying back an overrun: no prefill tokens, nobody admitted
     # What it carries so far (kept under a time budget only): its decodes from the start, then each prefill chunk.
     load: StepLoad = field(default_factory=StepLoad)
 
@@ -141,6 +164,7 @@ class Scheduler:
         self.policy = policy or SchedulingPolicy()
         self.clock = clock  # the clock of arrival times (tests and the simulator set their own)
         self.step_cost = step_cost or StepCostModel()  # fed by observe_step with every step the model ran
+        self.overrun_s = 0.0  # decode_payback: decoders' time still owed by steps that ran past the budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -216,7 +240,10 @@ class Scheduler:
     def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
         """The model took `seconds` for this batch: call before its sequences advance (their computed tokens are
         the chunks' cached context)."""
-        self.step_cost.observe(batch.load, seconds)
+        load = batch.load
+        self.step_cost.observe(load, seconds)
+        if self.policy.decode_payback and self.policy.decode_step_budget_ms > 0:
+            self.overrun_s = payback(self.overrun_s, load, seconds, self.policy.decode_step_budget_ms / 1000)
 
     def schedule(self, preempt: bool = True) -> ScheduledBatch:
         """The next step's batch. preempt=False (a step scheduled while its predecessor still runs on the device,
@@ -228,6 +255,10 @@ class Scheduler:
             if decoding:
                 step.time_budget_s = self.policy.decode_step_budget_ms / 1000
                 step.load = step_load(decoding)
+                step.decode_only = self.overrun_s > 0
+                step.closed = step.decode_only
+            else:
+                self.overrun_s = 0.0  # nobody to pay back
         if not self.policy.warm_first:
             order = list(self.running)
             self._run(order, 0, len(order), step)
@@ -342,6 +373,8 @@ class Scheduler:
         none), cut to whole blocks; at least what is left of the step's min_prefill_chunk_tokens."""
         if step.time_budget_s is None or wanted <= 1:
             return wanted
+        if step.decode_only:
+            return 0
         fits = self.step_cost.max_chunk_tokens(step.load, seq.num_computed_tokens, step.time_budget_s)
         if fits >= wanted:
             return wanted

@@ -117,7 +117,7 @@ class SimulatedRank:
         restored = self.scheduler.restored_tokens - restored_before
         duration = self.step_time.step_s(prefills, decodes) if batch.entries else 0.0
         if batch.entries:
-            self.scheduler.observe_step(batch, duration)  # the model's run: the restore below is not part of it
+            self.scheduler.observe_step(batch.load, duration)  # the model's run: the restore below is not part of it
         duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
         end = now + duration
         outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])

@@ -436,7 +436,7 @@ class PagedEngine(Engine):
                     torch.cuda.current_stream(self.kv_cache.device).synchronize()
         read = time.perf_counter()
         # A pipelined step's GPU work starts when its predecessor's ends, which is about when that was read.
-        self.scheduler.step_cost.observe(flight.load, read - max(flight.started, self._last_read))
+        self.scheduler.observe_step(flight.load, read - max(flight.started, self._last_read))
         self._last_read = read
         self._last_gpu_s = span_s(launched.gpu_span)  # type: ignore[arg-type]
         self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))

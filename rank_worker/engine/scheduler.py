@@ -237,10 +237,9 @@ class Scheduler:
         """Running sequences admitted cold whose prefill has not completed yet."""
         return sum(1 for seq in self.running if seq.num_computed_tokens < seq.cold_until)
 
-    def observe_step(self, batch: ScheduledBatch, seconds: float) -> None:
-        """The model took `seconds` for this batch: call before its sequences advance (their computed tokens are
-        the chunks' cached context)."""
-        load = batch.load
+    def observe_step(self, load: StepLoad, seconds: float) -> None:
+        """The model took `seconds` for a step carrying `load` (a batch's load, read before its sequences
+        advanced: their computed tokens are the chunks' cached context)."""
         self.step_cost.observe(load, seconds)
         if self.policy.decode_payback and self.policy.decode_step_budget_ms > 0:
             self.overrun_s = payback(self.overrun_s, load, seconds, self.policy.decode_step_budget_ms / 1000)

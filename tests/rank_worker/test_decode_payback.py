@@ -55,7 +55,7 @@ def test_after_an_overrun_the_next_steps_decode_only_then_prefill_resumes() -> N
     cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
     batch = sched.schedule()
     assert chunk_of(batch, cold) > 0
-    sched.observe_step(batch, 0.110)  # the step ran 80 ms past its 30 ms budget
+    sched.observe_step(batch.load, 0.110)  # the step ran 80 ms past its 30 ms budget
     advance(sched, batch)
     assert abs(sched.overrun_s - 0.080) < 1e-9
     waiting = queue_request(sched, "warm-later", random_prompt(64, VOCAB, seed=51))
@@ -66,7 +66,7 @@ def test_after_an_overrun_the_next_steps_decode_only_then_prefill_resumes() -> N
             break
         assert all(chunk_of(batch, seq) == 1 for seq in decoders) and len(batch.entries) == len(decoders)
         assert chunk_of(batch, waiting) == 0  # nobody admitted while paying back
-        sched.observe_step(batch, 0.010)  # each leaves 20 ms of its budget
+        sched.observe_step(batch.load, 0.010)  # each leaves 20 ms of its budget
         advance(sched, batch)
         decode_only += 1
     assert decode_only == 4  # 80 ms owed, 20 ms paid a step
@@ -78,7 +78,7 @@ def test_off_by_default_an_overrun_changes_nothing() -> None:
     _decoders(sched, 4)
     cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
     batch = sched.schedule()
-    sched.observe_step(batch, 0.500)
+    sched.observe_step(batch.load, 0.500)
     advance(sched, batch)
     assert sched.overrun_s == 0.0
     assert chunk_of(sched.schedule(), cold) > 0

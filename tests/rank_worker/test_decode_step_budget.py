@@ -112,7 +112,7 @@ def _measured_run(factor: float, steps: int = 4) -> list[int]:
     for _ in range(steps):
         batch = sched.schedule()
         chunks.append(chunk_of(batch, cold))
-        sched.observe_step(batch, factor * LINEAR.seconds(batch.load))
+        sched.observe_step(batch.load, factor * LINEAR.seconds(batch.load))
         advance(sched, batch)
     return chunks
 

@@ -71,12 +71,12 @@ def grouped_gemm_runs(x: torch.Tensor) -> bool:
     )
 
 
-@functools.cache
 def route_runs(x: torch.Tensor) -> bool:
     """Whether moe_kernels.route routes this batch: decode-sized, on CUDA, with Triton."""
     return x.is_cuda and moe_kernels.triton is not None and x.shape[0] <= moe_kernels.ROUTE_MAX_TOKENS
 
 
+@functools.cache
 def _capability(device: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 

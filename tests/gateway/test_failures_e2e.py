@@ -229,6 +229,7 @@ def test_client_disconnect_cancels_the_rank_request(two_live_ranks) -> None:
         "model": "default",
         "max_tokens": 1500,
         "stream": True,
+        "ignore_eos": True,  # a sampled story may end early, before the poll below sees its rank busy
         "messages": [{"role": "user", "content": "Write a very long story."}],
     }
     with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=60) as response:

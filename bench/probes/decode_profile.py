@@ -44,11 +44,12 @@ def experts_hit(engine) -> list[int]:
     from rank_worker.model.moe import MoE
 
     hit: list[int] = []
-    hooks = [
-        module.gate.register_forward_hook(lambda _m, _i, out: hit.append(int(torch.unique(out[0]).numel())))
-        for module in engine.model.modules()
-        if isinstance(module, MoE)
-    ]
+
+    def count(router, _inputs, out) -> None:  # the gate's ids carry the shared experts' slots too: not counted
+        ids = out[0]
+        hit.append(int(torch.unique(ids[ids < router.cfg.n_routed_experts]).numel()))
+
+    hooks = [module.gate.register_forward_hook(count) for module in engine.model.modules() if isinstance(module, MoE)]
     try:
         engine.step()
     finally:

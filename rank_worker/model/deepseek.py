@@ -24,7 +24,7 @@ from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.forward_batch import ForwardBatch
 from rank_worker.model.llama import RMSNorm, init_random_weights
 from rank_worker.model.mla import LatentAttention
-from rank_worker.model.moe import GatedMLP, MoE, empty_param
+from rank_worker.model.moe import GatedMLP, MoE, Rearranged, empty_param
 from rank_worker.model.yarn_rope import DeepseekRotary
 
 
@@ -96,9 +96,8 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
             layer.self_attn.fused = self.fused and latent_store.fits(self.cfg.qk_rope_head_dim)
-            for mlp in (layer.mlp, getattr(layer.mlp, "shared_experts", None)):
-                if isinstance(mlp, GatedMLP):
-                    mlp.fused = self.fused
+            if isinstance(layer.mlp, GatedMLP):  # a leading dense layer (MoE layers run their shared experts
+                layer.mlp.fused = self.fused  # as experts: moe.py)
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 1, block_size, 1, latent_dim]. Returns float32 logits [S, vocab]."""
@@ -113,9 +112,13 @@ class DeepseekForCausalLM(nn.Module):
 
     # --- weights ---
 
-    def hf_targets(self) -> dict[str, torch.Tensor]:
-        """Every Hugging Face tensor name this model reads -> the parameter (or part of one) it fills."""
-        targets = {"model.embed_tokens.weight": self.embed_tokens, "model.norm.weight": self.norm.weight}
+    def hf_targets(self) -> dict[str, torch.Tensor | Rearranged]:
+        """Every Hugging Face tensor name this model reads -> the parameter (or part of one) it fills, or how it
+        is rearranged into one (the shared experts' MLP, cut into experts)."""
+        targets: dict[str, torch.Tensor | Rearranged] = {
+            "model.embed_tokens.weight": self.embed_tokens,
+            "model.norm.weight": self.norm.weight,
+        }
         if self.lm_head is not None:
             targets["lm_head.weight"] = self.lm_head
         for i, layer in enumerate(self.layers):
@@ -139,8 +142,10 @@ class DeepseekForCausalLM(nn.Module):
                 if name == "lm_head.weight":
                     continue  # tied checkpoints sometimes carry a copy
                 raise ValueError(f"unexpected tensor {name} for this {self.cfg.model_type} model")
-            if tuple(target.shape) != tuple(tensor.shape):
+            if tuple(target.shape) != tuple(tensor.shape):  # a Rearranged's shape is the checkpoint's
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(target.shape)}")
+            if isinstance(target, Rearranged):
+                tensor, target = target.arrange(tensor), target.into
             with torch.no_grad():
                 target.copy_(tensor.to(device=target.device, dtype=target.dtype))
             filled.add(name)

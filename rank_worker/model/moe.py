@@ -1,11 +1,17 @@
-"""DeepSeek's feed-forward: a gated MLP (the leading dense layers, the shared experts) and the routed MoE with
-grouped top-k routing as transformers computes it (deepseek_config.py says which routing each type uses).
+"""DeepSeek's feed-forward: a gated MLP (the leading dense layers) and the MoE with grouped top-k routing as
+transformers computes it (deepseek_config.py says which routing each type uses).
 
-Routed experts run one of three ways, all giving each token the weighted sum of its experts:
+The shared experts run as experts too: stacked after the routed ones (their MLP of n_shared x
+moe_intermediate_size is n_shared experts of moe_intermediate_size side by side, each a slice of the
+intermediate dims), every token routed to them at weight 1 in slots after its k routed ones. A decode step then
+reads their weights in the same two expert kernels, and sums their outputs with the routed ones in one float32
+combine, instead of three GEMM launches, a SiLU and an add of their own a layer (SGLang fuses them the same way).
+
+Experts run one of three ways, all giving each token the weighted sum of its experts:
 - grouped (bf16 on a CUDA GPU of compute capability 9.0 or later, eager and inside a recorded decode graph):
   the (token, expert) pairs sorted by expert and run as two grouped GEMMs (torch._grouped_mm: gate/up, then
   down, each expert over its contiguous run of rows), the offsets of the runs counted on the device: no host
-  sync, so it is graph-safe. Each token's k outputs are put back in slot order and summed in float32 (no
+  sync, so it is graph-safe. Each token's k + S outputs are put back in slot order and summed in float32 (no
   atomics: the same inputs give the same bits, which the warm-vs-cold match needs). Decode-sized batches
   sort by moe_kernels.align instead of ~7 small PyTorch ops and run the experts by moe_mlp_kernel's two
   kernels instead of the grouped GEMMs; every batch on CUDA sums by moe_kernels.combine. Their greedy routing
@@ -21,6 +27,8 @@ With expert parallelism tokens would also be dispatched across ranks; one rank h
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +93,16 @@ def _silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return fused_ops.silu_and_mul(gate_up) if gate_up.is_cuda else fused_ops.silu_and_mul_reference(gate_up)
 
 
+@dataclass(frozen=True)
+class Rearranged:
+    """A checkpoint tensor of shape `shape` that fills `into` once rearranged by `arrange` (the loader checks the
+    checkpoint's shape against `shape`, then copies arrange(tensor) into `into`)."""
+
+    into: torch.Tensor
+    shape: tuple[int, ...]
+    arrange: Callable[[torch.Tensor], torch.Tensor]
+
+
 class TopkRouter(nn.Module):
     """Picks num_experts_per_tok experts per token and their weights. Kept in float32 whatever the model's
     dtype, as transformers keeps gate.weight (and V3's correction bias): routing must not flip in bf16."""
@@ -96,14 +114,28 @@ class TopkRouter(nn.Module):
         noaux = cfg.topk_method == "noaux_tc"
         self.e_score_correction_bias = empty_param(cfg.n_routed_experts, dtype=torch.float32) if noaux else None
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (expert ids [T, k], float32 weights [T, k])."""
+    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> (expert ids [T, k + shared], float32 weights [T, k + shared]): the k routed, then
+        the `shared` experts stacked after the routed ones (ids n_routed_experts..) at weight 1."""
         cfg = self.cfg
         k = cfg.num_experts_per_tok
         if cfg.topk_method == "greedy" and route_runs(x):  # decode steps on CUDA: one launch, not four
             softmax = cfg.scoring_func == "softmax"
             scaling = cfg.routed_scaling_factor
-            return moe_kernels.route(x, self.weight, k, softmax, cfg.norm_topk_prob, scaling)
+            return moe_kernels.route(x, self.weight, k, softmax, cfg.norm_topk_prob, scaling, shared)
+        ids, weights = self._routed(x)
+        if not shared:
+            return ids, weights
+        tokens = x.shape[0]
+        shared_ids = torch.arange(cfg.n_routed_experts, cfg.n_routed_experts + shared, device=x.device)
+        return (
+            torch.cat([ids, shared_ids.expand(tokens, -1)], dim=1),
+            torch.cat([weights, weights.new_ones(tokens, shared)], dim=1),
+        )
+
+    def _routed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.cfg
+        k = cfg.num_experts_per_tok
         logits = F.linear(x.float(), self.weight)
         scores = logits.softmax(dim=-1) if cfg.scoring_func == "softmax" else logits.sigmoid()
         if cfg.topk_method == "greedy":
@@ -144,29 +176,29 @@ class TopkRouter(nn.Module):
 
 
 class MoE(nn.Module):
-    """Routed experts (stacked: [E, 2I, H] gate/up and [E, H, I] down) plus the always-on shared experts."""
+    """The experts stacked, routed ones first, then the shared ones ([E + S, 2I, H] gate/up and [E + S, H, I]
+    down, I = moe_intermediate_size), and the router."""
 
     def __init__(self, cfg: DeepseekConfig) -> None:
         super().__init__()
         self.cfg = cfg
-        size, experts = cfg.moe_intermediate_size, cfg.n_routed_experts
+        self.shared = cfg.n_shared_experts
+        size, experts = cfg.moe_intermediate_size, cfg.n_routed_experts + self.shared
         self.gate = TopkRouter(cfg)
         self.experts_gate_up = empty_param(experts, 2 * size, cfg.hidden_size)
         self.experts_down = empty_param(experts, cfg.hidden_size, size)
-        shared = size * cfg.n_shared_experts
-        self.shared_experts = GatedMLP(cfg.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.gate(x)
+        ids, weights = self.route(x)
         if grouped_gemm_runs(x):
-            out = self.grouped_experts(x, ids, weights)
-        elif x.is_cuda and torch.cuda.is_current_stream_capturing():
-            out = self.every_expert(x, ids, weights)
-        else:
-            out = self.experts_hit(x, ids, weights)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            return self.grouped_experts(x, ids, weights)
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():
+            return self.every_expert(x, ids, weights)
+        return self.experts_hit(x, ids, weights)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token's experts and weights, the shared experts' slots included: [T, k + S] each."""
+        return self.gate(x, self.shared)
 
     def experts_hit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum, each expert over the tokens routed to it."""
@@ -188,7 +220,7 @@ class MoE(nn.Module):
         tokens, k = ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
-        experts = self.cfg.n_routed_experts
+        experts = self.experts_gate_up.shape[0]
         kernels = fused_ops.kernels_available(x.device)
         if kernels and tokens * k <= moe_kernels.ALIGN_MAX_PAIRS:
             token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts)
@@ -220,23 +252,36 @@ class MoE(nn.Module):
         """The same sum with no host sync: every expert over every token, its output weighted by the token's
         routing weight for it (0 where not chosen), added in expert order as experts_hit adds."""
         out = torch.zeros_like(x)
-        routing = torch.zeros(x.shape[0], self.cfg.n_routed_experts, dtype=weights.dtype, device=x.device)
+        experts = self.experts_gate_up.shape[0]
+        routing = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)
         routing.scatter_(1, ids, weights)  # [T, experts]
-        for expert in range(self.cfg.n_routed_experts):
+        for expert in range(experts):
             h = F.linear(x, self.experts_gate_up[expert])
             h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
             out += (h * routing[:, expert, None]).to(out.dtype)
         return out
 
-    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
-        size = self.cfg.moe_intermediate_size
-        targets = {f"{prefix}.gate.weight": self.gate.weight}
+    def hf_targets(self, prefix: str) -> dict[str, torch.Tensor | Rearranged]:
+        size, routed, hidden = self.cfg.moe_intermediate_size, self.cfg.n_routed_experts, self.cfg.hidden_size
+        targets: dict[str, torch.Tensor | Rearranged] = {f"{prefix}.gate.weight": self.gate.weight}
         if self.gate.e_score_correction_bias is not None:
             targets[f"{prefix}.gate.e_score_correction_bias"] = self.gate.e_score_correction_bias
-        for e in range(self.cfg.n_routed_experts):
+        for e in range(routed):
             targets[f"{prefix}.experts.{e}.gate_proj.weight"] = self.experts_gate_up[e, :size]
             targets[f"{prefix}.experts.{e}.up_proj.weight"] = self.experts_gate_up[e, size:]
             targets[f"{prefix}.experts.{e}.down_proj.weight"] = self.experts_down[e]
-        if self.shared_experts is not None:
-            targets.update(self.shared_experts.hf_targets(f"{prefix}.shared_experts"))
+        if self.shared:
+            # the shared MLP's intermediate dims, cut into S experts of `size` each: gate/up rows s*size.., down
+            # columns s*size.. (the MLP is the sum of its slices' MLPs)
+            s, shared = self.shared, f"{prefix}.shared_experts"
+            by_rows = (s * size, hidden)
+            targets[f"{shared}.gate_proj.weight"] = Rearranged(
+                self.experts_gate_up[routed:, :size], by_rows, lambda t: t.view(s, size, hidden)
+            )
+            targets[f"{shared}.up_proj.weight"] = Rearranged(
+                self.experts_gate_up[routed:, size:], by_rows, lambda t: t.view(s, size, hidden)
+            )
+            targets[f"{shared}.down_proj.weight"] = Rearranged(
+                self.experts_down[routed:], (hidden, s * size), lambda t: t.view(hidden, s, size).transpose(0, 1)
+            )
         return targets

@@ -3,7 +3,8 @@
 - route: greedy top-k routing (TopkRouter's greedy method: softmax or sigmoid scores of the float32 gate,
   the k best, optionally renormalised and scaled) in one launch; in eager PyTorch a cast, the gate GEMM, the
   scores and the top-k were four launches a layer (~25 us at 16 rows on the H200,
-  bench/results/dsv2-decode-h200-moe-kernel/decode-profile-b16-uniform.log).
+  bench/results/dsv2-decode-h200-moe-kernel/decode-profile-b16-uniform.log). It also writes the shared
+  experts' slots (MoE runs them as experts every token takes at weight 1), so nothing is concatenated after.
 
 - align: the (token, slot) pairs sorted by expert, stably, as the grouped GEMMs take them: for each sorted row
   the token it reads, each pair's row, and the runs' ends. One program, O(pairs x experts); in eager PyTorch
@@ -80,6 +81,7 @@ if triton is not None:
         EXPERTS: tl.constexpr,
         EXPERTS_PAD: tl.constexpr,
         K: tl.constexpr,
+        SHARED: tl.constexpr,
         K_PAD: tl.constexpr,
         SOFTMAX: tl.constexpr,
         NORMALIZE: tl.constexpr,
@@ -118,8 +120,12 @@ if triton is not None:
         if NORMALIZE:
             weights = weights / (tl.sum(weights, 1)[:, None] + 1e-20)
         weights = weights * scaling
-        at = rows[:, None] * K + slots[None, :]
-        ok = row_ok[:, None] & (slots[None, :] < K)
+        # the shared experts (ids EXPERTS.., stacked after the routed ones) at weight 1, after the routed slots
+        shared = (slots[None, :] >= K) & (slots[None, :] < K + SHARED)
+        chosen = tl.where(shared, EXPERTS + slots[None, :] - K, chosen)
+        weights = tl.where(shared, 1.0, weights)
+        at = rows[:, None] * (K + SHARED) + slots[None, :]
+        ok = row_ok[:, None] & (slots[None, :] < K + SHARED)
         tl.store(ids_ptr + at, chosen.to(tl.int64), mask=ok)
         tl.store(weights_ptr + at, weights, mask=ok)
 
@@ -179,19 +185,20 @@ def combine(h: torch.Tensor, weights: torch.Tensor, row_of_pair: torch.Tensor, d
 
 
 def route(
-    x: torch.Tensor, gate: torch.Tensor, k: int, softmax: bool, normalize: bool, scaling: float
+    x: torch.Tensor, gate: torch.Tensor, k: int, softmax: bool, normalize: bool, scaling: float, shared: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, hidden] (any float dtype), gate [experts, hidden] float32 -> (ids [T, k] int64, weights [T, k]
-    float32): each token's k best experts by softmax (or sigmoid) scores of x . gate in float32, best first,
-    their scores as weights, renormalised to sum 1 when `normalize`, times `scaling`."""
+    """x [T, hidden] (any float dtype), gate [experts, hidden] float32 -> (ids [T, k + shared] int64, weights
+    [T, k + shared] float32): each token's k best experts by softmax (or sigmoid) scores of x . gate in float32,
+    best first, their scores as weights, renormalised to sum 1 when `normalize`, times `scaling`; then the
+    `shared` experts, ids experts.. experts + shared - 1, at weight 1."""
     assert triton is not None
     tokens, hidden = x.shape
     experts = gate.shape[0]
     assert tokens <= ROUTE_MAX_TOKENS and gate.dtype == torch.float32 and gate.shape[1] == hidden, gate.shape
     assert gate.is_contiguous()
     x = x if x.stride(1) == 1 else x.contiguous()
-    ids = torch.empty(tokens, k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(tokens, k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(tokens, k + shared, dtype=torch.int64, device=x.device)
+    weights = torch.empty(tokens, k + shared, dtype=torch.float32, device=x.device)
     if tokens:
         _route[(triton.cdiv(tokens, ROUTE_BLOCK_T),)](
             x,
@@ -205,7 +212,8 @@ def route(
             EXPERTS=experts,
             EXPERTS_PAD=max(16, triton.next_power_of_2(experts)),
             K=k,
-            K_PAD=max(2, triton.next_power_of_2(k)),
+            SHARED=shared,
+            K_PAD=max(2, triton.next_power_of_2(k + shared)),
             SOFTMAX=softmax,
             NORMALIZE=normalize,
             BLOCK_T=ROUTE_BLOCK_T,

@@ -49,8 +49,16 @@ YARN = {
     "mscale": 0.707,
     "mscale_all_dim": 0.707,
 }
-# V2 as DeepSeek-V2 (group-limited routing, yarn) but without q compression, as V2-Lite.
-V2 = dict(MLA_MOE, q_lora_rank=None, qk_rope_head_dim=8, topk_method="group_limited_greedy", rope_parameters=YARN)
+# V2 as DeepSeek-V2 (group-limited routing, yarn) but without q compression and with two shared experts, as
+# V2-Lite (the shared MLP is cut into two experts: moe.py).
+V2 = dict(
+    MLA_MOE,
+    q_lora_rank=None,
+    qk_rope_head_dim=8,
+    topk_method="group_limited_greedy",
+    rope_parameters=YARN,
+    n_shared_experts=2,
+)
 V3 = dict(MLA_MOE, q_lora_rank=24, qk_rope_head_dim=16, routed_scaling_factor=2.5)
 CLASSES = {
     "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, V2),

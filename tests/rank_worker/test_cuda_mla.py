@@ -335,7 +335,7 @@ def test_grouped_gemm_experts_in_bf16_match_the_loop_and_replay_in_a_cuda_graph(
     x = torch.randn(37, model.cfg.hidden_size, device=DEVICE, dtype=torch.bfloat16)
     assert grouped_gemm_runs(x)
     with torch.inference_mode():
-        ids, weights = moe.gate(x)
+        ids, weights = moe.route(x)
         grouped = moe.grouped_experts(x, ids, weights)
         torch.testing.assert_close(grouped, moe.experts_hit(x, ids, weights), rtol=2e-2, atol=2e-2)
         assert torch.equal(grouped, moe.grouped_experts(x, ids, weights))

@@ -89,6 +89,59 @@ def test_route_picks_the_k_best_experts_as_the_pytorch_router_does(
     torch.testing.assert_close(weights, expected_weights, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    ("k", "shared", "normalize", "scaling"), [(6, 2, False, 1.0), (8, 1, True, 2.5), (2, 2, True, 1.0)]
+)
+def test_route_appends_the_shared_experts_at_weight_one_after_the_routed_slots(k, shared, normalize, scaling) -> None:
+    """The shared experts (stacked after the routed ones: ids experts..) in slots k.., weight 1, unscaled and left
+    out of the renormalisation; the routed slots as without them."""
+    torch.manual_seed(k + shared)
+    tokens, hidden, experts = 21, 128, 64
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    gate = torch.randn(experts, hidden, device=DEVICE) / hidden**0.5
+    ids, weights = moe_kernels.route(x, gate, k, True, normalize, scaling, shared)
+    routed_ids, routed_weights = moe_kernels.route(x, gate, k, True, normalize, scaling)
+    assert ids.shape == weights.shape == (tokens, k + shared)
+    assert torch.equal(ids[:, :k], routed_ids) and torch.equal(weights[:, :k], routed_weights)
+    assert torch.equal(ids[:, k:], torch.arange(experts, experts + shared, device=DEVICE).expand(tokens, -1))
+    assert torch.equal(weights[:, k:], torch.ones(tokens, shared, device=DEVICE))
+
+
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_a_decode_steps_kernels_give_the_routed_experts_plus_the_shared_mlp(tokens) -> None:
+    """route (with 2 shared slots) -> align over the 66 stacked experts -> moe_mlp_kernel.expert_mlp -> combine,
+    in float32, against the unfused sum: each token's routed experts weighted, plus the shared experts as one MLP
+    of twice the intermediate size (transformers' shared_experts)."""
+    from rank_worker.model import moe_mlp_kernel
+
+    torch.manual_seed(tokens)
+    hidden, inter, experts, shared, k = 128, 32, 64, 2, 6
+    x = torch.randn(tokens, hidden, device=DEVICE)
+    gate = torch.randn(experts, hidden, device=DEVICE) / hidden**0.5
+    gate_up = torch.randn(experts + shared, 2 * inter, hidden, device=DEVICE) / hidden**0.5
+    down = torch.randn(experts + shared, hidden, inter, device=DEVICE) / inter**0.5
+    ids, weights = moe_kernels.route(x, gate, k, True, False, 1.0, shared)
+    token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts + shared)
+    h = moe_mlp_kernel.expert_mlp(x, gate_up, down, token_of_row, ends)
+    out = moe_kernels.combine(h, weights, row_of_pair, x.dtype)
+
+    def mlp(rows, w_gate_up, w_down):
+        g, u = (rows @ w_gate_up.T).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(g) * u) @ w_down.T
+
+    expected = torch.zeros_like(x)
+    for t in range(tokens):
+        for slot in range(k):
+            e = int(ids[t, slot])
+            expected[t] += weights[t, slot] * mlp(x[t], gate_up[e], down[e])
+    # the shared experts as transformers holds them: one MLP, gate rows then up rows of 2 x inter each
+    shared_gate = torch.cat([gate_up[experts + s, :inter] for s in range(shared)])
+    shared_up = torch.cat([gate_up[experts + s, inter:] for s in range(shared)])
+    shared_down = torch.cat([down[experts + s] for s in range(shared)], dim=1)
+    expected += mlp(x, torch.cat([shared_gate, shared_up]), shared_down)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_route_reads_a_strided_batch_and_a_tie_goes_to_the_lower_expert() -> None:
     x = torch.zeros(3, 2 * 64, device=DEVICE)[:, ::2]  # every score equal: a 64-way tie
     ids, weights = moe_kernels.route(x, torch.ones(64, 64, device=DEVICE), 6, True, False, 1.0)

@@ -198,7 +198,7 @@ def test_routed_experts_without_a_host_sync_match_the_loop_over_the_experts_hit(
     moe = model.layers[1].mlp
     torch.manual_seed(7)
     x = torch.randn(3, model.cfg.hidden_size)  # 3 tokens of top-2 over 8 experts: some experts unused
-    ids, weights = moe.gate(x)
+    ids, weights = moe.route(x)
     close = {"rtol": 1e-6, "atol": 1e-6}
     torch.testing.assert_close(moe.every_expert(x, ids, weights), moe.experts_hit(x, ids, weights), **close)
 
@@ -211,12 +211,45 @@ def test_grouped_gemm_experts_match_the_loop_over_the_experts_hit(checkpoint) ->
     torch.manual_seed(11)
     for count in (1, 3, 40):
         x = torch.randn(count, model.cfg.hidden_size)
-        ids, weights = moe.gate(x)
+        ids, weights = moe.route(x)
         torch.testing.assert_close(moe.grouped_experts(x, ids, weights), moe.experts_hit(x, ids, weights))
     empty = torch.empty(0, model.cfg.hidden_size)
-    ids, weights = moe.gate(empty)
+    ids, weights = moe.route(empty)
     assert moe.grouped_experts(empty, ids, weights).shape == (0, model.cfg.hidden_size)
     assert not grouped_gemm_runs(x)  # the CPU keeps the exact loop
+
+
+def test_shared_experts_run_as_experts_every_token_takes_at_weight_one(checkpoint) -> None:
+    """The shared MLP loaded as S experts stacked after the routed ones (its intermediate dims cut in S): their
+    weighted sum at weight 1 is transformers' shared_experts; each token's slots are its k routed experts, then
+    the shared ones; the whole layer is transformers' MoE."""
+    hf, model, _, _ = checkpoint
+    ours, theirs = model.layers[1].mlp, hf.model.layers[1].mlp
+    routed, shared = model.cfg.n_routed_experts, model.cfg.n_shared_experts
+    assert ours.experts_gate_up.shape[0] == routed + shared and not hasattr(ours, "shared_experts")
+    torch.manual_seed(13)
+    x = torch.randn(5, model.cfg.hidden_size)
+    ids, weights = ours.route(x)
+    k = model.cfg.num_experts_per_tok
+    assert ids.shape == weights.shape == (5, k + shared)
+    assert torch.equal(ids[:, k:], torch.arange(routed, routed + shared).expand(5, -1))
+    assert torch.equal(weights[:, k:], torch.ones(5, shared))
+    assert (ids[:, :k] < routed).all()
+    close = {"rtol": 1e-5, "atol": 1e-6}
+    with torch.inference_mode():
+        only_shared = ours.experts_hit(x, ids[:, k:], weights[:, k:])
+        torch.testing.assert_close(only_shared, theirs.shared_experts(x), **close)
+        torch.testing.assert_close(ours(x), theirs(x.unsqueeze(0)).squeeze(0), **close)
+
+
+def test_a_shared_expert_tensor_of_the_wrong_shape_is_refused_by_name(tmp_path: Path) -> None:
+    write_deepseek("deepseek_v2", tmp_path)
+    weights = load_file(tmp_path / "model.safetensors")
+    name = "model.layers.1.mlp.shared_experts.down_proj.weight"
+    weights[name] = weights[name][:, :-1].contiguous()  # one intermediate dim short
+    save_file(weights, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"shared_experts\.down_proj\.weight: checkpoint shape"):
+        load_ours(tmp_path)
 
 
 @pytest.mark.parametrize(

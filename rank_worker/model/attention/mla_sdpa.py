@@ -62,9 +62,12 @@ class MlaSdpaAttention(AttentionBackend):
         out = q_nope.new_empty(q_nope.shape[0], heads, w_uv.shape[1])
         n = batch.num_decodes
         if n:
-            q_lat = torch.einsum("bhd,hdr->bhr", q_nope[:n], w_uk)  # q_nope folded into W_UK
+            # per-head products as batched GEMMs over strided views: q_nope folded into W_UK ([b, h, r], a view of
+            # the [h, b, r] product), and o_lat through W_UV written straight into out's rows (cuBLAS takes the
+            # [h, b, v] view's strides: no product tensor to copy over, as `out[:n] = einsum(...)` had)
+            q_lat = torch.bmm(q_nope[:n].transpose(0, 1), w_uk).transpose(0, 1)
             o_lat = self.decode_latent(q_lat, q_pe[:n], latent_cache, batch, scale)
-            out[:n] = torch.einsum("bhr,hvr->bhv", o_lat, w_uv)
+            torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out[:n].transpose(0, 1))
         if batch.prefills:
             self.prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
         return out

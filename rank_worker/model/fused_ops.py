@@ -47,12 +47,20 @@ if triton is not None:
 
     @triton.jit
     def _add_rms_norm(
-        x_ptr, residual_ptr, out_ptr, weight_ptr, width, eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        residual_ptr,
+        out_ptr,
+        weight_ptr,
+        width,
+        stride_x,
+        eps,
+        HAS_RESIDUAL: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         ok = cols < width
-        x = tl.load(x_ptr + row * width + cols, mask=ok, other=0.0)
+        x = tl.load(x_ptr + row * stride_x + cols, mask=ok, other=0.0)
         if HAS_RESIDUAL:
             # residual += x, rounded to the model's dtype as the eager add stores it
             x = (x.to(tl.float32) + tl.load(residual_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)).to(
@@ -154,10 +162,11 @@ if triton is not None:
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (in place) when given, then RMSNorm of the sum (of x alone without a residual); [T, H]."""
+    """residual += x (in place) when given, then RMSNorm of the sum (of x alone without a residual); [T, H]. x
+    may be a column slice of a wider product (rows strided: MLA's q_a); the residual and the result are not."""
     assert triton is not None
-    x = x.contiguous()
-    out = torch.empty_like(x)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     rows, width = x.shape
     if rows:
         block = triton.next_power_of_2(width)
@@ -167,6 +176,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
             out,
             weight,
             width,
+            x.stride(0),
             eps,
             HAS_RESIDUAL=residual is not None,
             BLOCK=block,

@@ -1,7 +1,11 @@
 """A DeepSeek attention layer (multi-head latent attention): the projections, the rotary part, and the write
 of each token's latent (kv_a_layernorm(c), rotated k_pe) into the paged pool; the attention itself runs in
 attention/mla_sdpa.py (or its kernel subclass). With the kernel backend on CUDA the norm, both rotaries and
-the write are one kernel (latent_store.py) instead of eager ops."""
+the write are one kernel (latent_store.py) instead of eager ops.
+
+The projections of the layer's input, q (or its compression q_a, with q_lora_rank) and kv_a, are one GEMM over
+their weights stacked (input_proj): one launch a layer fewer, which a decode step of a few tokens, bound by
+launches more than by the bytes, feels. Their outputs are column slices of its product."""
 
 from __future__ import annotations
 
@@ -24,16 +28,15 @@ class LatentAttention(nn.Module):
         super().__init__()
         self.cfg = cfg
         heads = cfg.num_heads
+        # rows of input_proj: q's (q_proj, or q_a_proj with q compression), then kv_a_proj_with_mqa's
+        self.q_rows = heads * cfg.qk_head_dim if cfg.q_lora_rank is None else cfg.q_lora_rank
+        self.input_proj = empty_param(self.q_rows + cfg.latent_dim, cfg.hidden_size)
         if cfg.q_lora_rank is None:
-            self.q_proj: torch.Tensor | None = empty_param(heads * cfg.qk_head_dim, cfg.hidden_size)
-            self.q_a_proj = self.q_b_proj = None
             self.q_a_layernorm = None
+            self.q_b_proj: torch.Tensor | None = None
         else:
-            self.q_proj = None
-            self.q_a_proj = empty_param(cfg.q_lora_rank, cfg.hidden_size)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)  # transformers' default eps, not rms_norm_eps
             self.q_b_proj = empty_param(heads * cfg.qk_head_dim, cfg.q_lora_rank)
-        self.kv_a_proj_with_mqa = empty_param(cfg.latent_dim, cfg.hidden_size)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         self.kv_b_proj = empty_param(heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
         self.o_proj = empty_param(cfg.hidden_size, heads * cfg.v_head_dim)
@@ -45,16 +48,14 @@ class LatentAttention(nn.Module):
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
         """x [T, hidden]; kv_layer: this layer's pool view [blocks, 1, block_size, 1, latent_dim]."""
         cfg = self.cfg
-        if self.q_proj is not None:
-            q = F.linear(x, self.q_proj)
-        else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            q_a = F.linear(x, self.q_a_proj)
-            q_a = self.q_a_layernorm.add_and_norm(q_a, None) if self.fused else self.q_a_layernorm(q_a)
+        projected = F.linear(x, self.input_proj)
+        q, kv_a = projected[:, : self.q_rows], projected[:, self.q_rows :]  # column slices: views
+        if self.q_b_proj is not None:
+            assert self.q_a_layernorm is not None
+            q_a = self.q_a_layernorm.add_and_norm(q, None) if self.fused else self.q_a_layernorm(q)
             q = F.linear(q_a, self.q_b_proj)
         q = q.view(-1, cfg.num_heads, cfg.qk_head_dim)
         q_nope, q_pe = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)  # views of q
-        kv_a = F.linear(x, self.kv_a_proj_with_mqa)
         latent_cache = kv_layer[:, 0]  # [blocks, block_size, 1, latent_dim]
         if self.fused:  # q_pe rotated in place (in q); the latent stored, and returned as the pool holds it
             latent = latent_store.latent_rope_norm_store(
@@ -82,16 +83,16 @@ class LatentAttention(nn.Module):
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor]:
         targets = {
-            f"{prefix}.kv_a_proj_with_mqa.weight": self.kv_a_proj_with_mqa,
+            f"{prefix}.kv_a_proj_with_mqa.weight": self.input_proj[self.q_rows :],
             f"{prefix}.kv_a_layernorm.weight": self.kv_a_layernorm.weight,
             f"{prefix}.kv_b_proj.weight": self.kv_b_proj,
             f"{prefix}.o_proj.weight": self.o_proj,
         }
-        if self.q_proj is not None:
-            targets[f"{prefix}.q_proj.weight"] = self.q_proj
+        if self.q_b_proj is None:
+            targets[f"{prefix}.q_proj.weight"] = self.input_proj[: self.q_rows]
         else:
-            assert self.q_a_proj is not None and self.q_a_layernorm is not None and self.q_b_proj is not None
-            targets[f"{prefix}.q_a_proj.weight"] = self.q_a_proj
+            assert self.q_a_layernorm is not None
+            targets[f"{prefix}.q_a_proj.weight"] = self.input_proj[: self.q_rows]
             targets[f"{prefix}.q_a_layernorm.weight"] = self.q_a_layernorm.weight
             targets[f"{prefix}.q_b_proj.weight"] = self.q_b_proj
         return targets

@@ -167,18 +167,35 @@ def test_the_mla_kernel_reads_an_fp8_pool_as_the_sdpa_decode_does(dtype) -> None
     torch.testing.assert_close(ours, reference, rtol=tolerance, atol=tolerance)
 
 
-def _tiny_deepseek(model_type: str, directory):
-    write_deepseek(model_type, directory)
+# V2-Lite routes greedily (one group): the one-launch route kernel's way, with the shared experts' slots
+GREEDY_V2 = {"topk_method": "greedy", "n_group": 1, "topk_group": 1}
+
+
+def _tiny_deepseek(model_type: str, directory, **overrides):
+    write_deepseek(model_type, directory, **overrides)
     return build_model(open_model_source(str(directory)), DEVICE, torch.float32, max_positions=512, seed=0)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
-def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(model_type, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("model_type", "overrides"), [("deepseek_v2", {}), ("deepseek_v2", GREEDY_V2), ("deepseek_v3", {})]
+)
+def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(
+    model_type, overrides, tmp_path, monkeypatch
+) -> None:
     """Three decode rows (1, 17 and 40 tokens) beside a chunk of 5 over 30 cached tokens and a cold chunk of 9,
-    over a pool of random latents: the same logits (float32)."""
+    over a pool of random latents: the same logits (float32). Under the interpreter the CPU is let take the
+    CUDA paths' kernels too (the fused norms, latent store and SiLU, MoE's route/align/expert/combine kernels
+    with the shared experts' slots), as a GPU does."""
+    if INTERPRETED:
+        from rank_worker.model import fused_ops, moe
+
+        monkeypatch.setattr(fused_ops, "kernels_available", lambda device: True)
+        monkeypatch.setattr(moe, "grouped_gemm_runs", lambda x: True)
+        monkeypatch.setattr(moe, "route_runs", lambda x: x.shape[0] <= moe.moe_kernels.ROUTE_MAX_TOKENS)
     torch.manual_seed(4)
-    model = _tiny_deepseek(model_type, tmp_path)
+    model = _tiny_deepseek(model_type, tmp_path, **overrides)
     results = _deepseek_step(model, (MlaSdpaAttention(), MlaTritonAttention()), torch.float32)
+    assert model.fused and model.layers[0].self_attn.fused
     torch.testing.assert_close(results["mla_triton"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
 
 

@@ -216,14 +216,15 @@ class MoE(nn.Module):
         On CUDA small batches (decode steps) sort by moe_kernels.align and run the experts by moe_mlp_kernel
         (weight-streaming kernels for a few rows an expert) instead of the grouped GEMMs; large ones (prefill
         chunks) sort by a PyTorch argsort; both sum by moe_kernels.combine. The CPU (where the tests run this
-        path in float32) does it all in PyTorch."""
+        path in float32) does it all in PyTorch. ids and weights as route gives them: align places the shared
+        experts' slots (the last) without sorting them."""
         tokens, k = ids.shape
         if tokens == 0:
             return torch.zeros_like(x)
         experts = self.experts_gate_up.shape[0]
         kernels = fused_ops.kernels_available(x.device)
         if kernels and tokens * k <= moe_kernels.ALIGN_MAX_PAIRS:
-            token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts)
+            token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts, self.shared)
             h = moe_mlp_kernel.expert_mlp(x, self.experts_gate_up, self.experts_down, token_of_row, ends)
             return moe_kernels.combine(h, weights, row_of_pair, x.dtype)
         flat = ids.reshape(-1)

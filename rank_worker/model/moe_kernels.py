@@ -8,7 +8,9 @@
 
 - align: the (token, slot) pairs sorted by expert, stably, as the grouped GEMMs take them: for each sorted row
   the token it reads, each pair's row, and the runs' ends. One program, O(pairs x experts); in eager PyTorch
-  this was an argsort, a scatter-add of counts, a cumsum and an index division (~7 launches).
+  this was an argsort, a scatter-add of counts, a cumsum and an index division (~7 launches). The shared
+  experts' slots (one a token each, always last) are placed by arithmetic, not sorted: they would double the
+  one-hot tiles (66 experts pad to 128) and add a third to the pairs.
 - combine: each token's k expert outputs weighted and summed in float32 in slot order, then rounded to the
   model's dtype (was a cast, a gather of the weights, a product, an index_copy back to pair order, a sum
   and a cast).
@@ -39,19 +41,25 @@ if triton is not None:
         token_of_row_ptr,
         row_of_pair_ptr,
         ends_ptr,
-        pairs,
+        tokens,
         K: tl.constexpr,
+        SHARED: tl.constexpr,
         EXPERTS: tl.constexpr,
         EXPERTS_PAD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
+        """The routed pairs (each token's first K slots of K + SHARED) sorted by their EXPERTS experts; the
+        shared experts' slots, one a token for each of the experts after them, placed by arithmetic: shared
+        expert s takes the rows routed + s * tokens.. in token order, as a stable sort of the ids would."""
         experts = tl.arange(0, EXPERTS_PAD)
         offsets = tl.arange(0, BLOCK)
+        pairs = tokens * K  # routed pairs
         # pass 1: pairs per expert
         counts = tl.zeros([EXPERTS_PAD], tl.int32)
         for start in range(0, pairs, BLOCK):
             p = start + offsets
-            e = tl.load(ids_ptr + p, mask=p < pairs, other=EXPERTS_PAD)  # padding matches no expert
+            at = (p // K) * (K + SHARED) + p % K
+            e = tl.load(ids_ptr + at, mask=p < pairs, other=EXPERTS_PAD)  # padding matches no expert
             counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), axis=0)
         ends = tl.cumsum(counts, axis=0)
         tl.store(ends_ptr + experts, ends, mask=experts < EXPERTS)
@@ -60,13 +68,23 @@ if triton is not None:
         for start in range(0, pairs, BLOCK):
             p = start + offsets
             ok = p < pairs
-            e = tl.load(ids_ptr + p, mask=ok, other=EXPERTS_PAD)
+            token = p // K
+            at = token * (K + SHARED) + p % K
+            e = tl.load(ids_ptr + at, mask=ok, other=EXPERTS_PAD)
             hot = (e[:, None] == experts[None, :]).to(tl.int32)  # [BLOCK, EXPERTS_PAD]
             before = tl.cumsum(hot, axis=0) - hot  # same-expert pairs earlier in this block
             row = tl.sum(hot * (before + seen[None, :]), axis=1)
-            tl.store(row_of_pair_ptr + p, row, mask=ok)
-            tl.store(token_of_row_ptr + row, p // K, mask=ok)
+            tl.store(row_of_pair_ptr + at, row, mask=ok)
+            tl.store(token_of_row_ptr + row, token, mask=ok)
             seen += tl.sum(hot, axis=0)
+        for s in tl.static_range(SHARED):
+            tl.store(ends_ptr + EXPERTS + s, pairs + (s + 1) * tokens)
+            for start in range(0, tokens, BLOCK):
+                t = start + offsets
+                ok = t < tokens
+                row = pairs + s * tokens + t
+                tl.store(row_of_pair_ptr + t * (K + SHARED) + K + s, row, mask=ok)
+                tl.store(token_of_row_ptr + row, t, mask=ok)
 
     @triton.jit
     def _route(
@@ -142,27 +160,32 @@ if triton is not None:
         tl.store(out_ptr + token * width + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def align(ids: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align(ids: torch.Tensor, experts: int, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """ids [T, k] (int) -> (token_of_row [T k] int64: the token each expert-sorted row reads, row_of_pair [T k]
     int32: each (token, slot) pair's row, ends [experts] int32: each expert's run end), with pairs of one expert
-    in (token, slot) order: what torch.argsort(ids.flatten(), stable=True) gives."""
+    in (token, slot) order: what torch.argsort(ids.flatten(), stable=True) gives. The last `shared` of the
+    experts are shared ones, which the last `shared` slots of every token hold in order (TopkRouter's slots):
+    those are placed without being sorted."""
     assert triton is not None
     tokens, k = ids.shape
     pairs = tokens * k
     assert pairs <= ALIGN_MAX_PAIRS, pairs
+    assert 0 <= shared < k and shared <= experts, (shared, k, experts)
     flat = ids.reshape(-1).to(torch.int32)
     token_of_row = torch.empty(pairs, dtype=torch.int64, device=ids.device)
     row_of_pair = torch.empty(pairs, dtype=torch.int32, device=ids.device)
     ends = torch.empty(experts, dtype=torch.int32, device=ids.device)
+    routed = experts - shared
     _align[(1,)](
         flat,
         token_of_row,
         row_of_pair,
         ends,
-        pairs,
-        K=k,
-        EXPERTS=experts,
-        EXPERTS_PAD=triton.next_power_of_2(experts),
+        tokens,
+        K=k - shared,
+        SHARED=shared,
+        EXPERTS=routed,
+        EXPERTS_PAD=triton.next_power_of_2(routed),
         BLOCK=ALIGN_BLOCK,
         num_warps=4,
     )

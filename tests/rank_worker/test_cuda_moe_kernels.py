@@ -22,13 +22,26 @@ def _routing(tokens: int, k: int, experts: int, hot: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("tokens", "k", "experts", "hot"),
-    [(1, 6, 64, 64), (16, 6, 64, 40), (37, 2, 12, 12), (128, 6, 64, 64), (600, 6, 64, 64)],
+    ("tokens", "k", "experts", "hot", "shared"),
+    [
+        (1, 6, 64, 64, 0),
+        (16, 6, 64, 40, 0),
+        (37, 2, 12, 12, 0),
+        (128, 6, 64, 64, 0),
+        (600, 6, 64, 64, 0),
+        (1, 6, 64, 64, 2),  # V2-Lite's two shared experts: slots 6 and 7 of every token, experts 64 and 65
+        (130, 6, 64, 50, 2),  # past two align blocks of tokens
+        (37, 2, 12, 12, 1),
+    ],
 )
-def test_align_gives_the_stable_sort_by_expert(tokens, k, experts, hot) -> None:
+def test_align_gives_the_stable_sort_by_expert(tokens, k, experts, hot, shared) -> None:
+    """The shared experts' slots, placed by arithmetic, land where the stable sort of all ids puts them."""
     torch.manual_seed(tokens)
     ids = _routing(tokens, k, experts, hot)
-    token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts)
+    if shared:
+        ids = torch.cat([ids, torch.arange(experts, experts + shared, device=DEVICE).expand(tokens, -1)], dim=1)
+        k, experts = k + shared, experts + shared
+    token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts, shared)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(experts, dtype=torch.int64, device=DEVICE).scatter_add_(0, flat, torch.ones_like(flat))
@@ -121,7 +134,7 @@ def test_a_decode_steps_kernels_give_the_routed_experts_plus_the_shared_mlp(toke
     gate_up = torch.randn(experts + shared, 2 * inter, hidden, device=DEVICE) / hidden**0.5
     down = torch.randn(experts + shared, hidden, inter, device=DEVICE) / inter**0.5
     ids, weights = moe_kernels.route(x, gate, k, True, False, 1.0, shared)
-    token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts + shared)
+    token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts + shared, shared)
     h = moe_mlp_kernel.expert_mlp(x, gate_up, down, token_of_row, ends)
     out = moe_kernels.combine(h, weights, row_of_pair, x.dtype)
 

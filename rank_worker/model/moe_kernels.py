@@ -30,7 +30,10 @@ ALIGN_MAX_PAIRS = 4096  # decode batches (256 rows x 8 experts a token at most);
 ROUTE_MAX_TOKENS = 256  # decode batches; prefill chunks route in PyTorch (one cuBLAS GEMM)
 ROUTE_BLOCK_T = 16  # tokens a route program scores (tl.dot's smallest M)
 ROUTE_BLOCK_H = 64  # hidden values a loop step of route reads
-ALIGN_BLOCK = 64  # pairs per loop iteration of align: a [64, experts] one-hot tile
+# Pairs per loop iteration of align (a [block, experts] one-hot tile): the pairs rounded up to a power of two, in
+# 16..256, so a batch of up to ~256 pairs is one iteration and V2-Lite's 128 rows (768 routed pairs) three, not
+# twelve: the iterations are the one program's serial chain.
+ALIGN_BLOCKS = (16, 256)
 
 if triton is not None:
     import triton.language as tl
@@ -176,6 +179,7 @@ def align(ids: torch.Tensor, experts: int, shared: int = 0) -> tuple[torch.Tenso
     row_of_pair = torch.empty(pairs, dtype=torch.int32, device=ids.device)
     ends = torch.empty(experts, dtype=torch.int32, device=ids.device)
     routed = experts - shared
+    block = min(ALIGN_BLOCKS[1], max(ALIGN_BLOCKS[0], triton.next_power_of_2(tokens * (k - shared))))
     _align[(1,)](
         flat,
         token_of_row,
@@ -186,8 +190,8 @@ def align(ids: torch.Tensor, experts: int, shared: int = 0) -> tuple[torch.Tenso
         SHARED=shared,
         EXPERTS=routed,
         EXPERTS_PAD=triton.next_power_of_2(routed),
-        BLOCK=ALIGN_BLOCK,
-        num_warps=4,
+        BLOCK=block,
+        num_warps=8 if block >= 256 else 4,
     )
     return token_of_row, row_of_pair, ends
 

@@ -96,8 +96,9 @@ class DeepseekForCausalLM(nn.Module):
         for layer in self.layers:
             layer.self_attn.backend = backend
             layer.self_attn.fused = self.fused and latent_store.fits(self.cfg.qk_rope_head_dim)
-            if isinstance(layer.mlp, GatedMLP):  # a leading dense layer (MoE layers run their shared experts
-                layer.mlp.fused = self.fused  # as experts: moe.py)
+            # a leading dense layer's MLP (MoE layers run their shared experts as experts: moe.py)
+            if isinstance(layer.mlp, GatedMLP):
+                layer.mlp.fused = self.fused
 
     def forward(self, batch: ForwardBatch, kv_cache: torch.Tensor) -> torch.Tensor:
         """kv_cache: [num_blocks, num_layers, 1, block_size, 1, latent_dim]. Returns float32 logits [S, vocab]."""

@@ -201,7 +201,7 @@ class MoE(nn.Module):
         return self.gate(x, self.shared)
 
     def experts_hit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """The routed experts' weighted sum, each expert over the tokens routed to it."""
+        """The experts' weighted sum (the shared ones' slots included), each expert over the tokens routed to it."""
         out = torch.zeros_like(x)
         # The experts this batch hit, ascending (one host sync: fine for the CPU path, see the module doc).
         for expert in torch.unique(ids).tolist():

@@ -284,3 +284,7 @@ def test_whole_query_is_a_view_of_one_projection_and_a_copy_of_two() -> None:
     apart = whole_query(q_nope.clone(), q_pe.clone())
     assert apart.data_ptr() != q.data_ptr() and torch.equal(apart, q)
     assert torch.equal(whole_query(q_pe, q_nope), torch.cat([q_pe, q_nope], dim=-1))  # the wrong order: copied
+    wide = torch.randn(5, 3 * 12 + 7)  # V2's q beside kv_a in one projection: rows 43 apart, not 36
+    q_nope, q_pe = wide[:, :36].view(5, 3, 12).split([8, 4], dim=-1)
+    packed = whole_query(q_nope, q_pe)
+    assert packed.is_contiguous() and torch.equal(packed, wide[:, :36].view(5, 3, 12))

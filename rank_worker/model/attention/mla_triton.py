@@ -118,8 +118,10 @@ class MlaTritonAttention(MlaSdpaAttention):
 
 
 def whole_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
-    """[n, H, nope + rope]: a view when q_pe is the rest of each head of q_nope's tensor (LatentAttention splits
-    one projection, and its fused kernel rotates q_pe in place), else the two joined by a copy."""
+    """[n, H, nope + rope], packed: a view when q_pe is the rest of each head of q_nope's tensor (LatentAttention
+    splits one projection, and its fused kernel rotates q_pe in place) and its rows are packed, else a copy (the
+    two joined; or V2's q, a column slice of the layer's one input projection, its rows apart by kv_a's width
+    too: FA4 has only been run on packed rows, and the copy is small beside the chunk's attention)."""
     nope = q_nope.shape[-1]
     adjacent = (
         q_nope.stride() == q_pe.stride()
@@ -129,7 +131,7 @@ def whole_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     )
     if not adjacent:
         return torch.cat([q_nope, q_pe], dim=-1)
-    return q_nope.as_strided((*q_nope.shape[:-1], nope + q_pe.shape[-1]), q_nope.stride())
+    return q_nope.as_strided((*q_nope.shape[:-1], nope + q_pe.shape[-1]), q_nope.stride()).contiguous()
 
 
 def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:

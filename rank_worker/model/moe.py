@@ -114,7 +114,7 @@ class TopkRouter(nn.Module):
         noaux = cfg.topk_method == "noaux_tc"
         self.e_score_correction_bias = empty_param(cfg.n_routed_experts, dtype=torch.float32) if noaux else None
 
-    def forward(self, x: torch.Tensor, shared: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, shared: int) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (expert ids [T, k + shared], float32 weights [T, k + shared]): the k routed, then
         the `shared` experts stacked after the routed ones (ids n_routed_experts..) at weight 1."""
         cfg = self.cfg

@@ -90,6 +90,12 @@ def build_parser() -> argparse.ArgumentParser:
     policy.add_argument("--cold-max-wait", type=float, default=None, help="seconds")
     policy.add_argument("--decode-step-budget-ms", type=float, default=None, help="a step with decoders; 0 = off")
     policy.add_argument("--min-prefill-chunk", type=int, default=None, help="prefill tokens a step always gets")
+    policy.add_argument(
+        "--decode-payback",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="steps past the decode budget paid back by decode-only steps (default: --config's decode_payback)",
+    )
 
     work = parser.add_argument_group("workload (as kvserve bench agents; --calibrate fills what is not given)")
     work.add_argument("--trace", choices=("claude_code", "mooncake"), default=None, help="default claude_code")
@@ -154,6 +160,7 @@ _FROM_CONFIG = {
     "cold_max_wait": "cold_max_wait_secs",
     "decode_step_budget_ms": "decode_step_budget_ms",
     "min_prefill_chunk": "min_prefill_chunk_tokens",
+    "decode_payback": "decode_payback",
 }
 
 
@@ -297,6 +304,7 @@ def main(argv: list[str]) -> int:
             args.l1_restore_cost,
             args.decode_step_budget_ms,
             args.min_prefill_chunk,
+            decode_payback=args.decode_payback,
         )
         node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
         runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
@@ -323,6 +331,7 @@ def main(argv: list[str]) -> int:
             "cold_max_wait_secs": args.cold_max_wait,
             "decode_step_budget_ms": args.decode_step_budget_ms,
             "min_prefill_chunk_tokens": args.min_prefill_chunk,
+            "decode_payback": args.decode_payback,
         },
         "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
         "route": dataclasses.asdict(route),

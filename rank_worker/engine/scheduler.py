@@ -10,13 +10,20 @@ Two policies:
 - fifo: running sequences oldest first, then waiting ones in arrival order.
 - warm_first: a waiting request whose cached prefix (L0, plus what the host tier is known to hold) covers
   warm_prefix_fraction of its prompt is warm. Each step gives its token budget to running decodes and warm
-  prefills, then to waiting warm requests, then to running cold prefills, then to waiting cold requests
-  (each group in arrival order), so a warm turn (a few new tokens over a long cached context) never waits
-  behind someone else's 100K-token prefill. At most max_cold_prefills cold requests are admitted into
-  prefill at once (0 = no cap; a sequence counts from admission until its prefill completes). A cold
-  request that has waited cold_max_wait_secs is treated as warm from then on (ahead of newer work, not held
-  back by the cap), so a steady stream of warm work cannot starve it. Preempted sequences keep their place
-  at the front of the queue; when blocks run out, cold prefills are preempted first.
+  prefills, then to waiting warm requests (each group in arrival order), then to cold work shortest first:
+  running cold prefills by what they have left and waiting cold requests by their uncached tokens, in one
+  order. So a warm turn (a few new tokens over a long cached context) never waits behind someone else's
+  100K-token prefill, and neither does a 15K-token cold prompt (a new session, a subagent) behind the rest of a
+  400K-token one, which it delays by its own few seconds at most. At most max_cold_prefills cold requests
+  are admitted into prefill at once (0 = no cap; a sequence counts from admission until its prefill
+  completes). A cold request or prefill that has gone cold_max_wait_secs without a token (waiting since its
+  arrival, or held back since its last chunk) is starved from then on: waiting, it is admitted with the warm
+  requests (not held back by the cap); running, it leads the cold work and its chunk, up to
+  min_prefill_chunk_tokens, is set aside before the warm work takes the budget. So a steady stream of warm or
+  shorter work cannot starve it, and a starved 400K-token prefill still does not hold every warm turn behind
+  its minutes of chunks. Time spent being prefilled is not waiting. Preempted sequences keep their place at
+  the front of the queue; when blocks run out, cold prefills are preempted first, the one with the most left
+  first.
 
 Decoders are not stalled by prefill (both policies): while running sequences are decoding, a step's prefill
 tokens are capped so that the step's predicted time (step_cost.py, fitted to the steps the engine measured)
@@ -198,8 +205,8 @@ class Scheduler:
 
     def prefill_load(self) -> PrefillLoad:
         """Prefill still to do, and the part of it a newly arrived warm request would queue behind: under
-        warm_first only the requests taken before cold ones (warm, preempted, starved; running prefills that
-        are not cold), under fifo everything. The router compares the warm part, not the whole, when a
+        warm_first only the requests taken before cold ones (warm, preempted, starved waiting ones; running
+        prefills that are not cold), under fifo everything. The router compares the warm part, not the whole, when a
         session's rank is busy with cold prefills: its warm turn would not wait for them.
 
         Measuring walks every waiting request's block hashes, and the engine loop asks after every step: the
@@ -220,7 +227,7 @@ class Scheduler:
             total += work
             taken_first = (
                 seq.num_cached_tokens is not None
-                or self._waited_too_long(seq, now)
+                or self._starved(seq, now)
                 or in_l0 + in_l1 >= self.policy.warm_prefix_fraction * seq.num_prompt_tokens
             )
             warm += work if taken_first or not self.policy.warm_first else 0
@@ -229,7 +236,7 @@ class Scheduler:
             if left <= 1:
                 continue  # decoding: its share of the GPU is the router's per-running-sequence cost
             total += left
-            in_cold_prefill = seq.num_computed_tokens < seq.cold_until and not self._waited_too_long(seq, now)
+            in_cold_prefill = seq.num_computed_tokens < seq.cold_until  # starved or not: warm work goes first
             warm += left if not in_cold_prefill or not self.policy.warm_first else 0
         return PrefillLoad(total, warm)
 
@@ -270,15 +277,38 @@ class Scheduler:
         cold: list[Sequence] = []
         for seq in self.running:
             in_cold_prefill = seq.num_computed_tokens < seq.cold_until
-            (cold if in_cold_prefill and not self._waited_too_long(seq, step.now) else first).append(seq)
+            (cold if in_cold_prefill else first).append(seq)
             step.cold_in_prefill += in_cold_prefill
+        # Starved prefills lead the cold work, the rest goes shortest first (stable: equals keep their order).
+        cold.sort(key=lambda seq: (not self._starved(seq, step.now), seq.num_uncomputed_tokens))
+        # A starved prefill's chunk is set aside before the warm work takes the budget: it progresses every step.
+        reserve = min(self.policy.min_prefill_chunk_tokens, step.budget) if cold and cold[0].starved else 0
+        step.budget -= reserve
         order = first + cold
         index = self._run(order, 0, len(first), step)
-        later: list[Sequence] = []
+        later: list[tuple[Sequence, int]] = []
         self._admit(self._first_class(step.now, later), step)
-        self._run(order, index, len(order), step)
-        self._admit(((seq, True, True) for seq in later), step)
+        step.budget += reserve
+        self._cold_work(order, index, later, step)
         return step.batch
+
+    def _cold_work(self, order: list[Sequence], index: int, waiting: list[tuple[Sequence, int]], step: _Step) -> None:
+        """warm_first's last phase: the running cold prefills order[index:] (starved ones first, then by what
+        they have left) and the waiting cold requests (each with its uncached tokens), merged shortest first."""
+        pending = deque(sorted(waiting, key=lambda item: item[1]))  # stable: equals keep their arrival order
+        while step.budget > 0:
+            running = order[index] if index < len(order) else None
+            left = None if running is None else 0 if running.starved else running.num_uncomputed_tokens
+            if pending and (left is None or pending[0][1] < left):
+                seq, _ = pending.popleft()
+                self._admit(iter([(seq, True, True)]), step)
+                continue
+            if left is None:
+                return
+            after = self._run(order, index, index + 1, step)
+            if after == index:
+                return  # the budget is spent, or the prefill preempted itself (order ends before it now)
+            index = after
 
     def _run(self, order: list[Sequence], index: int, stop: int, step: _Step) -> int:
         """Give running sequences order[index:stop] their tokens; returns where it stopped. When blocks run
@@ -305,6 +335,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 break  # it preempted itself: nothing further back can run either
             batch.entries.append((seq, num_new))
+            seq.last_scheduled_time = step.now
             step.budget -= num_new
             if num_new > 1 and step.time_budget_s is not None:  # decoding rows are in step.load already
                 step.load = step.load.with_chunk(num_new, seq.num_computed_tokens)
@@ -353,6 +384,7 @@ class Scheduler:
                 self.prefix_hit_tokens += cached
             self.running.append(seq)
             batch.entries.append((seq, num_new))
+            seq.last_scheduled_time = step.now
             step.budget = max(step.budget - num_new, 0)  # a solo prefill spends it all
             if step.time_budget_s is not None:
                 step.load = step_load([(seq, num_new)], step.load)
@@ -389,27 +421,31 @@ class Scheduler:
 
     # --- the policy ---
 
-    def _first_class(self, now: float, later: list[Sequence]) -> Iterator[tuple[Sequence, bool, bool]]:
+    def _first_class(self, now: float, later: list[tuple[Sequence, int]]) -> Iterator[tuple[Sequence, bool, bool]]:
         """warm_first's first pass over the waiting queue, in order: warm requests, preempted ones (they
-        keep their place at the front) and cold ones past cold_max_wait_secs (admitted as if warm: never
-        held back, though they count as cold prefills); every other request is put in `later`.
+        keep their place at the front) and starved cold ones (admitted as if warm: never held back, though
+        they count as cold prefills); every other request is put in `later`, with its uncached tokens.
 
         A generator, so a step with no room classifies nobody (a peek walks up to thousands of hashes)."""
         for seq in list(self.waiting):
-            starved = self._waited_too_long(seq, now)
-            if self._is_warm(seq):
+            starved = self._starved(seq, now)
+            needed = self.policy.warm_prefix_fraction * seq.num_prompt_tokens
+            # A peek stops at `enough` or at the first block not cached: short of warm, it is the whole run.
+            cached = self.kv.peek_cached_tokens(seq, enough=int(needed) + 1)
+            if cached >= needed:
                 yield seq, False, False
             elif seq.num_cached_tokens is not None or starved:
                 yield seq, True, not starved
             else:
-                later.append(seq)
+                later.append((seq, seq.num_tokens - cached))
 
-    def _is_warm(self, seq: Sequence) -> bool:
-        needed = self.policy.warm_prefix_fraction * seq.num_prompt_tokens
-        return self.kv.peek_cached_tokens(seq, enough=int(needed) + 1) >= needed
-
-    def _waited_too_long(self, seq: Sequence, now: float) -> bool:
-        return now - seq.arrival_time >= self.policy.cold_max_wait_secs
+    def _starved(self, seq: Sequence, now: float) -> bool:
+        """It has gone cold_max_wait_secs without a token: waiting since its arrival, or (a running prefill)
+        since its last chunk. Being prefilled is not waiting. Once starved, it stays so."""
+        if not seq.starved:
+            since = seq.arrival_time if seq.last_scheduled_time is None else seq.last_scheduled_time
+            seq.starved = now - since >= self.policy.cold_max_wait_secs
+        return seq.starved
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

@@ -40,6 +40,7 @@ class Sequence:
     num_cached_tokens: int | None = None  # L0 prefix hit at first scheduling (None until scheduled)
     num_l1_cached_tokens: int = 0  # restored from the L1 host cache at first scheduling
     first_scheduled_time: float | None = None
+    last_scheduled_time: float | None = None  # when a step last gave it tokens (the scheduler's clock)
     first_token_time: float | None = None
     finish_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -50,6 +51,7 @@ class Sequence:
     # request), only extended. The cache lookup keys are its first (num_tokens - 1) // block_size (KvCacheManager).
     lookup_hashes: list[bytes] = field(default_factory=list)
     cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
+    starved: bool = False  # warm_first: went cold_max_wait_secs without a token; scheduled as if warm from then on
     host_fetch: HostFetch | None = None  # its restore from the host tier while WAITING_FOR_L1 (KvCacheManager)
 
     @property

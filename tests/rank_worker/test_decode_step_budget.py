@@ -93,13 +93,14 @@ def test_prefill_gets_its_minimum_when_the_decodes_alone_fill_the_budget() -> No
     busy = StepCost(*astuple(LINEAR)[:2], 0.01, *astuple(LINEAR)[3:])  # 10 ms a decoding row: 4 fill 30 ms
     sched = _scheduler(prior=busy, min_chunk=256)
     _decoders(sched, 4)
-    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
-    late = queue_request(sched, "later-cold", random_prompt(5_000, VOCAB, seed=51))
+    long = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=50))
+    short = queue_request(sched, "later-cold", random_prompt(5_000, VOCAB, seed=51))
     for _ in range(3):
         batch = sched.schedule()
-        assert chunk_of(batch, cold) == 256 and chunk_of(batch, late) == 0
+        # one minimum a step, to the cold work with the least left (warm_first), though it arrived second
+        assert chunk_of(batch, short) == 256 and chunk_of(batch, long) == 0
         advance(sched, batch)
-    assert cold.num_computed_tokens == 3 * 256
+    assert short.num_computed_tokens == 3 * 256
 
 
 def _measured_run(factor: float, steps: int = 4) -> list[int]:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
 from l1_fixtures import tiny_model
+from scheduler_fixtures import advance, chunk_of, queue_request
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
@@ -311,3 +312,97 @@ def test_the_reported_load_counts_host_tier_hits_at_the_restore_cost_and_chunked
     clock.now += LOAD_REFRESH_S
     assert sched.waiting_prefill_tokens() == 3000 - 1024, "a chunked prefill counts only what is left"
     assert sched.waiting_warm_prefill_tokens() == 0, "a warm turn goes ahead of a running cold prefill"
+
+
+# --- cold work under warm_first: shortest first, and starvation measured from a sequence's last chunk ---
+
+
+def _cold_work_scheduler(history: list[int], budget: int = 256) -> tuple[Scheduler, Clock]:
+    policy = SchedulingPolicy(
+        "warm_first", cold_max_wait_secs=30.0, decode_step_budget_ms=0.0, min_prefill_chunk_tokens=32
+    )
+    return _bare_scheduler([history], num_blocks=2000, policy=policy, max_num_batched_tokens=budget)
+
+
+def test_a_long_running_cold_prefill_does_not_jump_ahead_of_a_warm_turn() -> None:
+    # A 400K-token prefill runs for minutes on a GPU: it has been served all along, so the cold_max_wait_secs
+    # guard must not put it ahead of the warm turns arriving meanwhile (it did when the wait ran from arrival).
+    history = random_prompt(320, VOCAB, seed=900)
+    sched, clock = _cold_work_scheduler(history)
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=901))
+    for _ in range(40):  # one second a step: 40 s of chunks, past the 30 s wait
+        batch = sched.schedule()
+        assert chunk_of(batch, cold) == 256
+        advance(sched, batch)
+        clock.now += 1.0
+    assert clock.now - cold.arrival_time > sched.policy.cold_max_wait_secs
+    warm = queue_request(sched, "warm", [*history, 7, 7, 7])
+    batch = sched.schedule()
+    assert batch.entries[0] == (warm, 3), "the warm turn's tokens come first"
+    assert chunk_of(batch, cold) == 256 - 3, "the prefill gets the rest of the budget"
+    assert not cold.starved
+
+
+def test_a_running_prefill_held_back_past_the_wait_is_starved_and_then_goes_first() -> None:
+    history = random_prompt(320, VOCAB, seed=902)
+    sched, clock = _cold_work_scheduler(history, budget=64)
+    cold = queue_request(sched, "cold", random_prompt(2000, VOCAB, seed=903))
+    advance(sched, sched.schedule())  # its first chunk
+    assert cold.num_computed_tokens == 64
+    served_at = clock.now
+    # Warm turns of 64 new tokens each fill every step's budget: one at a time, the next queued as one ends.
+    turn = 0
+    queue_request(sched, "warm0", [*history, *random_prompt(64, VOCAB, seed=1000)])
+    held_back = 0
+    while chunk_of(batch := sched.schedule(), cold) == 0:
+        advance(sched, batch)
+        for seq, _ in batch.entries:
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                sched.remove(seq)  # a warm turn done (one output token): the next one comes
+        clock.now += 1.0
+        turn += 1
+        queue_request(sched, f"warm{turn}", [*history, *random_prompt(64, VOCAB, seed=1000 + turn)])
+        held_back += 1
+        assert held_back < 100, "the prefill was starved"
+    assert cold.starved
+    assert clock.now - served_at >= sched.policy.cold_max_wait_secs
+    # starved: its minimum chunk is set aside, and the warm turn still gets the rest of the step
+    assert [(seq.request_id, n) for seq, n in batch.entries] == [(f"warm{turn}", 32), ("cold", 32)]
+    for _ in range(5):  # and so every step from then on, until its prefill is done
+        advance(sched, batch)
+        for seq, _ in batch.entries:
+            if seq is not cold and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                sched.remove(seq)
+        clock.now += 1.0
+        turn += 1
+        queue_request(sched, f"warm{turn}", [*history, *random_prompt(64, VOCAB, seed=1000 + turn)])
+        batch = sched.schedule()
+        assert chunk_of(batch, cold) == 32
+
+
+def test_cold_work_goes_shortest_first_running_or_waiting() -> None:
+    history = random_prompt(320, VOCAB, seed=904)
+    sched, clock = _cold_work_scheduler(history)
+    long = queue_request(sched, "long", random_prompt(20_000, VOCAB, seed=905))
+    advance(sched, sched.schedule())
+    clock.now += 1.0
+    # A new session's first prompt (cold, 1,000 tokens) and a turn whose cached 320 tokens are under half of it.
+    short = queue_request(sched, "short", random_prompt(1000, VOCAB, seed=906))
+    partly = queue_request(sched, "partly-cached", [*history, *random_prompt(600, VOCAB, seed=907)])
+    batch = sched.schedule()
+    # shortest uncached first: partly-cached has 600 to do, short 1,000, long 19,744 left
+    assert [(seq.request_id, n) for seq, n in batch.entries] == [("partly-cached", 256)]
+    assert partly.num_cached_tokens == 320
+    advance(sched, batch)
+    done: dict[str, int] = {}
+    for step in range(200):
+        batch = sched.schedule()
+        advance(sched, batch)
+        for seq, _ in batch.entries:
+            if seq.num_computed_tokens >= seq.num_prompt_tokens:
+                done.setdefault(seq.request_id, step)
+        if "long" in done:
+            break
+    assert done["partly-cached"] < done["short"] < done["long"]
+    assert done["short"] <= 6, "the short prompt waited for its own four chunks, not the long one's 78"
+    assert long.num_computed_tokens >= long.num_prompt_tokens and short.num_computed_tokens >= short.num_prompt_tokens

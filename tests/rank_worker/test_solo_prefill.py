@@ -35,12 +35,12 @@ def _scheduler(solo: int = SOLO, blocks: int = 2000, budget_ms: float = 50.0) ->
 def test_a_cold_prompt_alone_goes_in_one_step_and_the_next_waits() -> None:
     sched = _scheduler()
     cold = queue_request(sched, "cold", random_prompt(3000, VOCAB, seed=1))
-    other = queue_request(sched, "other", random_prompt(500, VOCAB, seed=2))
+    other = queue_request(sched, "other", random_prompt(3500, VOCAB, seed=2))  # longer: cold work goes shortest first
     batch = sched.schedule()
     assert batch.entries == [(cold, 3000)]
     assert chunk_of(batch, other) == 0  # the solo step carries nothing else
     advance(sched, batch)
-    assert chunk_of(sched.schedule(), other) == 500  # admitted beside the decoder afterwards
+    assert chunk_of(sched.schedule(), other) > 0  # admitted beside the decoder afterwards, in chunks
 
 
 def test_the_cap_holds_and_what_is_left_goes_in_chunks() -> None:

@@ -151,3 +151,36 @@ def test_the_decode_step_budget_keeps_calls_decoding_beside_long_cold_prefills()
     assert on["request_tok_s_p10"] > 2 * off["request_tok_s_p10"]
     assert on["request_tok_s_p10"] >= 15  # near the 20 tok/s bar even in the calls that met the cold prefills
     assert on["ttft_p95_cold"] < 2 * off["ttft_p95_cold"]  # the cold prefills take longer, not forever
+
+
+def test_a_short_cold_prompt_is_not_held_behind_the_rest_of_a_long_one() -> None:
+    # A 100K-token cold prompt (~12 s of prefill in 4K-token steps) starts first; 2 s later a new session sends
+    # 10K tokens cold. Cold work goes shortest first (warm_first): the short one waits for the step in flight
+    # and its own three chunks, not for the rest of the long prefill.
+    work = [cold_session("long", 1_000_000, 1560, 1, 4), cold_session("short", 2_000_000, 156, 1, 4)]
+    workload = WorkloadSettings(agents=2, turns=1, think=THINK, stagger_s=4.0)
+    records = {r.session: r for r in replay(work, workload, node(1, max_num_batched_tokens=4096), STEP_TIME).records}
+    alone = STEP_TIME.prefill_s(1560 * 64, chunk=4096)
+    assert records["long"].ttft_s > alone > 10.0
+    assert records["short"].sent_s == pytest.approx(2.0)
+    assert records["short"].ttft_s < 1.5, "it would have waited for the rest of the long prefill"
+    assert records["long"].ttft_s < alone + records["short"].ttft_s  # delayed by about the short one's prefill
+
+
+def test_decode_payback_keeps_agents_decoding_beside_prefills_whose_minimum_chunk_overruns() -> None:
+    # Agents decoding over 30K contexts while cold 100K-token prompts prefill beside them, on a GPU where the
+    # minimum chunk over a long prefix already takes several budgets (the step cost of DeepSeek-V2-Lite at
+    # 250-400K tokens, here made by a slow attention term). Paid back, the decoders keep their rate.
+    slow = replace(STEP_TIME, gamma_s=STEP_TIME.gamma_s * 30)
+    decoding = [growing_session(f"d{i}", (i + 1) * 1_000_000, 470, 2, 4, 200) for i in range(3)]
+    cold = [cold_session("c", 101 * 1_000_000, 1560, 2, 4)]
+    workload = WorkloadSettings(agents=4, turns=4, think=ThinkTime(fixed=1.0))
+    stats = {}
+    for payback in (False, True):
+        settings = node(1)
+        policy = replace(settings.rank.policy, decode_step_budget_ms=50.0, decode_payback=payback)
+        settings = replace(settings, rank=replace(settings.rank, policy=policy))
+        stats[payback] = step_stats(replay([*decoding, *cold], workload, settings, slow).records, 4)
+    off, on = stats[False], stats[True]
+    assert on["request_tok_s_p50"] > 1.5 * off["request_tok_s_p50"]
+    assert on["errors"] == off["errors"] == 0 and on["requests"] == off["requests"] == 16

@@ -29,7 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench import model_cost  # noqa: E402
+from simulator import model_cost  # noqa: E402
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
 from contracts.config import load_config  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from bench.model_cost import prefill_flops
+from simulator.model_cost import prefill_flops
 
 PEAK_BF16_FLOPS = 783e12  # measured on the H200 (../shared/design/performance.md)
 SCHEMA = "kvserve-peer-engine/1"

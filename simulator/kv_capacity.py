@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench import model_cost
+from simulator import model_cost
 
 SHAPES_DIR = Path(__file__).resolve().parent.parent / "bench" / "shapes"
 

@@ -1,4 +1,4 @@
-"""bench/model_cost.py against what it summarises: parameter counts against transformers' own models of the same
+"""simulator/model_cost.py against what it summarises: parameter counts against transformers' own models of the same
 config (Llama, DeepSeek-V2 without and DeepSeek-V3 with q compression), KV bytes per token of the two benchmark
 shapes, and the decode weights a batch reads growing from the top-k experts of one row to all of them."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import model_cost
+from simulator import model_cost
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -29,12 +29,12 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from simulator import model_cost  # noqa: E402
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
 from contracts.config import load_config  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
+from simulator import model_cost  # noqa: E402
 
 PEAK_BF16_FLOPS = 783e12  # measured on the H200 (../shared/design/performance.md)
 PEAK_HBM_BYTES_PER_S = 4.2e12

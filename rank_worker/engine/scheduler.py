@@ -410,7 +410,8 @@ class Scheduler:
         if fits >= wanted:
             return wanted
         fits -= fits % self.kv.block_size
-        floor = self.policy.min_prefill_chunk_tokens - step.load.prefill_tokens
+        # what is left of the step's minimum prefill; a starved prefill gets a minimum of its own (its reserve)
+        floor = self.policy.min_prefill_chunk_tokens - (0 if seq.starved else step.load.prefill_tokens)
         return min(wanted, max(fits, floor, 0))
 
     def _time_spent(self, step: _Step) -> bool:

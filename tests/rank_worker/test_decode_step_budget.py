@@ -179,3 +179,25 @@ def test_the_budget_is_the_gpus_by_default_and_off_on_the_cpu_unless_configured(
     assert decode_step_budget_ms(unset, torch.device("cuda")) == GPU_DECODE_STEP_BUDGET_MS == 50.0
     assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=80), torch.device("cpu")) == 80.0
     assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=0), torch.device("cuda")) == 0.0
+
+
+def test_a_starved_prefill_gets_its_own_minimum_beside_decoders_and_warm_prefill() -> None:
+    # Decoders fill the time budget and a warm turn takes the step's minimum chunk: a cold prefill that has gone
+    # cold_max_wait_secs without a token still gets a minimum chunk of its own every step (scheduler.py).
+    busy = StepCost(*astuple(LINEAR)[:2], 0.01, *astuple(LINEAR)[3:])  # 10 ms a decoding row: 4 fill 30 ms
+    sched = _scheduler(prior=busy, min_chunk=256)
+    history = random_prompt(4000, VOCAB, seed=70)
+    _cache(sched, history)
+    _decoders(sched, 4)
+    cold = queue_request(sched, "cold", random_prompt(20_000, VOCAB, seed=71))
+    advance(sched, sched.schedule())
+    assert cold.num_computed_tokens == 256  # admitted with the step's minimum
+    warm = queue_request(sched, "warm", [*history, *random_prompt(2000, VOCAB, seed=72)])
+    batch = sched.schedule()
+    assert chunk_of(batch, warm) == 256 and chunk_of(batch, cold) == 0  # the warm turn takes the minimum
+    advance(sched, batch)
+    assert isinstance(sched.clock, Clock)
+    sched.clock.now += sched.policy.cold_max_wait_secs
+    batch = sched.schedule()
+    assert cold.starved and not warm.starved
+    assert chunk_of(batch, warm) == 256 and chunk_of(batch, cold) == 256

@@ -37,7 +37,7 @@
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8
-# agents. The simulator puts a 24-turn step at ~275 s (4 agents) and ~365 s (8) on our side
+# agents. The simulator puts a 24-turn step at ~285 s (4 agents) and ~385 s (8) on our side
 # (bench/results/simulate-dsv2-lite-h200/plan-24-turns.json): one step a call, hence STEP_EST and STEP_MAX.
 set -uo pipefail
 OUT=${OUT:-bench/results/peer-h200-raw/local}

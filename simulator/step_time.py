@@ -7,14 +7,18 @@ Prefill. A chunk of n new tokens over c tokens already in the KV pool costs
     alpha * n              the weights (matmuls), linear in the tokens
   + beta * n * n / 2       attention inside the chunk (causal: each token sees half the chunk on average)
   + gamma * n * c          attention to the cached context (gathered from the paged pool)
+  + delta * c              the cached context once per chunk, whatever its size (prefix_token_s: MLA expands
+                           the prefix's latents into per-head K/V for every chunk; ~0 for the Llama family)
 
 plus `overhead` once per step (kernel launches, sampling). The chunked prefill of a long prompt is one such
 chunk per step, c growing by the chunk each time. beta and gamma are separate because the engine runs the
 two kinds of attention differently (a flash-friendly causal SDPA vs a masked SDPA over gathered blocks);
-the benchmark's cold prefills pin alpha and beta, its warm TTFTs (1K new tokens over 32K and 100K cached)
-and the probe's 8K chunk over 64K cached pin gamma, and the cold 32K/100K TTFTs (chunked) tie them
-together. The four coefficients are a non-negative least-squares fit of all these points, each weighted by
-1/measured (relative error).
+the benchmark's cold prefills pin alpha and beta, its warm TTFTs (1K new tokens over 32K and 100K cached),
+its warm prefills (8K over 32K, 4K over 100K, where measured) and the probe's 8K chunk over 64K cached pin
+gamma and delta, and the cold 32K/100K TTFTs (chunked) tie them together. The five coefficients are a
+non-negative least-squares fit of all these points, each weighted by 1/measured (relative error). On
+DeepSeek-V2-Lite (bench/results/engine-dsv2-lite-h200.json) delta is 0.3 us a cached token (120 ms a chunk
+over 400K) and without it the worst point was 17% off, with it 7%; on llama-8b it fits ~0.03 us.
 
 Decode. One step of B sequences is launch-bound at small batch and beyond that grows with the KV it reads:
 
@@ -57,11 +61,12 @@ class StepTimeModel:
     decode_kv_token_s: float  # per context token read in a decode step
     decode_pad_token_s: float  # per padding token (B x longest context - the real ones)
     max_num_batched_tokens: int  # the chunk size the measurements ran with
+    prefix_token_s: float = 0.0  # per cached context token, once per chunk (delta)
 
     def chunk_s(self, new_tokens: int, context: int) -> float:
         """The model work of one prefill chunk (without the step's overhead)."""
         n = float(new_tokens)
-        return self.alpha_s * n + self.beta_s * n * n / 2 + self.gamma_s * n * context
+        return self.alpha_s * n + self.beta_s * n * n / 2 + self.gamma_s * n * context + self.prefix_token_s * context
 
     def prefill_s(self, new_tokens: int, cached: int = 0, chunk: int | None = None) -> float:
         """A whole prefill run alone, chunk by chunk (one step each): the TTFT of an idle engine."""
@@ -102,8 +107,8 @@ class StepTimeModel:
 
 
 def _prefill_row(new_tokens: int, cached: int, chunk: int) -> list[float]:
-    """Design-matrix row (overhead, alpha, beta, gamma) of a chunked prefill: the sums over its chunks."""
-    row = [0.0, 0.0, 0.0, 0.0]
+    """Design-matrix row (overhead, alpha, beta, gamma, delta) of a chunked prefill: the sums over its chunks."""
+    row = [0.0, 0.0, 0.0, 0.0, 0.0]
     done = 0
     while done < new_tokens:
         n = min(chunk, new_tokens - done)
@@ -112,6 +117,7 @@ def _prefill_row(new_tokens: int, cached: int, chunk: int) -> list[float]:
         row[1] += n
         row[2] += n * n / 2
         row[3] += n * c
+        row[4] += c
         done += n
     return row
 
@@ -123,6 +129,10 @@ def prefill_points(results: dict[str, Any], probe: dict[str, Any] | None = None)
         context, new = int(r["context"]), int(r["new_tokens"])
         points.append((context + new, 0, float(r["cold_s"])))
         points.append((new, int(r.get("warm_cached_tokens", context)), float(r["warm_s"])))
+    # bench/engine.py's warm prefills (8K over 32K, 4K over 100K): chunks of other sizes over the same contexts
+    for name, r in sorted(results.get("measures", {}).items()):
+        if name.startswith("prefill_warm_") and r.get("cached"):
+            points.append((int(r["new"]), int(r["cached"]), float(r["seconds"])))
     for r in (probe or {}).get("rows", []):
         if r.get("prefill_new") and not r.get("batch"):
             points.append((int(r["prefill_new"]), int(r["prefill_cached"]), float(r["step_ms"]) / 1e3))
@@ -142,7 +152,7 @@ def decode_points(results: dict[str, Any], probe: dict[str, Any] | None = None) 
 
 
 def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """min |a x - b| subject to x >= 0, by trying every support (4 unknowns: 16 small solves)."""
+    """min |a x - b| subject to x >= 0, by trying every support (5 unknowns: 31 small solves)."""
     best: np.ndarray | None = None
     best_residual = float("inf")
     columns = a.shape[1]
@@ -171,7 +181,7 @@ def fit_step_time(results: dict[str, Any], probe: dict[str, Any] | None = None) 
     a = np.array([_prefill_row(n, cached, chunk) for n, cached, _ in prefill])
     b = np.array([seconds for *_, seconds in prefill])
     weights = 1.0 / b  # relative error: a 10 s point must not drown a 60 ms one
-    overhead, alpha, beta, gamma = _nonnegative_lstsq(a * weights[:, None], b * weights)
+    overhead, alpha, beta, gamma, delta = _nonnegative_lstsq(a * weights[:, None], b * weights)
 
     fastest = min(seconds for *_, seconds in decode)
     launch_bound = [seconds for *_, seconds in decode if seconds <= fastest * LAUNCH_BOUND_MARGIN]
@@ -203,6 +213,7 @@ def fit_step_time(results: dict[str, Any], probe: dict[str, Any] | None = None) 
         decode_kv_token_s=per_kv,
         decode_pad_token_s=per_pad,
         max_num_batched_tokens=chunk,
+        prefix_token_s=float(delta),
     )
 
 

@@ -5,7 +5,7 @@ floor, mixed steps), and a fit recovers the coefficients of data made from a kno
 from __future__ import annotations
 
 import pytest
-from sim_workloads import DECODE_PROBE, ENGINE_RESULTS, h200_step_time
+from sim_workloads import DECODE_PROBE, ENGINE_RESULTS, ROOT, h200_step_time
 
 from simulator.step_time import StepTimeModel, fit_report, fit_step_time, load_engine_results
 
@@ -75,7 +75,7 @@ def test_a_mixed_step_pays_the_prefill_and_the_kv_its_decodes_read() -> None:
 
 
 def test_the_fit_recovers_a_known_model() -> None:
-    truth = StepTimeModel(0.01, 3e-5, 1e-9, 2e-9, 0.03, -0.002, 2e-7, 2e-7, 32768)
+    truth = StepTimeModel(0.01, 3e-5, 1e-9, 2e-9, 0.03, -0.002, 2e-7, 2e-7, 32768, prefix_token_s=3e-7)
     results = {
         "settings": {"max_num_batched_tokens": 32768},
         "prefill": [{"tokens": n, "seconds": truth.prefill_s(n)} for n in (2048, 8192, 32768)],
@@ -94,5 +94,19 @@ def test_the_fit_recovers_a_known_model() -> None:
         ],
     }
     fitted = fit_step_time(results)
-    for name in ("overhead_s", "alpha_s", "beta_s", "gamma_s", "decode_floor_s", "decode_base_s", "decode_kv_token_s"):
+    names = ("overhead_s", "alpha_s", "beta_s", "gamma_s", "prefix_token_s", "decode_floor_s", "decode_base_s")
+    for name in (*names, "decode_kv_token_s"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-3), name
+
+
+def test_mla_prefill_pays_for_its_cached_prefix_once_a_chunk() -> None:
+    # DeepSeek-V2-Lite on the H200: a chunk expands its whole prefix's latents into per-head K/V, so 1K new
+    # tokens over 100K cached cost more than gamma alone explains; the per-chunk prefix term takes it.
+    results = load_engine_results(ROOT / "bench" / "results" / "engine-dsv2-lite-h200.json")
+    model = fit_step_time(results)
+    rows = [row for row in fit_report(model, results) if row["kind"] == "prefill"]
+    assert len(rows) == 3 + 4 + 2  # the warm 8K over 32K and 4K over 100K measures count too
+    for row in rows:
+        assert row["model_s"] == pytest.approx(row["measured_s"], rel=0.1), row
+    assert model.prefix_token_s > 1e-7  # 0.3 us: 120 ms a chunk over 400K cached tokens
+    assert model.chunk_s(1024, 400_000) > model.chunk_s(1024, 0) + 400_000 * model.prefix_token_s

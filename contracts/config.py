@@ -80,7 +80,10 @@ class KvServeConfig(BaseSettings):
     )
     max_cold_prefills: int = Field(0, ge=0, description="warm_first: cold requests in prefill at once; 0 = no cap")
     cold_max_wait_secs: float = Field(
-        30.0, ge=0.0, description="warm_first: a cold request waiting this long is scheduled as if warm"
+        30.0,
+        ge=0.0,
+        description="warm_first: a cold request or prefill that has gone this long without a token is starved: "
+        "admitted with the warm ones, and a minimum chunk of its own every step from then on",
     )
     # 50 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
     # beside them; on the H200 a 4K-token chunk held every decoder for 150-470 ms. Off on the CPU by default:

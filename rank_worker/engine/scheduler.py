@@ -73,7 +73,7 @@ class SchedulingPolicy:
     name: PolicyName = "warm_first"
     warm_prefix_fraction: float = 0.5  # a request is warm when its cached prefix covers this much of its prompt
     max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
-    cold_max_wait_secs: float = 30.0  # a cold request waiting this long is scheduled as if warm
+    cold_max_wait_secs: float = 30.0  # this long without a token: starved (see the module doc)
     l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
     decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders; 0 = no cap on prefill
     min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy

@@ -51,7 +51,7 @@ class Sequence:
     # request), only extended. The cache lookup keys are its first (num_tokens - 1) // block_size (KvCacheManager).
     lookup_hashes: list[bytes] = field(default_factory=list)
     cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
-    starved: bool = False  # warm_first: went cold_max_wait_secs without a token; scheduled as if warm from then on
+    starved: bool = False  # warm_first: went cold_max_wait_secs without a token (scheduler.py); sticky
     host_fetch: HostFetch | None = None  # its restore from the host tier while WAITING_FOR_L1 (KvCacheManager)
 
     @property

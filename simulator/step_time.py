@@ -7,8 +7,8 @@ Prefill. A chunk of n new tokens over c tokens already in the KV pool costs
     alpha * n              the weights (matmuls), linear in the tokens
   + beta * n * n / 2       attention inside the chunk (causal: each token sees half the chunk on average)
   + gamma * n * c          attention to the cached context (gathered from the paged pool)
-  + delta * c              the cached context once per chunk, whatever its size (prefix_token_s: MLA expands
-                           the prefix's latents into per-head K/V for every chunk; ~0 for the Llama family)
+  + delta * c              the cached context once per chunk, whatever its size (prefix_token_s: reading the
+                           prefix's pages, and for MLA expanding its latents into per-head K/V for every chunk)
 
 plus `overhead` once per step (kernel launches, sampling). The chunked prefill of a long prompt is one such
 chunk per step, c growing by the chunk each time. beta and gamma are separate because the engine runs the
@@ -18,7 +18,8 @@ its warm prefills (8K over 32K, 4K over 100K, where measured) and the probe's 8K
 gamma and delta, and the cold 32K/100K TTFTs (chunked) tie them together. The five coefficients are a
 non-negative least-squares fit of all these points, each weighted by 1/measured (relative error). On
 DeepSeek-V2-Lite (bench/results/engine-dsv2-lite-h200.json) delta is 0.3 us a cached token (120 ms a chunk
-over 400K) and without it the worst point was 17% off, with it 7%; on llama-8b it fits ~0.03 us.
+over 400K) and without it the worst point was 17% off, with it 7%; on llama-8b 0.25 us with the decode probe's
+8K chunk over 64K (0.03 us from the engine benchmark alone).
 
 Decode. One step of B sequences is launch-bound at small batch and beyond that grows with the KV it reads:
 

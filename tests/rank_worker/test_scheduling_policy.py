@@ -351,32 +351,29 @@ def test_a_running_prefill_held_back_past_the_wait_is_starved_and_then_goes_firs
     assert cold.num_computed_tokens == 64
     served_at = clock.now
     # Warm turns of 64 new tokens each fill every step's budget: one at a time, the next queued as one ends.
-    turn = 0
-    queue_request(sched, "warm0", [*history, *random_prompt(64, VOCAB, seed=1000)])
-    held_back = 0
-    while chunk_of(batch := sched.schedule(), cold) == 0:
-        advance(sched, batch)
-        for seq, _ in batch.entries:
-            if seq.num_computed_tokens >= seq.num_prompt_tokens:
-                sched.remove(seq)  # a warm turn done (one output token): the next one comes
-        clock.now += 1.0
-        turn += 1
-        queue_request(sched, f"warm{turn}", [*history, *random_prompt(64, VOCAB, seed=1000 + turn)])
-        held_back += 1
-        assert held_back < 100, "the prefill was starved"
-    assert cold.starved
-    assert clock.now - served_at >= sched.policy.cold_max_wait_secs
-    # starved: its minimum chunk is set aside, and the warm turn still gets the rest of the step
-    assert [(seq.request_id, n) for seq, n in batch.entries] == [(f"warm{turn}", 32), ("cold", 32)]
-    for _ in range(5):  # and so every step from then on, until its prefill is done
+    turns = [queue_request(sched, "warm0", [*history, *random_prompt(64, VOCAB, seed=1000)])]
+
+    def next_step(batch: ScheduledBatch) -> ScheduledBatch:
+        """The batch run, a warm turn done with its prompt gone (one output token), the next one queued."""
         advance(sched, batch)
         for seq, _ in batch.entries:
             if seq is not cold and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 sched.remove(seq)
         clock.now += 1.0
-        turn += 1
-        queue_request(sched, f"warm{turn}", [*history, *random_prompt(64, VOCAB, seed=1000 + turn)])
-        batch = sched.schedule()
+        turn = len(turns)
+        turns.append(queue_request(sched, f"warm{turn}", [*history, *random_prompt(64, VOCAB, seed=1000 + turn)]))
+        return sched.schedule()
+
+    batch = sched.schedule()
+    while chunk_of(batch, cold) == 0:
+        batch = next_step(batch)
+        assert len(turns) < 100, "the prefill was starved"
+    assert cold.starved
+    assert clock.now - served_at >= sched.policy.cold_max_wait_secs
+    # starved: its minimum chunk is set aside, and the warm turn still gets the rest of the step
+    assert [(seq.request_id, n) for seq, n in batch.entries] == [(turns[-1].request_id, 32), ("cold", 32)]
+    for _ in range(5):  # and so every step from then on, until its prefill is done
+        batch = next_step(batch)
         assert chunk_of(batch, cold) == 32
 
 

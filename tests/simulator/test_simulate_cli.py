@@ -18,6 +18,8 @@ from simulator.capacity import SECONDS_PER_MONTH, cost_per_million_input_tokens
 from simulator.cli import main
 from simulator.kv_capacity import kv_pool_blocks, shape_facts
 
+LLAMA_CHAT_SHAPE = Path(__file__).resolve().parents[2] / "bench" / "shapes" / "llama-8b-chat" / "config.json"
+
 
 def _trace_file(directory: Path, sessions: int = 4, turns: int = 12) -> Path:
     """Claude Code traces (the real format, made up numbers): 12K-token sessions growing 256 tokens a call."""
@@ -134,9 +136,8 @@ def test_pool_cost_and_ratio_arithmetic() -> None:
 def test_the_node_comes_from_the_stacks_config(tmp_path: Path) -> None:
     traces = _trace_file(tmp_path / "traces", sessions=2, turns=3)
     config = tmp_path / "stack.yaml"
-    shape = Path(__file__).resolve().parents[2] / "bench" / "shapes" / "llama-8b-chat" / "config.json"
     config.write_text(
-        f"model: {shape}\nload_format: dummy\nmax_model_len: 65536\nmax_num_seqs: 8\n"
+        f"model: {LLAMA_CHAT_SHAPE}\nload_format: dummy\nmax_model_len: 65536\nmax_num_seqs: 8\n"
         "max_num_batched_tokens: 8192\nl1_host_gb: 2\nscheduling_policy: fifo\nmax_cold_prefills: 2\n"
         "decode_payback: true\n"
     )
@@ -157,8 +158,7 @@ def test_the_node_comes_from_the_stacks_config(tmp_path: Path) -> None:
 def test_decode_payback_from_the_command_line_wins_over_the_config(tmp_path: Path) -> None:
     traces = _trace_file(tmp_path / "traces", sessions=2, turns=3)
     config = tmp_path / "stack.yaml"
-    shape = Path(__file__).resolve().parents[2] / "bench" / "shapes" / "llama-8b-chat" / "config.json"
-    config.write_text(f"model: {shape}\nload_format: dummy\ndecode_payback: true\n")
+    config.write_text(f"model: {LLAMA_CHAT_SHAPE}\nload_format: dummy\ndecode_payback: true\n")
     out = tmp_path / "node.json"
     args = ["--config", str(config), "--trace-path", str(traces), "--agents", "2", "--turns", "3", "--json", str(out)]
     assert main([*args, "--no-decode-payback"]) == 0

@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 from contracts.config import load_config  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
@@ -331,6 +332,7 @@ def main() -> None:
         "engine": "kvserve",
         "date": dt.date.today().isoformat(),
         "commit": args.commit or git_commit(),
+        "provenance": provenance(ROOT),
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": args.shape,
@@ -358,7 +360,7 @@ def main() -> None:
         print(f"{name}: {entry['seconds']:.4f} s {entry.get('cached_tokens', '')}", flush=True)
         write_partial(args.out, result)
 
-    measures = run_plan(plan, bench, done, after_decode=bench.decode_direct)
+    measures = run_plan(plan, bench, bench.cfg.vocab_size, done, after_decode=bench.decode_direct)
     result["decode"] = bench.decode_rows
     result["ttft"] = bench.ttft_rows(measures)
     write_partial(args.out, result)

@@ -54,7 +54,12 @@ TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer) for its engine measures
 SERVE_SHAPE=${SERVE_SHAPE:-$SHAPE}       # the one `vllm serve` serves for the agent steps (and its served name)
-ENGINE_SHAPE=${ENGINE_SHAPE:-llama-8b}   # bench/engine.py's --shape for ours
+# bench/engine.py's --shape for ours: the very shape vLLM measures (llama-8b-chat's vocabulary is 49152, plain
+# llama-8b's 128256: a larger lm_head to read every decode step, and other prompt ids)
+ENGINE_SHAPE=${ENGINE_SHAPE:-$SHAPE}
+# The token budget of a step on both sides: bench/engine.py's default, given to vLLM's offline run and to
+# `vllm serve` (vLLM's own default on an H200 is 16384; VLLM_MAX_BATCHED=0 measures that instead)
+VLLM_MAX_BATCHED=${VLLM_MAX_BATCHED:-32768}
 # ours' random draw for the engine measures: `uniform` is vLLM's dummy draw, which is what makes MoE routing (so
 # the experts a decode step reads) alike on both sides; the dense Llama shape costs the same under either
 RANDOM_WEIGHTS=${RANDOM_WEIGHTS:-normal}
@@ -126,6 +131,11 @@ vllm_install() {
   rm -rf /tmp/vw
   say "vLLM installed"
 }
+serve_flags() {  # on one line: VLLM_ARGS, and the step budget unless VLLM_MAX_BATCHED=0 asks for vLLM's default
+  local budget=""
+  [ "$VLLM_MAX_BATCHED" != 0 ] && budget="--max-num-batched-tokens $VLLM_MAX_BATCHED"
+  echo "$VLLM_ARGS $budget"
+}
 vllm_up() { curl -sf -m 5 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; }
 vllm_start() {  # in a session of its own: it outlives this call and keeps compiling into the next
   ours_stop  # first: our gateway answers /health on the same port
@@ -137,7 +147,7 @@ vllm_start() {  # in a session of its own: it outlives this call and keeps compi
   PYTHONPATH=/tmp/vsite setsid bash -c 'echo $$ > '"$STATE"'/vllm.pid; exec python3 -m vllm.entrypoints.openai.api_server \
       --model bench/shapes/'"$SERVE_SHAPE"' --load-format dummy --dtype bfloat16 --served-model-name '"$SERVE_SHAPE"' \
       --max-model-len '"$VLLM_MAX_MODEL_LEN"' --gpu-memory-utilization 0.9 --max-num-seqs 128 --enable-prefix-caching \
-      --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT $VLLM_ARGS" \
+      --enable-prompt-tokens-details --uvicorn-log-level warning --host 127.0.0.1 --port '"$PORT $(serve_flags)" \
     > "$STATE/vllm-serve.log" 2>&1 < /dev/null &
   sleep 2
 }
@@ -254,7 +264,7 @@ phase() {
       wait_gpu_free
       say "bench/peer_vllm.py"
       timeout -k 20 $(($(left) - PACK_MARGIN - 60)) env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
-        --shape "$SHAPE" --commit "$COMMIT" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
+        --shape "$SHAPE" --commit "$COMMIT" --max-num-batched-tokens "$VLLM_MAX_BATCHED" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
       tail -n 20 "$WORK/vllm-engine.log"
       cp "$WORK/vllm-engine.json" "$OUT/" 2>/dev/null || say "no vllm-engine.json"
       wait_gpu_free

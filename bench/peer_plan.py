@@ -9,13 +9,17 @@ Three kinds, each timed from submission until the last token is back (after a de
           prefill, or the TTFT of a conversation's next turn).
 - decode: `batch` prompts of `context` tokens primed once, then the same prompts (all but a block cached) timed
           with 1 and with 1 + `steps` output tokens: seconds per decode step = (t(1 + steps) - t(1)) / steps.
-Every measure's `seconds` is the median of `repeats` samples, after one warm-up request. Pure Python: both
+Every measure's `seconds` is the median of `repeats` samples, after one warm-up request. The prompts are
+random token ids drawn here, from one seeded stream in one order, so both engines get the same ids (each
+entry records their sha-256 as `prompt_sha256`, which bench/peer_results.py compares). Pure Python: both
 engines' scripts import it (vLLM's runs in vLLM's own site, without our packages).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import random
 import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -70,7 +74,8 @@ def _plan(k: int, decode_context: int, decode_steps: int, repeats: int) -> Plan:
     return Plan(measures=measures, repeats=repeats, warmup_tokens=8 * k)
 
 
-FULL = _plan(1024, decode_context=4096, decode_steps=64, repeats=3)
+# 5 repeats: the ratios near their 0.9 target are decided by their medians
+FULL = _plan(1024, decode_context=4096, decode_steps=64, repeats=5)
 QUICK = _plan(16, decode_context=32, decode_steps=4, repeats=1)  # a CPU smoke run of the same code paths
 MEASURE_NAMES = tuple(m.name for m in FULL.measures)
 
@@ -101,10 +106,28 @@ def decode_step_samples(first_only: list[float], with_steps: list[float], steps:
     return [(full - first) / steps for first, full in zip(first_only, with_steps, strict=True)]
 
 
-class PeerEngine(Protocol):
-    """What run_plan needs of an engine: random prompts, and a timed batch of requests."""
+class Prompts:
+    """The plan's random prompts: token ids below vocab_size from one seeded stream, so the n-th prompt drawn is
+    the same list on every engine that draws in the same order (run_plan's). `digest()` hashes what was drawn
+    since the last call, a measure's prompts, for the result file."""
 
-    def prompt(self, length: int) -> list[int]: ...
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.rng = random.Random(seed)
+        self._hash = hashlib.sha256()
+
+    def __call__(self, length: int) -> list[int]:
+        ids = [self.rng.randrange(self.vocab_size) for _ in range(length)]
+        self._hash.update(b",".join(str(i).encode() for i in ids) + b";")
+        return ids
+
+    def digest(self) -> str:
+        value, self._hash = self._hash.hexdigest(), hashlib.sha256()
+        return value
+
+
+class PeerEngine(Protocol):
+    """What run_plan needs of an engine: a timed batch of requests."""
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
         """Submit every prompt together (temperature 0, exactly max_tokens output tokens each) and wait for
@@ -119,27 +142,32 @@ class PeerEngine(Protocol):
 def run_plan(
     plan: Plan,
     engine: PeerEngine,
+    vocab_size: int,
     done: Callable[[str, dict[str, Any]], None],
     after_decode: Callable[[Measure, list[list[int]]], None] | None = None,
+    seed: int = 0,
 ) -> dict[str, dict[str, Any]]:
-    """Every measure of the plan in order, the same way for every engine; done(name, entry) after each (to
-    write partial results); after_decode(measure, prompts) may time more over a decode measure's cached prompts.
-    Warm measures over one prefix length share its priming (one cold prefill of the prefix)."""
-    engine.run([engine.prompt(plan.warmup_tokens)], 1)  # warm-up: kernels, allocator, lazy compilation
+    """Every measure of the plan in order, the same way and with the same prompts for every engine;
+    done(name, entry) after each (to write partial results); after_decode(measure, prompts) may time more over a
+    decode measure's cached prompts. Warm measures over one prefix length share its priming (one cold prefill of
+    the prefix), whose ids count in the digest of the first measure that primes it."""
+    prompt = Prompts(vocab_size, seed)
+    engine.run([prompt(plan.warmup_tokens)], 1)  # warm-up: kernels, allocator, lazy compilation
+    prompt.digest()
     primed: dict[int, list[int]] = {}
     entries: dict[str, dict[str, Any]] = {}
     for m in plan.measures:
         if m.kind == "cold":
-            runs = [engine.run([engine.prompt(m.new)], 1) for _ in range(plan.repeats)]
+            runs = [engine.run([prompt(m.new)], 1) for _ in range(plan.repeats)]
             entry = record(m, [t for t, _ in runs], cached_tokens=max(c[0] for _, c in runs))
         elif m.kind == "warm":
             if m.cached not in primed:
-                primed[m.cached] = engine.prompt(m.cached)
+                primed[m.cached] = prompt(m.cached)
                 engine.run([primed[m.cached]], 1)
-            runs = [engine.run([primed[m.cached] + engine.prompt(m.new)], 1) for _ in range(plan.repeats)]
+            runs = [engine.run([primed[m.cached] + prompt(m.new)], 1) for _ in range(plan.repeats)]
             entry = record(m, [t for t, _ in runs], cached_tokens=min(c[0] for _, c in runs))
         else:
-            prompts = [engine.prompt(m.context) for _ in range(m.batch)]
+            prompts = [prompt(m.context) for _ in range(m.batch)]
             engine.run(prompts, 1)  # prime: every prompt in the cache, so both timings below prefill one block
             first_only: list[float] = []
             with_steps: list[float] = []
@@ -151,6 +179,7 @@ def run_plan(
                 after_decode(m, prompts)
             samples = decode_step_samples(first_only, with_steps, m.steps)
             entry = record(m, samples, first_only_s=first_only, with_steps_s=with_steps, distinct_tokens=spread)
+        entry["prompt_sha256"] = prompt.digest()
         entries[m.name] = entry
         done(m.name, entry)
     return entries

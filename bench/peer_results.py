@@ -145,6 +145,9 @@ def engine_rows(engines: dict[str, dict[str, Any]], target: float = TARGET) -> l
         sizes = a or b
         row: dict[str, Any] = {"measure": name, **{key: sizes.get(key) for key in SIZE_KEYS}}
         row["sizes_match"] = a is not None and b is not None and all(a.get(k) == b.get(k) for k in SIZE_KEYS)
+        # the same token ids on both sides (bench/peer_plan.py's Prompts); None where a file predates the digest
+        digests = [entry.get("prompt_sha256") if entry else None for entry in (a, b)]
+        row["same_prompts"] = None if None in digests else digests[0] == digests[1]
         for side, entry in (("ours", a), ("vllm", b)):
             seconds = entry.get("seconds") if entry else None
             row[f"{side}_s"] = seconds
@@ -152,7 +155,8 @@ def engine_rows(engines: dict[str, dict[str, Any]], target: float = TARGET) -> l
             if entry and entry.get("kind") == "warm":
                 row[f"{side}_cached_tokens"] = entry.get("cached_tokens")
         usable = all(row[f"{side}_s"] is not None and row[f"{side}_s"] > 0 for side in SIDES)
-        row["ratio"] = row["vllm_s"] / row["ours_s"] if usable and row["sizes_match"] else None
+        comparable = usable and row["sizes_match"] and row["same_prompts"] is not False
+        row["ratio"] = row["vllm_s"] / row["ours_s"] if comparable else None
         row["meets_target"] = None if row["ratio"] is None else row["ratio"] >= target
         if sizes.get("kind") == "decode" and usable:
             row["ours_tok_s"] = sizes["batch"] / row["ours_s"]
@@ -216,6 +220,8 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
         "date": ours.get("date") or vllm.get("date"),
         "gpu": ours.get("gpu") or vllm.get("gpu"),
         "commit": commit or ours.get("commit") or vllm.get("commit"),
+        # what each engine file says it ran: commit and the hash of the uncommitted diff (bench/provenance.py)
+        "provenance": {side: engines[side].get("provenance") for side in engines},
         "engines": {"ours": ours.get("engine", "kvserve"), "vllm": vllm.get("engine")},
         "settings": {
             "shape": f"{shape} config, random weights, bfloat16 (bench/shapes/)",

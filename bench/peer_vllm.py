@@ -18,7 +18,6 @@ import argparse
 import datetime as dt
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -29,15 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, plan_for, run_plan, write_partial  # noqa: E402
+from bench.provenance import provenance  # noqa: E402
 
 SHAPES = ROOT / "bench" / "shapes"
-
-
-def shape_name(shape: str) -> str:
-    """The name bench/engine.py gives the same shape: llama-8b-chat is llama-8b's config with a tokenizer (vLLM
-    wants one beside the config); dsv2-lite-chat has no tokenizer-less twin."""
-    plain = shape.removesuffix("-chat")
-    return plain if (SHAPES / plain / "config.json").is_file() else shape
 
 
 def llm_arguments(args: argparse.Namespace) -> dict[str, Any]:
@@ -62,18 +55,13 @@ class VllmEngine:
     """bench/peer_plan.py's PeerEngine over vllm.LLM: LLM.generate is synchronous and returns when every
     request has finished, so its wall time is the batch's time (the engine core runs in its own process)."""
 
-    def __init__(self, llm: Any, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, llm: Any) -> None:
         from vllm import SamplingParams, TokensPrompt
 
         self.llm = llm
-        self.vocab_size = vocab_size
-        self.rng = random.Random(seed)
         self._sampling = SamplingParams
         self._prompt = TokensPrompt
         self.last_outputs: list[list[int]] = []
-
-    def prompt(self, length: int) -> list[int]:
-        return [self.rng.randrange(self.vocab_size) for _ in range(length)]
 
     def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
         params = self._sampling(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
@@ -114,7 +102,9 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default")
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default; give it ours (engine.py's 32768)"
+    )
     parser.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="kvserve commit of this checkout")
     args = parser.parse_args()
     if not (SHAPES / args.shape / "config.json").is_file():
@@ -139,8 +129,9 @@ def main() -> None:
         "engine": f"vllm {vllm.__version__}",
         "date": dt.date.today().isoformat(),
         "commit": args.commit,
+        "provenance": provenance(ROOT),
         "gpu": gpu_name(),
-        "shape": shape_name(args.shape),
+        "shape": args.shape,
         "dtype": "bfloat16",
         "quick": args.quick,
         "settings": {
@@ -165,7 +156,7 @@ def main() -> None:
         print(f"{name}: {entry['seconds']:.4f} s {entry.get('cached_tokens', '')}", flush=True)
         write_partial(args.out, result)
 
-    run_plan(plan, VllmEngine(llm, vocab_size), done)
+    run_plan(plan, VllmEngine(llm), vocab_size, done)
     print(f"done: {len(result['measures'])} measures" + (f", wrote {args.out}" if args.out else ""), flush=True)
 
 

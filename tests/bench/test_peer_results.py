@@ -17,7 +17,14 @@ import pytest
 from fake_vllm import FAKE_MODULE
 
 from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, distinct_tokens, record
-from bench.peer_results import assemble, engine_keys_missing, passing_ratio, with_reference, with_vllm_variant
+from bench.peer_results import (
+    assemble,
+    engine_keys_missing,
+    engine_rows,
+    passing_ratio,
+    with_reference,
+    with_vllm_variant,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -306,3 +313,63 @@ def test_a_vllm_reference_from_another_session_is_reported_apart(tmp_path: Path)
     assert ref["same_session"] is False
     assert ref["largest_passing_cache_aside"] == {"ours": 32, "vllm_reference": 64}
     assert ref["largest_passing_cache_aside_ratio"] == pytest.approx(0.5)
+
+
+class RecordingEngine:
+    """A PeerEngine that keeps every prompt it was given and times nothing."""
+
+    def __init__(self) -> None:
+        self.seen: list[list[int]] = []
+        self.last_outputs: list[list[int]] = []
+
+    def run(self, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[int]]:
+        self.seen.extend(prompts)
+        self.last_outputs = [[7] * max_tokens for _ in prompts]
+        return 0.001, [0 for _ in prompts]
+
+
+def test_both_engines_get_the_same_token_ids_and_the_results_say_so() -> None:
+    from bench.peer_plan import run_plan
+
+    entries = {}
+    engines = {"ours": RecordingEngine(), "vllm": RecordingEngine()}
+    for side, engine in engines.items():
+        entries[side] = run_plan(QUICK, engine, 49152, lambda name, entry: None)
+    assert engines["ours"].seen == engines["vllm"].seen and len(engines["ours"].seen) > len(QUICK.measures)
+    assert all(0 <= i < 49152 for prompt in engines["ours"].seen for i in prompt)
+    digests = [entries["ours"][m.name]["prompt_sha256"] for m in QUICK.measures]
+    assert digests == [entries["vllm"][m.name]["prompt_sha256"] for m in QUICK.measures]
+    assert len(set(digests)) == len(digests)  # each measure's own prompts
+    other = run_plan(QUICK, RecordingEngine(), 128256, lambda name, entry: None)  # another vocabulary: other ids
+    assert other["prefill_cold_8k"]["prompt_sha256"] != digests[0]
+
+    ours = engine_result("kvserve", {"prefill_cold_8k": 0.5})
+    vllm = engine_result("vllm 0.25.0", {"prefill_cold_8k": 1.0})
+    for name in MEASURE_NAMES:
+        ours["measures"][name]["prompt_sha256"] = vllm["measures"][name]["prompt_sha256"] = "same"
+    vllm["measures"]["decode_4k_b1"]["prompt_sha256"] = "other"
+    rows = {row["measure"]: row for row in engine_rows({"ours": ours, "vllm": vllm})}
+    assert rows["prefill_cold_8k"]["same_prompts"] is True and rows["prefill_cold_8k"]["ratio"] == pytest.approx(2.0)
+    assert rows["decode_4k_b1"]["same_prompts"] is False and rows["decode_4k_b1"]["ratio"] is None
+
+
+def test_provenance_names_the_commit_and_hashes_an_uncommitted_change(tmp_path: Path) -> None:
+    from bench.provenance import provenance
+
+    assert provenance(tmp_path) == {"commit": None, "diff_sha256": None, "dirty": None}  # not a checkout
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    clean = provenance(tmp_path)
+    assert len(clean["commit"]) == 40 and clean["dirty"] is False and clean["diff_sha256"] is None
+    (tmp_path / "a.py").write_text("x = 2\n")
+    edited = provenance(tmp_path)
+    (tmp_path / "a.py").write_text("x = 3\n")
+    other_edit = provenance(tmp_path)
+    assert edited["dirty"] and edited["commit"] == clean["commit"]
+    assert edited["diff_sha256"] != other_edit["diff_sha256"]
+    (tmp_path / "a.py").write_text("x = 1\n")
+    (tmp_path / "new.py").write_text("y = 1\n")  # an untracked file counts too
+    assert provenance(tmp_path)["dirty"] is True

@@ -1,0 +1,37 @@
+"""What a benchmark ran: the checkout's commit and a hash of its uncommitted changes, recorded in every result
+file, so that a number can be traced to the code that made it (a commit alone hides an uncommitted edit).
+Pure Python and git: bench/peer_vllm.py imports it inside vLLM's own site."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+from pathlib import Path
+
+
+def _git(root: Path, *args: str) -> bytes | None:
+    try:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, check=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def provenance(root: str | Path) -> dict[str, str | bool | None]:
+    """commit (full hash), diff_sha256 (sha-256 of `git diff HEAD` plus the untracked, not ignored files' names
+    and contents; None when the tree is clean) and dirty. Every value is None outside a git checkout."""
+    root = Path(root)
+    head = _git(root, "rev-parse", "HEAD")
+    if head is None:
+        return {"commit": None, "diff_sha256": None, "dirty": None}
+    digest = hashlib.sha256()
+    diff = _git(root, "diff", "HEAD", "--binary") or b""
+    digest.update(diff)
+    untracked = (_git(root, "ls-files", "--others", "--exclude-standard", "-z") or b"").split(b"\0")
+    names = sorted(name for name in untracked if name)
+    for name in names:
+        digest.update(b"\0untracked\0" + name + b"\0")
+        path = root / name.decode(errors="surrogateescape")
+        if path.is_file():
+            digest.update(path.read_bytes())
+    dirty = bool(diff) or bool(names)
+    return {"commit": head.decode().strip(), "diff_sha256": digest.hexdigest() if dirty else None, "dirty": dirty}

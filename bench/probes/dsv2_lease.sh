@@ -31,12 +31,18 @@ tail -n 12 "$W/mla-probe.log"
 cp rank_worker/model/attention/mla_launch.json "$OUT/" 2>/dev/null
 
 say "CUDA tests"
-timeout -k 10 $(( $(left) > 400 ? 150 : 90 )) python3 -m pytest -p no:cacheprovider -q -rs -x \
+timeout -k 10 $(( $(left) > 400 ? 150 : 90 )) python3 -m pytest -p no:cacheprovider -q -rs --maxfail=5 \
   tests/rank_worker/test_cuda_mla.py tests/rank_worker/test_cuda_moe_kernels.py \
   tests/rank_worker/test_cuda_moe_mlp_kernel.py tests/rank_worker/test_cuda_fused_norm.py \
-  tests/rank_worker/test_cuda_attention.py > "$W/cuda-tests.log" 2>&1
+  tests/rank_worker/test_cuda_attention.py tests/rank_worker/test_cuda_latent_store.py > "$W/cuda-tests.log" 2>&1
 echo "pytest rc=$?" >> "$W/cuda-tests.log"
 tail -n 8 "$W/cuda-tests.log"
+# the CUDA cases of the other files (L1 copies, decode graphs, fp8 KV, the DeepSeek engine on the GPU)
+timeout -k 10 60 python3 -m pytest -p no:cacheprovider -q -rs --maxfail=5 -k "cuda or gpu" \
+  tests/rank_worker/test_l1_cuda.py tests/rank_worker/test_l1_copier.py tests/rank_worker/test_decode_graphs.py \
+  tests/rank_worker/test_kv_fp8.py tests/rank_worker/test_deepseek_engine.py > "$W/cuda-tests-more.log" 2>&1
+echo "pytest rc=$?" >> "$W/cuda-tests-more.log"
+tail -n 4 "$W/cuda-tests-more.log"
 
 IFS=, read -r -a batches <<< "$PROFILE_BATCHES"
 for batch in "${batches[@]}"; do

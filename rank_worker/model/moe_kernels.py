@@ -1,8 +1,9 @@
 """Three Triton kernels around MoE's grouped GEMMs (moe.py), for the small batches of decode steps:
 
 - route: greedy top-k routing (TopkRouter's greedy method: softmax or sigmoid scores of the float32 gate,
-  the k best, optionally renormalised and scaled) in one launch; in eager PyTorch a cast, the gate GEMM, the
-  scores and the top-k were four launches a layer (~25 us at 16 rows on the H200,
+  the k best, optionally renormalised and scaled) in two launches (the gate GEMM split over the hidden size, then
+  the scores and the pick); in eager PyTorch a cast, the gate GEMM, the scores and the top-k were four launches a
+  layer (~25 us at 16 rows on the H200,
   bench/results/dsv2-decode-h200-moe-kernel/decode-profile-b16-uniform.log). It also writes the shared
   experts' slots (MoE runs them as experts every token takes at weight 1), so nothing is concatenated after.
 
@@ -29,7 +30,11 @@ from rank_worker.model.fused_ops import triton
 ALIGN_MAX_PAIRS = 4096  # decode batches (256 rows x 8 experts a token at most); prefill sorts in PyTorch
 ROUTE_MAX_TOKENS = 256  # decode batches; prefill chunks route in PyTorch (one cuBLAS GEMM)
 ROUTE_BLOCK_T = 16  # tokens a route program scores (tl.dot's smallest M)
-ROUTE_BLOCK_H = 64  # hidden values a loop step of route reads
+# route's logits are one program per (16 tokens, 64 hidden values, up to 64 experts): V2-Lite's gate (64 x 2048
+# float32, 512 KB) is read by 32 programs at once, not by one in a loop; a second launch sums the slices and picks
+ROUTE_BLOCK_H = 64
+ROUTE_BLOCK_E = 64
+ROUTE_MAX_SLICES = 32  # the pick's serial sum over the slices stays short for a wider hidden size
 # Pairs per loop iteration of align (a [block, experts] one-hot tile): the pairs rounded up to a power of two, in
 # 16..256, so a batch of up to ~256 pairs is one iteration and V2-Lite's 128 rows (768 routed pairs) three, not
 # twelve: the iterations are the one program's serial chain.
@@ -90,15 +95,47 @@ if triton is not None:
                 tl.store(token_of_row_ptr + row, t, mask=ok)
 
     @triton.jit
-    def _route(
+    def _route_logits(
         x_ptr,
         gate_ptr,
+        partial_ptr,
+        tokens,
+        stride_x,
+        HIDDEN: tl.constexpr,
+        EXPERTS: tl.constexpr,
+        EXPERTS_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        STEPS: tl.constexpr,
+    ):
+        """One (token block, hidden slice of STEPS x BLOCK_H, expert block) of x . gate^T in float32, into the
+        slice's own part of partial[slice, token, expert]: the gate's read is spread over the whole grid (one program
+        reading all of V2-Lite's 512 KB, as route did until 2026-12-05, took 86 us a layer on the H200)."""
+        rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok = rows < tokens
+        experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)
+        expert_ok = experts < EXPERTS
+        logits = tl.zeros([BLOCK_T, BLOCK_E], tl.float32)
+        for step in tl.static_range(STEPS):
+            cols = (tl.program_id(1) * STEPS + step) * BLOCK_H + tl.arange(0, BLOCK_H)
+            col_ok = cols < HIDDEN
+            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
+            gate_at = gate_ptr + experts[:, None] * HIDDEN + cols[None, :]
+            gate = tl.load(gate_at, mask=expert_ok[:, None] & col_ok, other=0.0)
+            # float32 products, as F.linear(x.float(), gate) computes them (the gate is kept in float32)
+            logits += tl.dot(x.to(tl.float32), tl.trans(gate), input_precision="ieee")
+        at = (tl.program_id(1) * tokens + rows[:, None]) * EXPERTS_PAD + experts[None, :]
+        tl.store(partial_ptr + at, logits, mask=row_ok[:, None] & (experts[None, :] < EXPERTS_PAD))
+
+    @triton.jit
+    def _route_pick(
+        partial_ptr,
         ids_ptr,
         weights_ptr,
         tokens,
-        stride_x,
         scaling,
-        HIDDEN: tl.constexpr,
+        SLICES: tl.constexpr,
         EXPERTS: tl.constexpr,
         EXPERTS_PAD: tl.constexpr,
         K: tl.constexpr,
@@ -107,21 +144,17 @@ if triton is not None:
         SOFTMAX: tl.constexpr,
         NORMALIZE: tl.constexpr,
         BLOCK_T: tl.constexpr,
-        BLOCK_H: tl.constexpr,
     ):
+        """The logits summed over the hidden slices in slice order (a fixed order: a token's routing does not
+        depend on the batch), then the scores and the k best."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < tokens
         experts = tl.arange(0, EXPERTS_PAD)
         expert_ok = experts < EXPERTS
         logits = tl.zeros([BLOCK_T, EXPERTS_PAD], tl.float32)
-        for start in range(0, HIDDEN, BLOCK_H):
-            cols = start + tl.arange(0, BLOCK_H)
-            col_ok = cols < HIDDEN
-            x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=row_ok[:, None] & col_ok, other=0.0)
-            gate_at = gate_ptr + experts[:, None] * HIDDEN + cols[None, :]
-            gate = tl.load(gate_at, mask=expert_ok[:, None] & col_ok, other=0.0)
-            # float32 products, as F.linear(x.float(), gate) computes them (the gate is kept in float32)
-            logits += tl.dot(x.to(tl.float32), tl.trans(gate), input_precision="ieee")
+        for part in range(SLICES):
+            at = (part * tokens + rows[:, None]) * EXPERTS_PAD + experts[None, :]
+            logits += tl.load(partial_ptr + at, mask=row_ok[:, None], other=0.0)
         if SOFTMAX:
             logits = tl.where(expert_ok[None, :], logits, float("-inf"))
             exp = tl.exp(logits - tl.max(logits, 1)[:, None])
@@ -227,24 +260,42 @@ def route(
     ids = torch.empty(tokens, k + shared, dtype=torch.int64, device=x.device)
     weights = torch.empty(tokens, k + shared, dtype=torch.float32, device=x.device)
     if tokens:
-        _route[(triton.cdiv(tokens, ROUTE_BLOCK_T),)](
+        experts_pad = max(16, triton.next_power_of_2(experts))
+        block_e = min(experts_pad, ROUTE_BLOCK_E)
+        steps = triton.cdiv(triton.cdiv(hidden, ROUTE_BLOCK_H), ROUTE_MAX_SLICES)  # V3's 7168: 4 steps, 28 slices
+        slices = triton.cdiv(hidden, ROUTE_BLOCK_H * steps)
+        token_blocks = triton.cdiv(tokens, ROUTE_BLOCK_T)
+        partial = torch.empty(slices, tokens, experts_pad, dtype=torch.float32, device=x.device)
+        _route_logits[(token_blocks, slices, experts_pad // block_e)](
             x,
             gate,
+            partial,
+            tokens,
+            x.stride(0),
+            HIDDEN=hidden,
+            EXPERTS=experts,
+            EXPERTS_PAD=experts_pad,
+            BLOCK_T=ROUTE_BLOCK_T,
+            BLOCK_H=ROUTE_BLOCK_H,
+            BLOCK_E=block_e,
+            STEPS=steps,
+            num_warps=4,
+        )
+        _route_pick[(token_blocks,)](
+            partial,
             ids,
             weights,
             tokens,
-            x.stride(0),
             float(scaling),
-            HIDDEN=hidden,
+            SLICES=slices,
             EXPERTS=experts,
-            EXPERTS_PAD=max(16, triton.next_power_of_2(experts)),
+            EXPERTS_PAD=experts_pad,
             K=k,
             SHARED=shared,
             K_PAD=max(2, triton.next_power_of_2(k + shared)),
             SOFTMAX=softmax,
             NORMALIZE=normalize,
             BLOCK_T=ROUTE_BLOCK_T,
-            BLOCK_H=ROUTE_BLOCK_H,
             num_warps=4,
         )
     return ids, weights

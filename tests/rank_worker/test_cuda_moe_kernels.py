@@ -85,6 +85,8 @@ def _router_reference(x, gate, k, softmax, normalize, scaling):
         (16, 2048, 64, 6, True, False, 1.0),
         (37, 96, 12, 2, True, True, 1.0),  # a partial block of tokens; experts not a power of two
         (5, 200, 256, 8, False, True, 2.5),  # sigmoid scores, renormalised and scaled; hidden not a multiple of 64
+        # a hidden size past 32 slices of 64 (each logits program loops over 3), four expert blocks, ragged ends
+        (3, 64 * 32 * 2 + 40, 160, 8, False, True, 2.5),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16 if ON_CUDA else torch.float16])
@@ -152,7 +154,9 @@ def test_a_decode_steps_kernels_give_the_routed_experts_plus_the_shared_mlp(toke
     shared_up = torch.cat([gate_up[experts + s, inter:] for s in range(shared)])
     shared_down = torch.cat([down[experts + s] for s in range(shared)], dim=1)
     expected += mlp(x, torch.cat([shared_gate, shared_up]), shared_down)
-    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    # expert_mlp's float32 tl.dot is tf32 on CUDA (test_cuda_moe_mlp_kernel's tolerance); exact in the interpreter
+    tol = 2e-2 if ON_CUDA else 1e-4
+    torch.testing.assert_close(out, expected, rtol=tol, atol=tol)
 
 
 def test_route_reads_a_strided_batch_and_a_tie_goes_to_the_lower_expert() -> None:

@@ -107,11 +107,11 @@ def decode_step_samples(first_only: list[float], with_steps: list[float], steps:
 
 
 class Prompts:
-    """The plan's random prompts: token ids below vocab_size from one seeded stream, so the n-th prompt drawn is
-    the same list on every engine that draws in the same order (run_plan's). `digest()` hashes what was drawn
-    since the last call, a measure's prompts, for the result file."""
+    """Random token ids below vocab_size from a stream seeded by a name (random.Random seeds a str through
+    sha-512: the same on every machine and Python), so a measure's prompts are the same lists on every engine and
+    whichever other measures run. `digest()` hashes what was drawn, for the result file."""
 
-    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+    def __init__(self, vocab_size: int, seed: str) -> None:
         self.vocab_size = vocab_size
         self.rng = random.Random(seed)
         self._hash = hashlib.sha256()
@@ -122,8 +122,7 @@ class Prompts:
         return ids
 
     def digest(self) -> str:
-        value, self._hash = self._hash.hexdigest(), hashlib.sha256()
-        return value
+        return self._hash.hexdigest()
 
 
 class PeerEngine(Protocol):
@@ -145,24 +144,26 @@ def run_plan(
     vocab_size: int,
     done: Callable[[str, dict[str, Any]], None],
     after_decode: Callable[[Measure, list[list[int]]], None] | None = None,
-    seed: int = 0,
+    seed: str = "peer-plan-1",
 ) -> dict[str, dict[str, Any]]:
     """Every measure of the plan in order, the same way and with the same prompts for every engine;
     done(name, entry) after each (to write partial results); after_decode(measure, prompts) may time more over a
     decode measure's cached prompts. Warm measures over one prefix length share its priming (one cold prefill of
-    the prefix), whose ids count in the digest of the first measure that primes it."""
-    prompt = Prompts(vocab_size, seed)
-    engine.run([prompt(plan.warmup_tokens)], 1)  # warm-up: kernels, allocator, lazy compilation
-    prompt.digest()
+    the prefix, drawn from a stream of its own, so a measure's ids do not depend on which measures ran before)."""
+    engine.run([Prompts(vocab_size, f"{seed}:warmup")(plan.warmup_tokens)], 1)  # kernels, allocator, compilation
     primed: dict[int, list[int]] = {}
+    prefix_digest: dict[int, str] = {}
     entries: dict[str, dict[str, Any]] = {}
     for m in plan.measures:
+        prompt = Prompts(vocab_size, f"{seed}:{m.name}")
         if m.kind == "cold":
             runs = [engine.run([prompt(m.new)], 1) for _ in range(plan.repeats)]
             entry = record(m, [t for t, _ in runs], cached_tokens=max(c[0] for _, c in runs))
         elif m.kind == "warm":
             if m.cached not in primed:
-                primed[m.cached] = prompt(m.cached)
+                prefix = Prompts(vocab_size, f"{seed}:prefix:{m.cached}")
+                primed[m.cached] = prefix(m.cached)
+                prefix_digest[m.cached] = prefix.digest()
                 engine.run([primed[m.cached]], 1)
             runs = [engine.run([primed[m.cached] + prompt(m.new)], 1) for _ in range(plan.repeats)]
             entry = record(m, [t for t, _ in runs], cached_tokens=min(c[0] for _, c in runs))
@@ -180,6 +181,8 @@ def run_plan(
             samples = decode_step_samples(first_only, with_steps, m.steps)
             entry = record(m, samples, first_only_s=first_only, with_steps_s=with_steps, distinct_tokens=spread)
         entry["prompt_sha256"] = prompt.digest()
+        if m.kind == "warm":
+            entry["prefix_sha256"] = prefix_digest[m.cached]
         entries[m.name] = entry
         done(m.name, entry)
     return entries

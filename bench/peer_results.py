@@ -165,6 +165,62 @@ def engine_rows(engines: dict[str, dict[str, Any]], target: float = TARGET) -> l
     return rows
 
 
+ENGINE_RUN_FILE = re.compile(r"^(?P<side>ours|vllm)-engine.*\.json$")
+
+
+def engine_runs(raws: list[Path]) -> list[dict[str, Any]]:
+    """Every engine run in these folders (each file once: a tarball may hold a copy of a file beside it), in
+    the order of their folders: side, where, provenance, step budget and seconds per measure. Repeated and
+    alternated runs of one session show their spread, which one file's medians hide."""
+    runs: list[dict[str, Any]] = []
+    seen: set[tuple] = set()
+    for raw in raws:
+        for name, where, doc in raw_documents(raw):
+            match = ENGINE_RUN_FILE.match(name)
+            if not match or not isinstance(doc.get("measures"), dict):
+                continue
+            seconds = {m: e.get("seconds") for m, e in doc["measures"].items() if isinstance(e, dict)}
+            key = (match["side"], tuple(sorted(seconds.items())))
+            if key in seen or not seconds:
+                continue
+            seen.add(key)
+            settings = doc.get("settings") or {}
+            runs.append(
+                {
+                    "side": match["side"],
+                    "source": where,
+                    "date": doc.get("date"),
+                    "provenance": doc.get("provenance"),
+                    "max_num_batched_tokens": settings.get("max_num_batched_tokens"),
+                    "seconds": seconds,
+                    "prompt_sha256": {m: e.get("prompt_sha256") for m, e in doc["measures"].items()},
+                }
+            )
+    return runs
+
+
+def ratio_spread(runs: list[dict[str, Any]], ours_provenance: Any) -> dict[str, dict[str, Any]]:
+    """Per measure, vLLM seconds over ours for every pair of an ours run of this code (ours_provenance: a run of
+    other code is another engine) and a vLLM run that timed it with the same prompts (or prompts not recorded):
+    the smallest and largest ratio and how many runs each side had."""
+    spread: dict[str, dict[str, Any]] = {}
+    for name in MEASURE_NAMES:
+        ours = [
+            r for r in runs if r["side"] == "ours" and r["seconds"].get(name) and r["provenance"] == ours_provenance
+        ]
+        vllm = [r for r in runs if r["side"] == "vllm" and r["seconds"].get(name)]
+        ratios = [
+            v["seconds"][name] / o["seconds"][name]
+            for o in ours
+            for v in vllm
+            if None in (o["prompt_sha256"].get(name), v["prompt_sha256"].get(name))
+            or o["prompt_sha256"][name] == v["prompt_sha256"][name]
+        ]
+        if ratios:
+            spread[name] = {"min": min(ratios), "max": max(ratios), "ours_runs": len(ours), "vllm_runs": len(vllm)}
+    return spread
+
+
 def step_summary(step: dict[str, Any] | None) -> dict[str, Any] | None:
     if step is None:
         return None
@@ -383,6 +439,13 @@ def main() -> None:
         "--kv-offloading-size): reported under vllm_variant, with ours over the better of vLLM's two",
     )
     parser.add_argument("--vllm-variant-name", default="offload", help="what the variant is, for the JSON")
+    parser.add_argument(
+        "--runs-raw",
+        action="append",
+        default=[],
+        help="folders of more engine runs of the same session (repeats, the other order, other settings): every "
+        "run of these and of --raw is listed under engine_runs, with each measure's ratio spread",
+    )
     args = parser.parse_args()
     raw = Path(args.raw)
     if not raw.is_dir():
@@ -399,6 +462,13 @@ def main() -> None:
             f"vLLM {v['name']}: largest passing, cache aside: {v['largest_passing_cache_aside']}; ours over vLLM's "
             f"best ({v['largest_passing_cache_aside_best_vllm']}): {ratio}"
         )
+    if args.runs_raw:
+        runs = engine_runs([raw, *map(Path, args.runs_raw)])
+        result["engine_runs"] = runs
+        result["engine_ratio_spread"] = ratio_spread(runs, result["provenance"].get("ours"))
+        for name, row in result["engine_ratio_spread"].items():
+            runs_note = f"{row['ours_runs']} x {row['vllm_runs']} runs"
+            print(f"  {name:<28} ratio {row['min']:.2f} .. {row['max']:.2f} ({runs_note})")
     if args.vllm_reference:
         result["vllm_reference"] = with_reference(result, json.loads(Path(args.vllm_reference).read_text()))
         ref = result["vllm_reference"]

@@ -5,6 +5,7 @@ over a stand-in for vLLM's offline API."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import io
 import json
 import os
@@ -21,7 +22,9 @@ from bench.peer_results import (
     assemble,
     engine_keys_missing,
     engine_rows,
+    engine_runs,
     passing_ratio,
+    ratio_spread,
     with_reference,
     with_vllm_variant,
 )
@@ -342,6 +345,14 @@ def test_both_engines_get_the_same_token_ids_and_the_results_say_so() -> None:
     assert len(set(digests)) == len(digests)  # each measure's own prompts
     other = run_plan(QUICK, RecordingEngine(), 128256, lambda name, entry: None)  # another vocabulary: other ids
     assert other["prefill_cold_8k"]["prompt_sha256"] != digests[0]
+    # a run of some measures (--only-measures) gives them the very ids of the whole plan's run
+    decode_only = dataclasses.replace(QUICK, measures=tuple(m for m in QUICK.measures if m.kind == "decode"))
+    alone = run_plan(decode_only, RecordingEngine(), 49152, lambda name, entry: None)
+    assert {name: e["prompt_sha256"] for name, e in alone.items()} == {
+        m.name: entries["ours"][m.name]["prompt_sha256"] for m in decode_only.measures
+    }
+    warm = [m.name for m in QUICK.measures if m.kind == "warm" and m.cached == QUICK.measures[1].cached]
+    assert len({entries["ours"][name]["prefix_sha256"] for name in warm}) == 1  # one primed prefix, shared
 
     ours = engine_result("kvserve", {"prefill_cold_8k": 0.5})
     vllm = engine_result("vllm 0.25.0", {"prefill_cold_8k": 1.0})
@@ -373,3 +384,25 @@ def test_provenance_names_the_commit_and_hashes_an_uncommitted_change(tmp_path: 
     (tmp_path / "a.py").write_text("x = 1\n")
     (tmp_path / "new.py").write_text("y = 1\n")  # an untracked file counts too
     assert provenance(tmp_path)["dirty"] is True
+
+
+def test_engine_runs_list_every_run_once_and_spread_the_ratio_over_runs_of_the_same_code(tmp_path: Path) -> None:
+    code = {"commit": "a" * 40, "diff_sha256": None, "dirty": False}
+    other_code = {"commit": "b" * 40, "diff_sha256": None, "dirty": False}
+    write(tmp_path / "first", "ours-engine.json", engine_result("kvserve", {"decode_4k_b1": 0.004}, provenance=code))
+    write(tmp_path / "first", "vllm-engine.json", engine_result("vllm", {"decode_4k_b1": 0.003}))
+    write(tmp_path / "again", "ours-engine.json", engine_result("kvserve", {"decode_4k_b1": 0.005}, provenance=code))
+    write(tmp_path / "again", "vllm-engine.json", engine_result("vllm", {"decode_4k_b1": 0.0035}))
+    changed = engine_result("kvserve", {"decode_4k_b1": 0.001}, provenance=other_code)  # another engine: left out
+    write(tmp_path / "again", "ours-engine-changed.json", changed)
+    buffer = io.BytesIO()  # a tarball holding a copy of a file already listed counts once
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        data = (tmp_path / "first" / "ours-engine.json").read_bytes()
+        info = tarfile.TarInfo("./ours-engine.json")
+        info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    (tmp_path / "first" / "pack.tar.gz").write_bytes(buffer.getvalue())
+    runs = engine_runs([tmp_path / "first", tmp_path / "again"])
+    assert [r["side"] for r in runs].count("ours") == 3 and [r["side"] for r in runs].count("vllm") == 2
+    spread = ratio_spread(runs, code)["decode_4k_b1"]
+    assert spread == {"min": pytest.approx(0.6), "max": pytest.approx(0.875), "ours_runs": 2, "vllm_runs": 2}

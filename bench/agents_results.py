@@ -220,7 +220,7 @@ def main() -> None:
         charts = draw_charts(
             steps,
             str(Path(args.out).with_suffix("")),
-            Thresholds(**main_steps["thresholds"]),
+            Thresholds.from_record(main_steps["thresholds"]),
             title="llama-8b shape, one H200, Claude Code traces:",
         )
         print("charts:", ", ".join(str(c) for c in charts))

@@ -74,7 +74,8 @@ def draw_charts(
     ax.bar(x, l1, 0.5, bottom=l0, label="L1 (host)", color="#bcbddc")
     ax.plot(x, _values(steps, "cache_hit"), "ko", label="cache hit (usage)")
     ax.plot(x, _values(steps, "expected_cache_hit"), "k_", markersize=20, label="trace's reuse")
-    ax.axhline(thresholds.cache_hit, color="red", linestyle="--", linewidth=1, label="bar")
+    bar = [None if v is None else v * thresholds.cache_hit_of_optimum for v in _values(steps, "expected_cache_hit")]
+    ax.plot(x, bar, "r_", markersize=20, label=f"bar ({thresholds.cache_hit_of_optimum:.0%} of the trace's reuse)")
     ax.set_xticks(x, labels)
     ax.set_xlabel("concurrent agents")
     ax.set_ylim(0, 1.05)
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> int:
         print(main.__doc__, file=sys.stderr)
         return 0 if argv else 2
     results = json.loads(Path(argv[0]).read_text())
-    thresholds = Thresholds(**results["thresholds"]) if "thresholds" in results else Thresholds()
+    thresholds = Thresholds.from_record(results["thresholds"]) if "thresholds" in results else Thresholds()
     prefix = argv[1] if len(argv) > 1 else str(Path(argv[0]).with_suffix(""))
     for path in draw_charts(results["steps"], prefix, thresholds, title=str(results.get("model", ""))):
         print(path)

@@ -49,7 +49,9 @@ CONTEXT_SCALE=${CONTEXT_SCALE:-0.1}
 MAX_OUT=${MAX_OUT:-64}
 STEP_EST=${STEP_EST:-150}      # a step is not started with less time than this left (12 turns take 60-250 s)
 STEP_MAX=${STEP_MAX:-300}      # a step still running after this is stopped (vLLM's 80 agents ran 422 s, unfinished)
-VLLM_API=${VLLM_API:-anthropic} # vLLM's /v1/messages drops ignore_eos; `openai` honours it (random weights rarely stop)
+# Both sides' agent API: vLLM's /v1/messages drops ignore_eos (its calls then stop early and decode less), its chat
+# completions honour it, and so do ours: both are driven through `openai` (each step also counts short_outputs)
+AGENT_API=${AGENT_API:-${VLLM_API:-openai}}
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer) for its engine measures
@@ -238,8 +240,8 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
 
 agents_part() {  # side: its server started if need be, the steps left in this call's time, stopped when all are done
   case $1 in
-    vllm) vllm_install && vllm_start && vllm_wait && run_steps vllm --api "$VLLM_API" && vllm_stop ;;
-    ours) ours_start && ours_wait && run_steps ours && ours_stop ;;
+    vllm) vllm_install && vllm_start && vllm_wait && run_steps vllm --api "$AGENT_API" && vllm_stop ;;
+    ours) ours_start && ours_wait && run_steps ours --api "$AGENT_API" && ours_stop ;;
   esac
 }
 

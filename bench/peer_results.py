@@ -47,6 +47,7 @@ STEP_OPTIONAL = (
     "wall_s",
     "ttft_p95_warm",
     "ttft_p95_cold",
+    "short_outputs",
 )
 
 

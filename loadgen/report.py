@@ -143,6 +143,9 @@ def step_stats(
         "input_tokens": input_tokens,
         "cached_tokens": cached_tokens,
         "output_tokens": sum(r.output_tokens for r in answered),
+        # answered calls that stopped before max_tokens: a server that drops ignore_eos (vLLM's /v1/messages)
+        # decodes less than it was asked to, which flatters its tok/s and TTFT under load
+        "short_outputs": sum(1 for r in answered if r.output_tokens < r.max_tokens),
         "cache_hit": _rounded(_ratio(cached_tokens, input_tokens)),
         "cache_hit_warm": _rounded(_ratio(sum(r.cached_tokens for r in warm), sum(r.input_tokens for r in warm))),
         "cache_hit_cold": _rounded(_ratio(sum(r.cached_tokens for r in cold), sum(r.input_tokens for r in cold))),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from loadgen.agent import RequestRecord
@@ -161,3 +163,11 @@ def test_largest_passing() -> None:
     # a pass above a failure is not capacity: the run of passes from the smallest count ends at the first failure
     noisy = [{"agents": 16, "passed": False}, {"agents": 4, "passed": True}, {"agents": 8, "passed": True}]
     assert largest_passing([*noisy, {"agents": 32, "passed": True}]) == 8
+
+
+def test_short_outputs_count_answered_calls_that_stopped_before_max_tokens() -> None:
+    """A server that drops ignore_eos stops calls early: the step says how many, so tok/s is read with it."""
+    records = [_record(agent=a) for a in range(4)]
+    records[1] = dataclasses.replace(records[1], output_tokens=40)
+    records.append(_record(agent=5, error="http 500", ttft=None, output=0))  # unanswered: not counted
+    assert step_stats(records, 5)["short_outputs"] == 1

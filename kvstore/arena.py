@@ -54,6 +54,26 @@ class Arena:
             self._fd = -1
 
 
+def ensure_arena_dir(arena_dir: str | Path) -> bool:
+    """Make arena_dir (mode 0700: the arena holds cached prompts) when it is missing; True if it was made.
+    ArenaError names the directory when it cannot be made."""
+    directory = Path(arena_dir)
+    if directory.is_dir():
+        return False
+    try:
+        directory.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        if directory.is_dir():
+            return False  # made meanwhile by another kvstore
+        raise ArenaError(f"l1_arena_dir {directory} exists and is not a directory") from None
+    except OSError as exc:
+        raise ArenaError(
+            f"l1_arena_dir {directory} does not exist and cannot be created ({exc.strerror}): create it, or set "
+            "l1_arena_dir (KVSERVE_L1_ARENA_DIR) to a writable directory such as /dev/shm"
+        ) from exc
+    return True
+
+
 def create_arena(
     arena_dir: str | Path,
     size_bytes: int,

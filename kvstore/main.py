@@ -21,7 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts import service_main
 from contracts.config import KvServeConfig
 from contracts.internal_auth import InternalAuthError
-from kvstore.arena import Arena, ArenaError, create_arena, remove_stale_arenas
+from kvstore.arena import Arena, ArenaError, create_arena, ensure_arena_dir, remove_stale_arenas
 from kvstore.l1_tier import ArenaInfo, L1Tier
 from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
 from kvstore.servicer import KvStoreServicer
@@ -53,7 +53,10 @@ class PreparedArena:
 
 
 def prepare_arena(config: KvServeConfig) -> PreparedArena:
-    """Remove stale arenas of ours, size the budget from the machine, create and reserve the arena."""
+    """Make the arena dir if missing, remove stale arenas of ours, size the budget from the machine, create
+    and reserve the arena."""
+    if ensure_arena_dir(config.l1_arena_dir):
+        log.info("created the arena dir %s (mode 0700)", config.l1_arena_dir)
     for path in remove_stale_arenas(config.l1_arena_dir):
         log.info("removed a stale arena left by a killed kvstore: %s", path)
     readings = read_machine(config.l1_arena_dir)

@@ -16,6 +16,8 @@ CPU_MAX_OUTPUT_TOKENS = 64
 # The client waits this much longer than the gateway's own deadline, so that a request that runs out of time
 # ends with the gateway's error rather than with the client abandoning it and retrying the same cold prefill.
 CLIENT_TIMEOUT_MARGIN_SECS = 60
+OPEN_GATEWAY_KEY = "local"  # any value: a gateway without an api_keys_file takes no keys (loopback only)
+API_KEY_PLACEHOLDER = "YOUR_KVSERVE_API_KEY"  # with an api_keys_file: the user's key goes here
 
 
 def max_output_tokens(max_model_len: int, on_cpu: bool) -> int:
@@ -24,7 +26,13 @@ def max_output_tokens(max_model_len: int, on_cpu: bool) -> int:
 
 
 def claude_code_environment(
-    base_url: str, model: str, max_model_len: int, request_timeout_secs: float, *, on_cpu: bool
+    base_url: str,
+    model: str,
+    max_model_len: int,
+    request_timeout_secs: float,
+    *,
+    on_cpu: bool,
+    api_key: str = OPEN_GATEWAY_KEY,
 ) -> dict[str, str]:
     """Variables for Claude Code against `base_url`. It must compact before our context is full (it assumes
     1M tokens for a model it does not know), keep its output within what the context and the device allow,
@@ -33,7 +41,7 @@ def claude_code_environment(
     client_timeout_ms = str(int((request_timeout_secs + CLIENT_TIMEOUT_MARGIN_SECS) * 1000))
     return {
         "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": "local",  # any value: the local gateway runs without keys on loopback
+        "ANTHROPIC_API_KEY": api_key,
         "ANTHROPIC_MODEL": model,
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": model,
         "ANTHROPIC_DEFAULT_SONNET_MODEL": model,
@@ -43,6 +51,15 @@ def claude_code_environment(
         "API_TIMEOUT_MS": client_timeout_ms,
         "CLAUDE_STREAM_IDLE_TIMEOUT_MS": client_timeout_ms,
     }
+
+
+def paste_instructions(environment: dict[str, str], claude: str, keys_note: str = "") -> str:
+    """The exports as one block to paste, and the command apart: a block ending in the command would start
+    Claude Code as it is pasted, before the user has read (or replaced) anything. `keys_note` comes first."""
+    exports = "".join(f"  export {name}={value}\n" for name, value in environment.items())
+    note = f"{keys_note}\n" if keys_note else ""
+    header = f"\nUse it from Claude Code.\n{note}Paste these exports into your shell:\n\n"
+    return f"{header}{exports}\nthen run:\n\n  {claude}\n"
 
 
 def claude_command(bin_dir: Path) -> str:

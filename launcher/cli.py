@@ -77,7 +77,17 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--config", help="YAML config file (for the default key file)")
         if action == "create":
             sub.add_argument("--name", required=True, help="who or what the key is for")
-            sub.add_argument("--models", default="*", help="allowed models: m1,m2 or * for all (default: *)")
+            sub.add_argument(
+                "--models",
+                help="allowed models: m1,m2 or * for all; a name covers every name of its model ('default' and the "
+                "served name are one). Default: *, or none with --metrics",
+            )
+            sub.add_argument(
+                "--metrics",
+                action="store_true",
+                help="the metrics scope: the key may read GET /metrics (no key may otherwise, '*' included); "
+                "alone it makes a scraper's key that cannot run models",
+            )
         if action == "revoke":
             sub.add_argument("key", help="the key's id (as `kvserve keys list` shows it), or its name if unique")
 
@@ -119,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         path = keys_file(args.file, args.config)
         if args.keys_command == "create":
-            return create_command(path, args.name, args.models)
+            return create_command(path, args.name, args.models, args.metrics)
         return revoke_command(path, args.key) if args.keys_command == "revoke" else list_command(path)
     if args.command == "secret":
         from launcher.stack_secrets import create_command as create_secret_command

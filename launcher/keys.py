@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from gateway.auth import ALL_MODELS, KeyFileError, KeyStore, create_key, revoke_key
+from gateway.auth import ALL_MODELS, METRICS_SCOPE, KeyFileError, KeyStore, create_key, revoke_key
 
 DEFAULT_KEYS_FILE = "kvserve-keys.json"
 
@@ -20,26 +20,39 @@ def keys_file(file: str | None, config_file: str | None) -> Path:
     return Path(load_config(config_file).api_keys_file or DEFAULT_KEYS_FILE)
 
 
-def parse_models(spec: str) -> list[str]:
-    """'*' -> ['*'] (every model), 'a,b' -> ['a', 'b']."""
+def parse_models(spec: str | None, metrics: bool = False) -> list[str]:
+    """'*' -> ['*'] (every model), 'a,b' -> ['a', 'b']; not given: every model, or none for a --metrics key
+    (a scraper's key then cannot run inference; give --models as well for both)."""
+    if spec is None:
+        return [] if metrics else [ALL_MODELS]
     models = [model.strip() for model in spec.split(",") if model.strip()]
-    if not models:
+    if not models and not metrics:
         raise ValueError("--models needs model names separated by commas, or '*' for all models")
     if ALL_MODELS in models and len(models) > 1:
         raise ValueError("--models: '*' already allows every model; give it alone")
     return models
 
 
-def create_command(path: Path, name: str, models_spec: str, out: TextIO = sys.stdout, err: TextIO = sys.stderr) -> int:
+def create_command(
+    path: Path,
+    name: str,
+    models_spec: str | None,
+    metrics: bool = False,
+    out: TextIO = sys.stdout,
+    err: TextIO = sys.stderr,
+) -> int:
     try:
-        secret = create_key(path, name, parse_models(models_spec))
+        models = parse_models(models_spec, metrics)
+        secret = create_key(path, name, models, [METRICS_SCOPE] if metrics else [])
     except (ValueError, KeyFileError, OSError) as exc:
         print(f"error: {exc}", file=err)
         return 1
     # The secret alone goes to stdout, so `KEY=$(kvserve keys create ...)` captures just the key.
     print(secret, file=out)
+    allowed = [f"models {','.join(models)}"] if models else []
+    allowed += ["GET /metrics"] if metrics else []
     print(
-        f"created API key {name!r} for models {models_spec} in {path}.\n"
+        f"created API key {name!r} for {' and '.join(allowed)} in {path}.\n"
         "This is the only time the key is shown: it is stored as a hash and cannot be recovered.\n"
         f"The gateway uses the file when api_keys_file names it (KVSERVE_API_KEYS_FILE={path.resolve()}).",
         file=err,
@@ -56,12 +69,15 @@ def list_command(path: Path, out: TextIO = sys.stdout, err: TextIO = sys.stderr)
     if not store.entries:
         print(f"no keys in {path}", file=err)
         return 0
-    rows = [("ID", "NAME", "MODELS", "CREATED")]
-    rows += [(entry.id, entry.name, ",".join(entry.models), entry.created_at) for entry in store.entries]
-    widths = [max(len(row[column]) for row in rows) for column in range(3)]
+    rows = [("ID", "NAME", "MODELS", "SCOPES", "CREATED")]
+    rows += [
+        (entry.id, entry.name, ",".join(entry.models) or "-", ",".join(entry.scopes) or "-", entry.created_at)
+        for entry in store.entries
+    ]
+    widths = [max(len(row[column]) for row in rows) for column in range(4)]
     for row in rows:
-        padded = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
-        print("  ".join([*padded, row[3]]), file=out)
+        padded = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
+        print("  ".join([*padded, row[4]]), file=out)
     return 0
 
 

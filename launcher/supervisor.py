@@ -63,11 +63,13 @@ class Supervisor:
         self.log_dir = log_dir
         self.out = out
         self.services: list[RunningService] = []
-        log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
 
     def start(self, spec: ServiceSpec) -> RunningService:
         log_path = self.log_dir / f"{spec.name}.log"
-        log_path.write_bytes(b"")  # a fresh log per `up`; a restart by policy appends to it
+        # A fresh log per `up`, its user's alone (it holds session ids); a restart by policy appends to it.
+        os.close(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+        log_path.chmod(0o600)
         service = RunningService(spec, self._spawn(spec, log_path), log_path, time.monotonic())
         self.services.append(service)
         return service
@@ -85,6 +87,7 @@ class Supervisor:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,  # no preexec_fn: see launcher/parent_death.py
+                umask=0o077,  # what it writes (Redis's dump and append-only files hold session ids) stays private
             )
 
     def wait_healthy(self, services: Sequence[RunningService]) -> None:

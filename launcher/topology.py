@@ -36,6 +36,7 @@ LOCAL_SECRET_FILES = {INTERNAL_SECRET: "internal-secret", REDIS_PASSWORD: "redis
 LOCAL_REDIS_CONF = "redis-auth.conf"  # in the state dir: requirepass, so the password is not in redis's argv
 COMPOSE_REDIS_CONF = "/tmp/redis-auth.conf"  # written inside the redis container at its start
 DEFAULT_REDIS_PORT = 6379
+MAX_PORT_PICKS = 100
 RANK_STARTUP_S = 600.0  # a large model loads for minutes; the compose start_period and `up --ready-timeout`
 
 
@@ -101,6 +102,7 @@ class _Stack:
     plan: StackPlan
     ranks: int
     gpu_ids: tuple[str, ...]
+    given_ports: set[int] = field(default_factory=set)  # picked for port 0 in this build
 
     @property
     def compose(self) -> bool:
@@ -111,7 +113,16 @@ class _Stack:
         return COMPOSE_BIND if self.compose else LOCAL_BIND  # internal services: loopback only when local
 
     def port(self, configured: int) -> int:
-        return configured if self.compose or configured != 0 else free_port()
+        return configured if self.compose or configured != 0 else self.free_port()
+
+    def free_port(self) -> int:
+        """A free port no other service of this build was given: the OS may report one port free twice."""
+        for _ in range(MAX_PORT_PICKS):
+            port = free_port()
+            if port not in self.given_ports:
+                self.given_ports.add(port)
+                return port
+        raise RuntimeError(f"no free port unlike {sorted(self.given_ports)} after {MAX_PORT_PICKS} picks")
 
     def address(self, name: str, host: str, port: int) -> str:
         return f"{name}:{port}" if self.compose else client_target(host, port)
@@ -232,7 +243,7 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
     if stack.compose:
         port = config.rank_worker_port  # a container each: every rank listens on the same port
     elif config.rank_worker_port == 0:
-        port = free_port()
+        port = stack.free_port()
     else:
         port = config.rank_worker_port + rank  # consecutive ports on one machine
     address = stack.address(name, host, port)

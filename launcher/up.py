@@ -1,11 +1,12 @@
 """`kvserve up`: start the whole local stack and keep it running until Ctrl-C.
 
 The stack is the topology (launcher/topology.py) in local mode: redis-server, the kvstore, the router, N rank
-workers and the gateway, started tier by tier in dependency order, each waited on until healthy. Logs, the
-redis data, services.json (names, pids, addresses) and the secrets (the internal plane's shared secret and
-Redis's password, mode 0600, made on the first start) go to the state dir (default .kvserve/run). SIGINT or
-SIGTERM stops everything in reverse order. A service that exits once the stack is up is restarted, as
-compose's `restart: unless-stopped` would; one that keeps crashing stops the stack.
+workers and the gateway, started tier by tier in dependency order, each waited on until healthy. Logs (the
+previous run's kept in logs.prev), the redis data, services.json (names, pids, addresses) and the secrets (the
+internal plane's shared secret and Redis's password, made on the first start) go to the state dir (default
+.kvserve/run), its user's alone (launcher/state_dir.py). SIGINT or SIGTERM stops everything in reverse order.
+A service that exits once the stack is up is restarted, as compose's `restart: unless-stopped` would; one that
+keeps crashing stops the stack.
 """
 
 from __future__ import annotations
@@ -28,8 +29,15 @@ import grpc
 
 from contracts import internal_auth
 from contracts.config import KvServeConfig, load_config
-from launcher.claude_code_env import claude_code_environment, claude_command
-from launcher.stack_secrets import prepare_local_secrets
+from launcher.claude_code_env import (
+    API_KEY_PLACEHOLDER,
+    OPEN_GATEWAY_KEY,
+    claude_code_environment,
+    claude_command,
+    paste_instructions,
+)
+from launcher.stack_secrets import prepare_local_secrets, write_private
+from launcher.state_dir import LOGS, PREVIOUS_LOGS, prepare_state_dir
 from launcher.supervisor import ServiceFailedError, Supervisor
 from launcher.topology import (
     INTERNAL_SECRET,
@@ -133,13 +141,6 @@ def _check_port_free(spec: ServiceSpec) -> None:
             ) from exc
 
 
-def _prepare_state_dir(state_dir: Path) -> None:
-    (state_dir / "redis").mkdir(parents=True, exist_ok=True)
-    ignore = state_dir / ".gitignore"
-    if not ignore.exists():
-        ignore.write_text("# kvserve up's logs and local state\n*\n")  # the state dir ignores itself
-
-
 def write_services_file(supervisor: Supervisor, path: Path) -> None:
     """services.json: what runs where, for scripts and tests (pids change when a service is restarted)."""
     entries = [
@@ -152,9 +153,7 @@ def write_services_file(supervisor: Supervisor, path: Path) -> None:
         }
         for service in supervisor.services
     ]
-    temporary = path.with_suffix(".tmp")
-    temporary.write_text(json.dumps({"launcher_pid": os.getpid(), "services": entries}, indent=2) + "\n")
-    temporary.replace(path)
+    write_private(path, json.dumps({"launcher_pid": os.getpid(), "services": entries}, indent=2) + "\n")
 
 
 def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
@@ -168,12 +167,12 @@ def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
     except (StackError, FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         say(f"error: {exc}\n")
         return 1
-    _prepare_state_dir(options.state_dir)
+    log_dir = prepare_state_dir(options.state_dir)
     prepare_local_secrets(options.state_dir)
     # Its own calls to the stack (the rank's ModelInfo) carry the secret the services check.
     internal_auth.use_secret(internal_auth.read_secret_file(local_secret_path(options.state_dir, INTERNAL_SECRET)))
     tiers = start_tiers(specs)
-    supervisor = Supervisor(options.state_dir / "logs", say)
+    supervisor = Supervisor(log_dir, say)
     services_file = options.state_dir / "services.json"
     previous_sigterm = signal.signal(signal.SIGTERM, _raise_interrupt)
     # Explicitly, not Python's default: a launcher started in the background of a script inherits SIGINT
@@ -242,14 +241,22 @@ def _print_ready(
         each = cpu_kv_cache_gb(config, len(ranks))
         split = f", split between {len(ranks)} ranks: {each:g} GB each" if len(ranks) > 1 else ""
         out.write(f"  KV pools on the CPU: kv_cache_memory_gb {total:g}{split}; the L1 arena leaves that RAM free\n")
-    out.write(f"  logs: {(options.state_dir / 'logs').resolve()}\n")
-    out.write("\nUse it from Claude Code:\n")
+    logs = (options.state_dir / LOGS).resolve()
+    out.write(f"  logs: {logs} (the previous run's: {logs.with_name(PREVIOUS_LOGS)})\n")
     on_cpu = ranks[0].gpu is None
-    environment = claude_code_environment(base_url, model, max_model_len, config.request_timeout_secs, on_cpu=on_cpu)
-    for name, value in environment.items():
-        out.write(f"  export {name}={value}\n")
+    api_key, keys_note = OPEN_GATEWAY_KEY, ""
+    if config.api_keys_file:  # the gateway refuses any other key: the user pastes one of the file's
+        keys = Path(config.api_keys_file).resolve()
+        api_key = API_KEY_PLACEHOLDER
+        keys_note = (
+            f"API keys are on (api_keys_file {keys}): put one of its keys in place of {API_KEY_PLACEHOLDER}.\n"
+            f"  {_kvserve_command()} keys create --name NAME --file {keys}\nmakes one and prints it once."
+        )
+    environment = claude_code_environment(
+        base_url, model, max_model_len, config.request_timeout_secs, on_cpu=on_cpu, api_key=api_key
+    )
+    out.write(paste_instructions(environment, claude_command(Path(sys.executable).parent), keys_note))
     out.write(
-        f"  {claude_command(Path(sys.executable).parent)}\n"
         "\nOr from the command line:\n"
         f'  {_kvserve_command()} complete "Write a haiku about caches." --max-tokens 48 --target {ranks[0].address}'
         f"{_secret_flag(options.state_dir)}\n"

@@ -72,10 +72,71 @@ def redis_server_args(port: int, data_dir: Path) -> list[str]:
     return [*args, "--appendonly", "yes", "--save", "", "--protected-mode", "yes"]
 
 
+class PortClaims:
+    """Loopback ports for test services, never one twice while its claimer lives. The OS reports a port free
+    (bind to port 0, then close), so it may report the same one again before the service it went to has bound
+    it: two ranks of one stack got one port that way. Each port handed out is claimed by a file named after it
+    and holding the claimer's pid, made with O_EXCL, so neither this process (whose module may be imported
+    under two names) nor another xdist worker or test run on the machine is given it while the claimer lives."""
+
+    MAX_PICKS = 1000
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.claimed: set[int] = set()
+
+    def take(self) -> int:
+        self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for _ in range(self.MAX_PICKS):
+            with socket.socket() as sock:
+                sock.bind(("127.0.0.1", 0))
+                port = int(sock.getsockname()[1])
+            if port not in self.claimed and self._claim(port):
+                self.claimed.add(port)
+                return port
+        raise RuntimeError(f"no unclaimed free port after {self.MAX_PICKS} picks (claims in {self.directory})")
+
+    def release(self) -> None:
+        for port in self.claimed:
+            (self.directory / str(port)).unlink(missing_ok=True)
+        self.claimed.clear()
+
+    def _claim(self, port: int) -> bool:
+        path = self.directory / str(port)
+        try:
+            descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            if not _claimer_alive(path):
+                path.unlink(missing_ok=True)  # left by a killed process: free for a later pick, not this one
+            return False
+        with os.fdopen(descriptor, "w") as claim:
+            claim.write(str(os.getpid()))
+        return True
+
+
+def _claimer_alive(path: Path) -> bool:
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return False
+    if not text.isdigit():
+        return True  # just made: its pid is being written
+    try:
+        os.kill(int(text), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's live process
+    return True
+
+
+PORT_CLAIMS = PortClaims(Path(tempfile.gettempdir()) / f"kvserve-test-ports-{os.getuid()}")
+atexit.register(PORT_CLAIMS.release)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A loopback port free now that no other live test process or earlier call was given."""
+    return PORT_CLAIMS.take()
 
 
 def service_env(**settings: str) -> dict[str, str]:

@@ -284,6 +284,35 @@ def test_pins_nobody_releases_expire(tmp_path: Path) -> None:
         assert (stats.pinned_slots, stats.writing_slots, stats.free_slots) == (0, 0, stats.num_slots)
 
 
+def test_a_missing_arena_dir_is_created_private(tmp_path: Path) -> None:
+    arena_dir = tmp_path / "made" / "l1"
+    port = free_port()
+    with (
+        start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(arena_dir)),
+        internal_auth.channel(f"127.0.0.1:{port}") as channel,
+    ):
+        arena = attach(pb_grpc.KvStoreStub(channel), "rank-a")
+        assert Path(arena.arena_path).parent == arena_dir
+        assert arena_dir.stat().st_mode & 0o777 == 0o700
+    assert f"created the arena dir {arena_dir}" in (tmp_path / "kvstore.log").read_text()
+
+
+def test_an_arena_dir_that_cannot_be_made_is_named(tmp_path: Path) -> None:
+    (tmp_path / "a-file").write_text("")
+    arena_dir = tmp_path / "a-file" / "l1"  # under a regular file: no directory can be made there
+    result = subprocess.run(
+        [sys.executable, "-m", "kvstore", "--port", str(free_port())],
+        cwd=ROOT,
+        env=service_env(**kvstore_settings(arena_dir)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 1
+    assert f"l1_arena_dir {arena_dir} does not exist and cannot be created" in result.stderr, result.stderr
+    assert "KVSERVE_L1_ARENA_DIR" in result.stderr
+
+
 def test_no_ram_exits_1_and_l1_disabled_exits_2(tmp_path: Path) -> None:
     env = service_env(KVSERVE_L1_ARENA_DIR=str(tmp_path), KVSERVE_L1_HOST_GB=ARENA_GB, KVSERVE_L1_HEADROOM_GB="1000000")
     result = subprocess.run(

@@ -1,7 +1,7 @@
 """`kvserve up --ranks 2` as a real process: redis, kvstore, router, two rank workers and the gateway start and
 are wired together, a request goes through the gateway, a killed service is restarted, Ctrl-C leaves no
 process behind; `kvserve complete` against a rank; `up`'s clear failures (a service that cannot start,
-no redis-server, a port in use)."""
+no redis-server, a port in use); `kvserve keys create --metrics`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from service_processes import free_port, running_process, service_env
 from tokenizers import Tokenizer
 
 from contracts import internal_auth
+from gateway.auth import KeyStore
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.claude_code_env import claude_code_environment
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
@@ -298,6 +299,20 @@ def test_up_stops_everything_on_ctrl_c(stack: Stack) -> None:
     assert probe(HealthCheck("redis", stack.address("redis")), timeout_s=2) is not None
 
 
+def test_up_leaves_its_state_dir_private(stack: Stack) -> None:
+    """Logs and Redis's dump and append-only files hold session ids: the state dir is its user's alone."""
+    assert stack.process.poll() is not None  # after the stop, when Redis has saved its dump
+    readable = []
+    for directory, _, files in os.walk(stack.state_dir):
+        for path in [Path(directory)] + [Path(directory, name) for name in files]:
+            expected = 0o700 if path.is_dir() else 0o600
+            if path.stat().st_mode & 0o777 != expected:
+                readable.append(f"{path.relative_to(stack.state_dir)} {oct(path.stat().st_mode & 0o777)}")
+    assert (stack.state_dir / "redis" / "appendonlydir").is_dir()
+    assert (stack.state_dir / "logs" / "gateway.log").exists()
+    assert readable == []
+
+
 def test_up_reports_a_service_that_fails_to_start(tmp_path: Path) -> None:
     env = service_env(**ANY_PORTS, KVSERVE_MODEL=str(tmp_path / "missing.gguf"), KVSERVE_L1_ARENA_DIR=str(tmp_path))
     result = kvserve("up", "--state-dir", str(tmp_path / "state"), env=env, timeout=180)
@@ -342,3 +357,33 @@ def test_kvserve_secret_create_makes_a_private_file_once(tmp_path: Path) -> None
     again = kvserve("secret", "create", "--file", str(path))
     assert again.returncode == 0 and "kept it" in again.stderr
     assert internal_auth.read_secret_file(path) == secret  # running services keep working
+
+
+def test_kvserve_keys_create_writes_the_metrics_scope(tmp_path: Path) -> None:
+    path = tmp_path / "keys.json"
+    created = {
+        name: kvserve("keys", "create", "--name", name, *flags, "--file", str(path))
+        for name, flags in (
+            ("scraper", ["--metrics"]),  # alone: /metrics and no model
+            ("ops", ["--models", "*", "--metrics"]),
+            ("app", []),  # every model, not /metrics
+        )
+    }
+    assert all(result.returncode == 0 for result in created.values()), [r.stderr for r in created.values()]
+    assert "for GET /metrics in" in created["scraper"].stderr
+    assert "for models * and GET /metrics in" in created["ops"].stderr
+    store = KeyStore.load(path)
+    scopes = {name: store.authenticate(result.stdout.strip(), None) for name, result in created.items()}
+    assert (scopes["scraper"].models, scopes["scraper"].scopes) == ((), ("metrics",))
+    assert (scopes["ops"].models, scopes["ops"].scopes) == (("*",), ("metrics",))
+    assert (scopes["app"].models, scopes["app"].scopes) == (("*",), ())
+
+    listed = kvserve("keys", "list", "--file", str(path))
+    rows = [line.split() for line in listed.stdout.splitlines()]
+    assert rows[0] == ["ID", "NAME", "MODELS", "SCOPES", "CREATED"]
+    assert [row[1:4] for row in rows[1:]] == [["scraper", "-", "metrics"], ["ops", "*", "metrics"], ["app", "*", "-"]]
+
+    nothing = kvserve("keys", "create", "--name", "nothing", "--models", "", "--file", str(path))
+    assert nothing.returncode == 1 and "--models" in nothing.stderr and not nothing.stdout
+    usage = " ".join(kvserve("keys", "create", "--help").stdout.split())  # as argparse wraps it at any width
+    assert "--metrics" in usage and "GET /metrics" in usage and "'*' included" in usage

@@ -165,6 +165,14 @@ def test_port_zero_picks_distinct_free_ports() -> None:
     assert 0 not in ports and len(set(ports)) == len(ports)
 
 
+def test_port_zero_never_gives_two_services_one_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS may report a port free twice (nothing holds it between the picks): the build asks again."""
+    reported = iter([41001, 41001, 41002, 41001, 41002, 41003, 41004, 41004, 41005, 41006, 41007])
+    monkeypatch.setattr("launcher.topology.free_port", lambda host="127.0.0.1": next(reported))
+    specs = local(3, kvstore_port=0, router_port=0, rank_worker_port=0, gateway_port=0, redis_url="redis://h:0/0")
+    assert sorted(spec.port for spec in specs) == [41001, 41002, 41003, 41004, 41005, 41006, 41007]
+
+
 def test_gpus_are_pinned_one_per_rank() -> None:
     specs = local(2, ("2", "3"))
     ranks = [spec for spec in specs if spec.role == "rank-worker"]

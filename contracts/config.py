@@ -211,6 +211,19 @@ class KvServeConfig(BaseSettings):
     deployment_slug: str = Field("", description="another accepted model name, e.g. the deployment's name")
     api_keys_file: str = Field("", description="hashed API keys; empty = no auth, allowed on loopback only")
     max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    body_budget_bytes: int = Field(
+        32 * 1024 * 1024,
+        gt=0,
+        description="large request bodies (1 MB and up) held at once, in bytes of JSON (their objects take 30-55x "
+        "that in memory): a body waits for its share before it is read and keeps it until its answer ends; a body "
+        "larger than this goes alone",
+    )
+    body_queue_limit: int = Field(
+        64, ge=0, description="bodies that may wait for body_budget_bytes; past it: overloaded (529)"
+    )
+    body_queue_wait_secs: float = Field(
+        60.0, gt=0.0, description="a body that waits longer than this for body_budget_bytes: overloaded (529)"
+    )
     ping_interval_secs: float = Field(5.0, gt=0.0, description="SSE ping cadence while a long prefill runs")
     rank_stall_secs: float = Field(
         5.0,
@@ -222,7 +235,9 @@ class KvServeConfig(BaseSettings):
     request_read_timeout_secs: float = Field(
         30.0, gt=0.0, description="a request's headers, and then its body, must arrive within this; else 408"
     )
-    metrics_public: bool = Field(False, description="serve /metrics without an API key when keys are on")
+    metrics_public: bool = Field(
+        False, description="serve /metrics without an API key when keys are on (else a key with the metrics scope)"
+    )
     default_temperature: float | None = Field(
         None, ge=0.0, le=2.0, description="for requests that send none (Claude Code does not); None = 1.0"
     )

@@ -113,10 +113,10 @@ def _record_partial(record: RequestRecord, opened: OpenGeneration) -> None:
     """What a request that did not finish had done: the tokens passed on, and the cache use the rank reported
     with its first chunk (of the stream that served the prompt, as a finished request's usage is)."""
     cache = opened.cache_stream or opened.stream
-    prompt = opened.prepared.prompt_tokens
-    record.cached_tokens = min(cache.cached_tokens, prompt)
-    record.l1_cached_tokens = min(cache.l1_cached_tokens, record.cached_tokens)
-    record.output_tokens = len(opened.delivered)
+    usage = opened.prompt_usage()
+    record.cached_tokens = usage.cached_tokens
+    record.l1_cached_tokens = usage.l1_cached_tokens
+    record.output_tokens = usage.output_tokens
     record.rank = opened.choice.rank_id
     record.rank_switches = opened.rank_switches
     if cache.tokens_sent:

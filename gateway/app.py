@@ -14,6 +14,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from contracts.config import KvServeConfig
 from gateway.anthropic_api import routes as anthropic_routes
+from gateway.body_admission import BodyAdmissionMiddleware
+from gateway.body_budget import BodyBudget
 from gateway.body_deadline import BodyDeadlineMiddleware
 from gateway.body_limit import BodyLimitMiddleware
 from gateway.error_boundary import ErrorBoundary
@@ -21,7 +23,7 @@ from gateway.error_shape import error_body, render_error
 from gateway.openai_api import routes as openai_routes
 from gateway.path_normalise import TrailingSlashMiddleware
 from gateway.request_flow import ApiError
-from gateway.route_support import authenticate
+from gateway.route_support import authenticate, check_metrics_allowed
 from gateway.state import GatewayState
 
 # Answers after which the connection cannot carry another request: the body was not (all) read.
@@ -52,6 +54,8 @@ def create_app(config: KvServeConfig) -> FastAPI:
     )
     app.state.gateway = state
     # Added innermost first: ErrorBoundary ends up outermost, so it sees what every other layer sent.
+    budget = BodyBudget(config.body_budget_bytes, config.body_queue_limit, config.body_queue_wait_secs)
+    app.add_middleware(BodyAdmissionMiddleware, budget=budget)
     app.add_middleware(BodyLimitMiddleware, max_bytes=config.max_request_bytes)
     app.add_middleware(BodyDeadlineMiddleware, timeout_s=config.request_read_timeout_secs)
     app.add_middleware(TrailingSlashMiddleware)
@@ -72,7 +76,7 @@ def create_app(config: KvServeConfig) -> FastAPI:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         if not config.metrics_public:
-            authenticate(request)  # open in open loopback mode; with keys, any valid key
+            check_metrics_allowed(authenticate(request))  # open in open loopback mode; with keys, the metrics scope
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 

@@ -4,7 +4,13 @@ running without keys.
 Key file (JSON, or YAML when the name ends in .yaml/.yml), written with mode 0600:
 
     {"keys": [{"id": "key_3f9a1c2b7d4e", "name": "alice", "hash": "<sha256 hex>",
-               "models": ["*"], "created_at": "2026-01-01T12:00:00+00:00"}]}
+               "models": ["*"], "created_at": "2026-01-01T12:00:00+00:00"},
+              {"id": "key_8e21d0c4a97b", "name": "prometheus", "hash": "<sha256 hex>",
+               "models": [], "scopes": ["metrics"], "created_at": "2026-01-02T09:30:00+00:00"}]}
+
+A key's scopes: `models` (names, or "*" for every model; a name covers every name of the model it names, so
+"default" and the served name are one scope), and `scopes` for what is not a model: "metrics" reads GET /metrics.
+"*" is every model, not every scope: an inference key does not see the whole gateway's traffic.
 
 `hash` is the SHA-256 hex digest of the whole secret ("kvs-" + 40 URL-safe characters). Secrets are 240
 random bits, so they cannot be guessed from the hash. A salt or a slow hash only helps with passwords that
@@ -21,7 +27,7 @@ import json
 import os
 import secrets
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -34,6 +40,8 @@ from contracts.config import KvServeConfig
 SECRET_PREFIX = "kvs-"
 _SECRET_CHARS = 40
 ALL_MODELS = "*"
+METRICS_SCOPE = "metrics"
+SCOPES = (METRICS_SCOPE,)  # the scopes that are not models
 LOOPBACK_NAMES = ("localhost",)
 
 AuthMode = Literal["keys", "open-local"]
@@ -62,13 +70,25 @@ class KeyEntry:
     hash: str
     models: tuple[str, ...]
     created_at: str
+    scopes: tuple[str, ...] = ()
 
-    def allows(self, model: str) -> bool:
-        return ALL_MODELS in self.models or model in self.models
+    def allows(self, model: str, names_of_model: Collection[str] = ()) -> bool:
+        """Whether the key may use `model`; names_of_model: every name of the model it names (its served name
+        and aliases), so that a key scoped to one of them may use them all."""
+        if ALL_MODELS in self.models or model in self.models:
+            return True
+        return model in names_of_model and any(name in names_of_model for name in self.models)
+
+    @property
+    def reads_metrics(self) -> bool:
+        return METRICS_SCOPE in self.scopes
 
     def to_json(self) -> dict[str, Any]:
         entry = asdict(self)
         entry["models"] = list(self.models)
+        del entry["scopes"]
+        if self.scopes:  # written only when there are any: files of keys without them read as before
+            entry["scopes"] = list(self.scopes)
         return entry
 
 
@@ -95,9 +115,11 @@ class KeyStore:
             raise KeyFileError(f"API key file not found: {path}") from None
         except OSError as exc:
             raise KeyFileError(f"cannot read API key file {path}: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise KeyFileError(f"API key file {path} is not valid UTF-8: {exc}") from None
         try:
             document = yaml.safe_load(text) if _is_yaml(path) else json.loads(text)
-        except (json.JSONDecodeError, yaml.YAMLError) as exc:
+        except (json.JSONDecodeError, yaml.YAMLError, RecursionError) as exc:  # RecursionError: nesting too deep
             raise KeyFileError(
                 f"API key file {path} is not valid {'YAML' if _is_yaml(path) else 'JSON'}: {exc}"
             ) from None
@@ -121,15 +143,20 @@ class KeyStore:
         return match
 
 
-def create_key(path: str | Path, name: str, models: Sequence[str]) -> str:
-    """Add a key to the file at `path` (created if missing) and return its secret, which is stored nowhere."""
+def create_key(path: str | Path, name: str, models: Sequence[str], scopes: Sequence[str] = ()) -> str:
+    """Add a key to the file at `path` (created if missing) and return its secret, which is stored nowhere.
+    `models` may be empty for a key that has only `scopes` (such as a metrics scraper's)."""
     path = Path(path)
     name = name.strip()
     if not name:
         raise ValueError("a key needs a non-empty name")
     models = [model.strip() for model in models if model.strip()]
-    if not models:
-        raise ValueError("a key needs at least one model name, or '*' for all models")
+    scopes = list(dict.fromkeys(scope.strip() for scope in scopes if scope.strip()))
+    unknown = [scope for scope in scopes if scope not in SCOPES]
+    if unknown:
+        raise ValueError(f"unknown scope {unknown[0]!r}: the scopes are {', '.join(SCOPES)}")
+    if not models and not scopes:
+        raise ValueError("a key needs at least one model name, or '*' for all models, or a scope such as metrics")
     store = KeyStore.load(path) if path.exists() else KeyStore([])
     secret = new_secret()
     entry = KeyEntry(
@@ -138,6 +165,7 @@ def create_key(path: str | Path, name: str, models: Sequence[str]) -> str:
         hash=hash_secret(secret),
         models=tuple(models),
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        scopes=tuple(scopes),
     )
     document = {"keys": [existing.to_json() for existing in (*store.entries, entry)]}
     _write_atomically(path, _dump(path, document))
@@ -224,9 +252,14 @@ def _parse_entry(path: Path, index: int, raw: Any) -> KeyEntry:
     if len(digest) != 64 or any(char not in "0123456789abcdef" for char in digest):
         raise KeyFileError(f"{where} ({raw['id']}): 'hash' must be a lowercase sha256 hex digest")
     models = raw.get("models")
-    if not isinstance(models, list) or not models or not all(isinstance(m, str) and m for m in models):
-        raise KeyFileError(f"{where} ({raw['id']}): 'models' must be a non-empty list of names or ['*']")
-    return KeyEntry(raw["id"], raw["name"], digest, tuple(models), raw["created_at"])
+    if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+        raise KeyFileError(f"{where} ({raw['id']}): 'models' must be a list of names or ['*']")
+    scopes = raw.get("scopes", [])
+    if not isinstance(scopes, list) or not all(scope in SCOPES for scope in scopes):
+        raise KeyFileError(f"{where} ({raw['id']}): 'scopes' must be a list of {', '.join(SCOPES)}")
+    if not models and not scopes:
+        raise KeyFileError(f"{where} ({raw['id']}): a key needs 'models' (names, or ['*']) or 'scopes'")
+    return KeyEntry(raw["id"], raw["name"], digest, tuple(models), raw["created_at"], tuple(scopes))
 
 
 def _new_key_id(taken: set[str]) -> str:

@@ -37,7 +37,7 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        declared = _content_length(scope)
+        declared = declared_length(scope)
         if declared is not None and declared > self.max_bytes:
             await _send_too_large(scope, send, self.max_bytes)
             return
@@ -83,7 +83,8 @@ class _BodyGuard:
         await self._send(message)
 
 
-def _content_length(scope: Scope) -> int | None:
+def declared_length(scope: Scope) -> int | None:
+    """The body size the Content-Length header declares; None without one (a chunked body) or a malformed one."""
     for name, value in scope.get("headers", []):
         if name.lower() == b"content-length":
             try:

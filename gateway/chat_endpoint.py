@@ -14,11 +14,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from gateway.accounting import record_end, record_failure
-from gateway.body_parse import large_body, work_for_body
+from gateway.body_admission import release_body
+from gateway.body_parse import work_for_body
 from gateway.chat import ChatRequest, InvalidChat
 from gateway.conversation_rules import check_conversation
 from gateway.generation import Finish, Generation, GenerationEvent, OpenGeneration, PreparedRequest
-from gateway.memory_return import schedule_memory_return
 from gateway.prompt_size import PromptCannotFit
 from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
 from gateway.request_log import RequestRecord
@@ -54,7 +54,7 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         key = authenticate(request)
         body = await parse_body(request, api.schema)
         record.model = body.model  # type: ignore[attr-defined]
-        check_model_allowed(key, record.model)
+        check_model_allowed(request, key, record.model)
         generation = ready_generation(request)
         chat = await chat_from_body(request, api.to_chat, body, request.headers.get(api.session_header, ""))
         record.session = chat.session_id
@@ -67,11 +67,12 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
         opened = await generation.open(prepared, arrived)
         record.prepare_s = time.monotonic() - arrived
+        # The prompt is built and the rank's stream open: the answer needs only the body's scalars (model,
+        # stream flags), so its parsed objects are freed and its share of the body budget goes back now.
+        await release_body(request.scope.setdefault("state", {}))
     except Exception as exc:
         error = api_error_for(exc)
         record_failure(state, record, error)
-        if large_body(request):
-            schedule_memory_return()
         try:
             raise error from exc
         finally:
@@ -81,8 +82,6 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
 
     def finished(finish: Finish | None, failure: ApiError | None) -> None:
         record_end(state, record, finish, failure, api.finish_reason(finish) if finish else "", opened)
-        if large_body(request):
-            schedule_memory_return()
 
     if not body.stream:  # type: ignore[attr-defined]
         try:

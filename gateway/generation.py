@@ -20,6 +20,7 @@ from gateway.chat import ChatRequest
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.parsing.events import OutputEvent, ToolCallStart
 from gateway.prompt_hashes import prompt_block_hashes, route_block_hashes
+from gateway.prompt_size import refuse_what_does_not_fit
 from gateway.rank_choice import RankChoice, RankChooser, RouteQuery
 from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream, RequestFailed, rank_at_fault
 from gateway.served_model import ServedModel
@@ -28,10 +29,6 @@ from gateway.session_key import routing_session_id
 if TYPE_CHECKING:
     from gateway.prompt_format import PromptFormat
 from protos import rank_worker_pb2 as pb
-
-
-class PromptTooLong(ValueError):
-    """The prompt alone does not fit the model's context (HTTP 400, before any rank work)."""
 
 
 class BadRequest(ValueError):
@@ -137,23 +134,23 @@ class Generation:
     def prepare(self, chat: ChatRequest) -> PreparedRequest:
         """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped. The
         prompt's block hashes too: like tokenizing, this runs off the event loop (chat_endpoint)."""
-        self.model.check_name(chat.model)
-        text = self.prompts.render(chat)
-        ids = self.model.encode(text)
-        limit = self.model.max_model_len
-        if len(ids) >= limit:
-            raise PromptTooLong(
-                f"prompt is too long: {len(ids)} tokens, and this model's context is {limit} tokens "
-                f"(at most {limit - 1} prompt tokens leave room for an answer)"
-            )
-        room = limit - len(ids)
+        text, ids = self.prompt(chat)
+        room = self.model.max_model_len - len(ids)
         wanted = chat.max_tokens if chat.max_tokens is not None else room
         hashes = prompt_block_hashes(self.model.info, ids)
         return PreparedRequest(chat, text, ids, max(1, min(wanted, room)), block_hashes=hashes)
 
     def count_tokens(self, chat: ChatRequest) -> int:
+        """The prompt's exact size; what a request could not send (PromptTooLong) is refused here the same way."""
+        return len(self.prompt(chat)[1])
+
+    def prompt(self, chat: ChatRequest) -> tuple[str, list[int]]:
+        """The rendered prompt and its token ids, once the model name and the prompt's size are checked."""
         self.model.check_name(chat.model)
-        return len(self.model.encode(self.prompts.render(chat)))
+        text = self.prompts.render(chat)
+        ids = self.model.encode(text)
+        refuse_what_does_not_fit(len(ids), self.model.max_model_len)
+        return text, ids
 
     async def open(self, prepared: PreparedRequest, arrived: float | None = None) -> OpenGeneration:
         """Find a rank that accepts the request. Refusals raise here, before any response is sent. arrived: when
@@ -338,6 +335,12 @@ class OpenGeneration:
                 raise StreamBroken(f"{failure}; no other rank could continue: {exc}") from failure
             self.delivered_before_stream = len(self.delivered)
 
+    def prompt_usage(self) -> Usage:
+        """The prompt's usage as the rank reported it so far: its cache use comes with the first token (of the
+        stream that served it), so until a token came nothing counts as cached; output: the tokens handed on."""
+        cache = self.cache_stream or self.stream
+        return _usage(self.prepared.prompt_tokens, cache.cached_tokens, cache.l1_cached_tokens, len(self.delivered))
+
     def _stalled(self) -> RankFailed:
         stream = self.stream
         where = "queued" if stream.progress is None or stream.progress.queued else "in prefill or decode"
@@ -357,14 +360,11 @@ class OpenGeneration:
                 queue_wait_s=cache.queue_wait_s,
                 output_tokens=stats.output_tokens,
             )
-        l0 = min(stats.cached_tokens, self.prepared.prompt_tokens)
-        l1 = min(stats.l1_cached_tokens, self.prepared.prompt_tokens - l0)
-        usage = Usage(
-            prompt_tokens=self.prepared.prompt_tokens,
-            cached_tokens=l0 + l1,
-            l1_cached_tokens=l1,
-            output_tokens=self.delivered_before_stream
-            + (stats.output_tokens or output_tokens - self.delivered_before_stream),
+        usage = _usage(
+            self.prepared.prompt_tokens,
+            stats.cached_tokens,
+            stats.l1_cached_tokens,
+            self.delivered_before_stream + (stats.output_tokens or output_tokens - self.delivered_before_stream),
         )
         if stop_sequence is not None:
             reason = "stop_sequence"
@@ -390,6 +390,13 @@ class OpenGeneration:
     async def aclose(self) -> None:
         if not self.stream.call.done():
             self.stream.cancel()
+
+
+def _usage(prompt_tokens: int, l0_cached: int, l1_cached: int, output_tokens: int) -> Usage:
+    """Usage from the rank's cache counts: L0 hits, then L1 restores after them, never more than the prompt."""
+    l0 = min(l0_cached, prompt_tokens)
+    l1 = min(l1_cached, prompt_tokens - l0)
+    return Usage(prompt_tokens, cached_tokens=l0 + l1, output_tokens=output_tokens, l1_cached_tokens=l1)
 
 
 async def _still_silent(stream: RankStream, queue: asyncio.Queue[list[int] | BaseException | None]) -> bool:

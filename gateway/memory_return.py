@@ -44,12 +44,3 @@ def return_memory() -> bool:
         return True
     finally:
         _trimming.release()
-
-
-def schedule_memory_return(delay_s: float = 0.25) -> None:
-    """return_memory() in a worker thread a moment from now, once the request that asked has let go of
-    its objects (its error and traceback are still alive while it answers)."""
-    import asyncio
-
-    loop = asyncio.get_running_loop()
-    loop.call_later(delay_s, lambda: loop.run_in_executor(None, return_memory))

@@ -17,8 +17,22 @@ from typing import Any
 _NORMALIZER_SHRINK = {None: 1, "NFC": 3}
 
 
-class PromptCannotFit(ValueError):
+class PromptTooLong(ValueError):
+    """The prompt alone does not fit the model's context (HTTP 400, before any rank work)."""
+
+
+class PromptCannotFit(PromptTooLong):
     """The prompt's size alone shows it needs at least max_model_len tokens (HTTP 400, nothing tokenized)."""
+
+
+def refuse_what_does_not_fit(prompt_tokens: int, max_model_len: int) -> None:
+    """Raise PromptTooLong for a prompt of prompt_tokens (an exact count) that leaves no room for an answer: the
+    one rule /v1/messages, /v1/chat/completions and count_tokens share."""
+    if prompt_tokens >= max_model_len:
+        raise PromptTooLong(
+            f"prompt is too long: {prompt_tokens} tokens, and this model's context is {max_model_len} tokens "
+            f"(at most {max_model_len - 1} prompt tokens leave room for an answer)"
+        )
 
 
 @dataclass(frozen=True)

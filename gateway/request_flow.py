@@ -17,11 +17,11 @@ from gateway.generation import (
     GenerationEvent,
     OpenGeneration,
     Overloaded,
-    PromptTooLong,
     StreamBroken,
     Unavailable,
 )
 from gateway.prompt.chat_template import ChatTemplateError
+from gateway.prompt_size import PromptTooLong
 from gateway.served_model import ModelNotAvailable
 
 log = logging.getLogger(__name__)

@@ -1,5 +1,5 @@
 """What every API route does first: find the gateway state, authenticate, parse the body leniently into
-its schema (errors as 400 in the API's shape, never FastAPI's 422), and check the model is allowed."""
+its schema (errors as 400 in the API's shape, never FastAPI's 422), and check the key's scope (a model, /metrics)."""
 
 from __future__ import annotations
 
@@ -32,9 +32,28 @@ def authenticate(request: Request) -> KeyEntry | None:
         raise ApiError(401, "authentication_error", str(exc)) from exc
 
 
-def check_model_allowed(key: KeyEntry | None, model: str) -> None:
-    if key is not None and not key.allows(model):
-        raise ApiError(403, "permission_error", f"this API key may not use model {model!r}")
+def check_model_allowed(request: Request, key: KeyEntry | None, model: str) -> None:
+    """403 unless the key may use `model`, by any of the served model's names (an alias and the served name are
+    one scope); 503 while no rank has said which names those are and the name alone does not decide."""
+    if key is None:
+        return
+    served = gateway_state(request).model
+    if key.allows(model, served.names if served is not None else ()):
+        return
+    if served is None:
+        raise not_ready()
+    raise ApiError(403, "permission_error", f"this API key may not use model {model!r}")
+
+
+def check_metrics_allowed(key: KeyEntry | None) -> None:
+    """/metrics is a scope of its own: a key for the models does not show the whole gateway's traffic."""
+    if key is not None and not key.reads_metrics:
+        raise ApiError(
+            403,
+            "permission_error",
+            "this API key may not read /metrics: it needs the metrics scope "
+            "(`kvserve keys create --name NAME --metrics`)",
+        )
 
 
 async def parse_body(request: Request, schema: type[Body]) -> Body:

@@ -12,12 +12,10 @@ from starlette.responses import Response
 from gateway.anthropic_api.convert import to_chat
 from gateway.anthropic_api.respond import STOP_REASONS, EventStreamWriter, MessageBuilder
 from gateway.anthropic_api.schema import CountTokensRequest, MessagesRequest
-from gateway.body_parse import large_body, work_for_body
+from gateway.body_parse import work_for_body
 from gateway.chat import ChatRequest
 from gateway.chat_endpoint import ErrorWriter, EventWriter, chat_from_body, serve_chat
-from gateway.generation import Finish, GenerationEvent, OpenGeneration, PreparedRequest, Usage
-from gateway.memory_return import schedule_memory_return
-from gateway.prompt_size import PromptCannotFit
+from gateway.generation import Finish, GenerationEvent, OpenGeneration, Ping, PreparedRequest
 from gateway.request_flow import ApiError, api_error_for
 from gateway.route_support import (
     authenticate,
@@ -57,13 +55,15 @@ class AnthropicMessages:
         writer = EventStreamWriter(request_id, body.model)
 
         def write(event: GenerationEvent) -> bytes:
-            prefix = b""
-            if not writer.started:  # deferred until now so the cache read is known (it is once a token came)
-                prefix = writer.start(Usage(prepared.prompt_tokens, opened.stream.cached_tokens))
-            return prefix + writer.write(event)
+            # message_start waits for the first token, which brings the rank's cache use: its usage is what
+            # Claude Code keeps. Pings during a long prefill go out before it (clients skip them anywhere).
+            if writer.started or isinstance(event, Ping):
+                return writer.write(event)
+            usage = event.usage if isinstance(event, Finish) else opened.prompt_usage()
+            return writer.start(usage) + writer.write(event)
 
         def write_error(error: ApiError) -> bytes:
-            prefix = b"" if writer.started else writer.start(Usage(prepared.prompt_tokens, 0))
+            prefix = b"" if writer.started else writer.start(opened.prompt_usage())
             return prefix + writer.error(error.kind, error.message)
 
         return write, write_error
@@ -82,17 +82,13 @@ async def count_tokens(request: Request) -> dict[str, int]:
     try:
         key = authenticate(request)
         body = await parse_body(request, CountTokensRequest)
-        check_model_allowed(key, body.model)
+        check_model_allowed(request, key, body.model)
         generation = ready_generation(request)
         chat = await chat_from_body(request, to_chat, body, "")
+        # No count for what no request could send: refused (PromptTooLong) by the check /v1/messages makes.
         return {"input_tokens": await work_for_body(request, generation.count_tokens, chat)}
-    except PromptCannotFit as exc:  # no count for what no request could send: the work stays bounded
-        raise ApiError(400, "invalid_request_error", str(exc)) from exc
     except Exception as exc:
         raise api_error_for(exc) from exc
-    finally:
-        if large_body(request):
-            schedule_memory_return()
 
 
 @router.get("/v1/models")

@@ -19,4 +19,4 @@ def small_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmallStack
         start_rank_worker(tmp / "rank.log", rank_port, **rank),
         start_gateway(tmp / "gateway.log", gateway_port, [rank_port]) as gateway,
     ):
-        yield SmallStack(f"http://127.0.0.1:{gateway_port}", gateway_port, gateway.pid)
+        yield SmallStack(f"http://127.0.0.1:{gateway_port}", gateway_port, gateway.pid, rank_port)

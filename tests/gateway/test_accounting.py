@@ -31,7 +31,8 @@ def cut_generation(delivered: int, switched: bool) -> OpenGeneration:
     """A generation whose first stream served the prompt (cache use from its first chunk) and, if `switched`,
     went on on a second rank before it was cut."""
     prepared = PreparedRequest(ChatRequest(messages=[]), "prompt", list(range(100)), max_tokens=50)
-    first = RankStream("127.0.0.1:1", call=None, tokens_sent=3, cached_tokens=96, l1_cached_tokens=32)  # type: ignore[arg-type]
+    # The rank's counts, as in its TokenChunk: 64 tokens from L0, and 32 after them restored from L1.
+    first = RankStream("127.0.0.1:1", call=None, tokens_sent=3, cached_tokens=64, l1_cached_tokens=32)  # type: ignore[arg-type]
     first.queue_wait_s = 0.25
     opened = OpenGeneration(None, prepared, first, RankChoice("rank-0", "127.0.0.1:1"))  # type: ignore[arg-type]
     opened.cache_stream = first
@@ -55,7 +56,7 @@ def test_a_cut_request_logs_its_tokens_and_cache(
     record_end(state, record, None, failure, "", cut_generation(5, switched))
     (line,) = lines(caplog)
     assert f" status={failure.status} " in line and "output_tokens=5 " in line
-    assert " cached_tokens=96 l0_cached=64 l1_cached=32 " in line  # the stream that served the prompt
+    assert " cached_tokens=96 l0_cached=64 l1_cached=32 " in line  # the stream that served the prompt, both tiers
     assert f" rank={'rank-1' if switched else 'rank-0'} " in line and " queue_ms=250.0 " in line
     assert (" finish=cancelled " in line) == (failure.status == 499)
     metrics = state.metrics.render()[0].decode()

@@ -249,6 +249,23 @@ def test_prompt_over_the_context_is_refused_but_max_tokens_is_clamped(client: an
     assert ok.usage.input_tokens + ok.usage.cache_read_input_tokens + ok.usage.output_tokens == 4096
 
 
+@pytest.mark.parametrize("words", [4065, 5000])  # exactly the 4,096-token window; well past it
+def test_count_tokens_refuses_what_messages_refuses(client: anthropic.Anthropic, words: int) -> None:
+    # Counted exactly (the byte bound alone does not refuse these): count_tokens gave 200 with the count before.
+    request = dict(model=MODEL, messages=[{"role": "user", "content": "word " * words}])
+    with pytest.raises(anthropic.BadRequestError) as counted:
+        client.messages.count_tokens(**request)
+    with pytest.raises(anthropic.BadRequestError) as sent:
+        client.messages.create(max_tokens=5, **request)
+    assert counted.value.body == sent.value.body  # the same check, error shape and message
+    error = counted.value.body["error"]  # type: ignore[index]
+    assert error["type"] == "invalid_request_error" and "at least" not in error["message"]
+    # one token a word, plus the template's 31 (as above)
+    assert error["message"].startswith(f"prompt is too long: {words + 31} tokens, and this model's context is 4096")
+    fits = [{"role": "user", "content": "word " * 4064}]  # one token less than the window: counted
+    assert client.messages.count_tokens(model=MODEL, messages=fits).input_tokens == 4095
+
+
 def test_body_over_the_limit_is_413(base_url: str) -> None:
     big = {"model": MODEL, "max_tokens": 5, "messages": [{"role": "user", "content": "x" * 300_000}]}
     r = httpx.post(f"{base_url}/v1/messages", json=big)

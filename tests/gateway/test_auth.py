@@ -1,4 +1,4 @@
-"""API keys: the key file holds only hashes, every 401 case, model permissions, the open-local policy, and
+"""API keys: the key file holds only hashes, every 401 case, model and metrics scopes, the open-local policy, and
 `kvserve keys create/list/revoke` as real subprocesses, and the gateway's view of the file following its changes."""
 
 from __future__ import annotations
@@ -135,6 +135,45 @@ def test_allowed_models(key_file: Path, secrets_by_name: dict[str, str]) -> None
     assert not two.allows("other") and not two.allows("*") and not two.allows("")
 
 
+SERVED_NAMES = ("SmolLM2-135M-Instruct", "my-deployment", "default")  # a served model's names, as ServedModel's
+
+
+@pytest.mark.parametrize("scope", SERVED_NAMES)
+def test_a_model_scope_covers_every_name_of_that_model(key_file: Path, scope: str) -> None:
+    secret = create_key(key_file, "one", [scope])
+    entry = KeyStore.load(key_file).authenticate(secret, None)
+    for name in SERVED_NAMES:
+        assert entry.allows(name, SERVED_NAMES), (scope, name)
+    assert not entry.allows("another-model", SERVED_NAMES)
+    assert not entry.allows("*", SERVED_NAMES) and not entry.allows("", SERVED_NAMES)
+    assert entry.allows(scope) and not entry.allows(next(name for name in SERVED_NAMES if name != scope))
+
+
+def test_a_key_for_another_model_is_not_widened_by_the_served_names(key_file: Path) -> None:
+    secret = create_key(key_file, "other", ["another-model"])
+    entry = KeyStore.load(key_file).authenticate(secret, None)
+    assert not any(entry.allows(name, SERVED_NAMES) for name in SERVED_NAMES)
+    assert entry.allows("another-model", SERVED_NAMES)
+
+
+def test_metrics_is_a_scope_of_its_own(key_file: Path) -> None:
+    every_model = create_key(key_file, "every-model", ["*"])
+    scraper = create_key(key_file, "scraper", [], ["metrics"])
+    both = create_key(key_file, "both", ["default"], ["metrics"])
+    store = KeyStore.load(key_file)
+    assert not store.authenticate(every_model, None).reads_metrics  # '*' is every model, not every scope
+    assert store.authenticate(scraper, None).reads_metrics and not store.authenticate(scraper, None).allows("default")
+    assert store.authenticate(both, None).reads_metrics and store.authenticate(both, None).allows("default")
+    entries = json.loads(key_file.read_text())["keys"]
+    assert "scopes" not in entries[0]  # written only when a key has any: older gateways read such files as before
+    assert entries[1]["models"] == [] and entries[1]["scopes"] == ["metrics"]
+    with pytest.raises(ValueError, match="unknown scope 'admin'"):
+        create_key(key_file, "x", ["*"], ["admin"])
+    with pytest.raises(ValueError, match="scope"):
+        create_key(key_file, "x", [], [])
+    assert len(KeyStore.load(key_file).entries) == 3
+
+
 def test_create_key_rejects_empty_name_or_models(key_file: Path) -> None:
     with pytest.raises(ValueError, match="name"):
         create_key(key_file, " ", ["*"])
@@ -151,11 +190,29 @@ def test_create_key_rejects_empty_name_or_models(key_file: Path) -> None:
         ('{"keys": [{"id": "k", "name": "n", "hash": "abc", "models": ["*"], "created_at": "t"}]}', "sha256"),
         ('{"keys": [{"id": "k", "name": "n", "hash": "' + "a" * 64 + '", "models": [], "created_at": "t"}]}', "models"),
         ('{"keys": [{"name": "n"}]}', "'id'"),
+        (
+            '{"keys": [{"id": "k", "name": "n", "hash": "' + "a" * 64 + '", "models": [], "scopes": ["admin"], '
+            '"created_at": "t"}]}',
+            "'scopes'",
+        ),
+        (
+            '{"keys": [{"id": "k", "name": "n", "hash": "' + "a" * 64 + '", "models": [], "scopes": [], '
+            '"created_at": "t"}]}',
+            "'models'",
+        ),
+        ("[" * 100_000, "not valid JSON"),  # nested too deep for the parser
     ],
 )
 def test_malformed_key_file(key_file: Path, content: str, message: str) -> None:
     key_file.write_text(content)
     with pytest.raises(KeyFileError, match=message):
+        KeyStore.load(key_file)
+
+
+def test_key_file_that_is_not_utf8(key_file: Path) -> None:
+    create_key(key_file, "ops", ["*"])
+    key_file.write_bytes(b"\xff\xfe" + key_file.read_bytes())
+    with pytest.raises(KeyFileError, match=f"{key_file} is not valid UTF-8"):
         KeyStore.load(key_file)
 
 
@@ -209,8 +266,8 @@ def test_cli_create_prints_the_secret_once_and_list_never_shows_it(key_file: Pat
     listed = kvserve("keys", "list", "--file", str(key_file))
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["ID", "NAME", "MODELS", "CREATED"]
-    assert row.split() == [entry.id, "ci-bot", "small,big", entry.created_at]
+    assert header.split() == ["ID", "NAME", "MODELS", "SCOPES", "CREATED"]
+    assert row.split() == [entry.id, "ci-bot", "small,big", "-", entry.created_at]
     assert secret not in listed.stdout + listed.stderr
     assert entry.hash not in listed.stdout + listed.stderr
 
@@ -266,6 +323,18 @@ def test_live_key_store_follows_the_file(key_file: Path, caplog: pytest.LogCaptu
     key_file.write_text("{not json")  # a hand edit gone wrong: the keys last read stay in use, loudly
     assert live.authenticate(second, None).name == "second"
     assert "is not valid JSON" in caplog.text and "still using the 1 keys" in caplog.text
+
+
+@pytest.mark.parametrize("bad", [b"\xff\xfe{}", b'{"keys": [{"name": "caf\xe9"}]}'], ids=["bom-like", "latin-1"])
+def test_live_key_store_keeps_the_last_good_keys_on_bytes_that_are_not_utf8(
+    key_file: Path, caplog: pytest.LogCaptureFixture, bad: bytes
+) -> None:
+    secret = create_key(key_file, "kept", ["*"])
+    live = LiveKeyStore(key_file)
+    key_file.write_bytes(bad)  # a hand edit in another encoding: handled as bad JSON is, not a 500 on every request
+    assert live.authenticate(secret, None).name == "kept"
+    assert "is not valid UTF-8" in caplog.text and "still using the 1 keys" in caplog.text
+    assert [record.levelname for record in caplog.records] == ["ERROR"]
 
 
 def test_cli_revoke(key_file: Path) -> None:

@@ -1,14 +1,18 @@
 """Large bodies against a real gateway (issue 12 points 6 and 21): while one is parsed the gateway still
 answers /health at once; a prompt that cannot fit the context is refused from its size in seconds, not
-after tokenizing all of it; afterwards the gateway's RSS comes back near where it was."""
+after tokenizing all of it; afterwards the gateway's RSS comes back near where it was. Bodies sent at once
+hold memory for only as many as the body budget admits (issue 32 point 1)."""
 
 from __future__ import annotations
 
 import json
 import threading
 import time
+from collections.abc import Iterator
 
 import httpx
+import pytest
+from service_processes import free_port, start_gateway
 from small_stack import SMALL_CONTEXT, SmallStack
 
 HEALTH_BOUND_S = 3.0  # generous on a loaded 2-core machine; before the fix /health waited 20 s and more
@@ -24,6 +28,12 @@ def many_messages_body(count: int) -> bytes:
         {"role": "user" if i % 2 == 0 else "assistant", "content": [{"type": "text", "text": f"turn {i}"}]}
         for i in range(count)
     ]
+    return json.dumps({"model": "default", "max_tokens": 3, "messages": messages}).encode()
+
+
+def many_blocks_body(count: int) -> bytes:
+    """One message of `count` one-letter text blocks: each block's objects take ~30x its 31 bytes of JSON."""
+    messages = [{"role": "user", "content": [{"type": "text", "text": "a"}] * count}]
     return json.dumps({"model": "default", "max_tokens": 3, "messages": messages}).encode()
 
 
@@ -92,3 +102,35 @@ def test_memory_comes_back_after_large_bodies(small_stack: SmallStack) -> None:
         time.sleep(0.5)
     assert small_stack.gateway_rss_mb() <= baseline + 150, (baseline, small_stack.gateway_rss_mb())
     assert httpx.post(f"{small_stack.url}/v1/messages", json=small, timeout=60).status_code == 200
+
+
+BLOCKS = 100_000  # a 3.1 MB body
+PARALLEL = 4
+EXPANSION = 45  # the most memory a body of BLOCKS may take, over its size (~30x measured)
+
+
+@pytest.fixture(scope="module")
+def one_body_gateway(small_stack: SmallStack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SmallStack]:
+    """A gateway on the small stack's rank worker whose body budget holds one many_blocks_body(BLOCKS)."""
+    log = tmp_path_factory.mktemp("one-body-gateway") / "gateway.log"
+    port = free_port()
+    budget = str(len(many_blocks_body(BLOCKS)))
+    with start_gateway(log, port, [small_stack.rank_port], KVSERVE_BODY_BUDGET_BYTES=budget) as gateway:
+        yield SmallStack(f"http://127.0.0.1:{port}", port, gateway.pid, small_stack.rank_port)
+
+
+def test_parallel_large_bodies_hold_memory_for_one_at_a_time(one_body_gateway: SmallStack) -> None:
+    stack = one_body_gateway
+    small = {"model": "default", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    assert httpx.post(f"{stack.url}/v1/messages", json=small, timeout=60).status_code == 200
+    body = many_blocks_body(BLOCKS)
+    stack.reset_gateway_peak()
+    baseline = stack.gateway_rss_mb()
+    responses, slowest_health = post_while_watching_health(stack, [body] * PARALLEL)
+    peak = stack.gateway_peak_mb() - baseline
+    for response in responses:  # each one refused in full, as alone
+        assert response.status_code == 400
+        assert f"context is {SMALL_CONTEXT} tokens" in response.json()["error"]["message"]
+    # All at once, before the budget: 4 x ~75 MB
+    assert peak < EXPANSION * len(body) / 2**20, (peak, len(body))
+    assert slowest_health < 1.0, slowest_health

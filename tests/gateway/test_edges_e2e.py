@@ -1,8 +1,10 @@
 """The gateway's edges with real processes (a rank worker with the embedded SmolLM2 and a gateway with API keys
 on), driven by raw sockets where a client library would hide the wire: incomplete requests time out, client
 disconnects are logged as cancelled with what was streamed, the log's status is the one sent, the in-flight
-gauge counts open streams, /metrics and /docs need a key, a trailing slash is answered without a redirect,
-and keys created or revoked with `kvserve keys` apply to the running gateway."""
+gauge counts open streams, /metrics and /docs need a key (for /metrics, one with the metrics scope), a trailing
+slash is answered without a redirect, keys created or revoked with `kvserve keys` apply to the running gateway,
+a key file with bytes that are not UTF-8 keeps the last good keys, and a key for one name of the served model
+may use all its names."""
 
 from __future__ import annotations
 
@@ -52,7 +54,7 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("edges-stack")
     keys_file = tmp / "keys.json"
-    key = create_key(keys_file, "tests", ["*"])
+    key = create_key(keys_file, "tests", ["*"], ["metrics"])
     rank = {"KVSERVE_NUM_KV_BLOCKS": "512", "KVSERVE_MAX_MODEL_LEN": "2048", "KVSERVE_MAX_NUM_SEQS": "8"}
     gateway = {
         "KVSERVE_API_KEYS_FILE": str(keys_file),
@@ -228,6 +230,20 @@ def test_metrics_and_docs_are_not_open_with_keys_on(stack: Stack) -> None:
     assert httpx.get(f"{stack.url}/health", timeout=10).status_code == 200
 
 
+def test_metrics_need_the_metrics_scope_which_every_model_does_not_include(stack: Stack) -> None:
+    every_model = create_key(stack.keys_file, "every-model", ["*"])
+    refused = httpx.get(f"{stack.url}/metrics", headers={"x-api-key": every_model}, timeout=10)
+    assert refused.status_code == 403, (refused.status_code, refused.text[:200])
+    assert refused.json()["error"]["type"] == "permission_error"
+    created = kvserve_keys("create", "--name", "scraper", "--metrics", "--file", str(stack.keys_file))
+    assert created.returncode == 0, created.stderr
+    scraper = {"x-api-key": created.stdout.strip()}
+    metrics = httpx.get(f"{stack.url}/metrics", headers=scraper, timeout=10)
+    assert metrics.status_code == 200 and "kvserve_gateway_requests_in_flight" in metrics.text
+    run = httpx.post(f"{stack.url}/v1/messages", json=chat_body(max_tokens=1), headers=scraper, timeout=60)
+    assert run.status_code == 403 and run.json()["error"]["type"] == "permission_error"  # a scraper's key only
+
+
 def test_a_trailing_slash_is_answered_not_redirected_to_the_host_header(stack: Stack) -> None:
     headers = {**stack.auth, "host": "attacker.example"}
     for method, path, body in (("GET", "/v1/models/", None), ("POST", "/v1/messages/", chat_body(max_tokens=2))):
@@ -260,3 +276,55 @@ def test_keys_created_and_revoked_apply_to_the_running_gateway(stack: Stack) -> 
     assert revoked.returncode == 0, revoked.stderr
     assert models(new_key) == 401
     assert models(stack.key) == 200  # the other key is untouched
+
+
+# --- issue 32: bytes that are not UTF-8 in the key file; the names of one model are one scope ---
+
+
+def replace_file(path: Path, data: bytes) -> None:
+    """As an editor saves: a new file renamed over the old one (a new inode, so the gateway sees the change)."""
+    temporary = path.with_name(f".{path.name}.{uuid.uuid4().hex}")
+    temporary.write_bytes(data)
+    temporary.replace(path)
+
+
+def test_bytes_that_are_not_utf8_in_the_key_file_keep_the_last_good_keys(stack: Stack) -> None:
+    good = stack.keys_file.read_bytes()
+    since = len(stack.log_text())
+    try:
+        replace_file(stack.keys_file, b"\xff\xfe" + good)  # saved in another encoding by a hand edit
+        response = httpx.get(f"{stack.url}/v1/models", headers=stack.auth, timeout=10)
+        assert response.status_code == 200, response.text  # not a 500 on every request
+        logged = stack.log_text()[since:]  # logged before the answer was sent
+        assert "ERROR" in logged and "is not valid UTF-8" in logged and "still using the" in logged, logged[-2000:]
+    finally:
+        replace_file(stack.keys_file, good)
+    assert httpx.get(f"{stack.url}/v1/models", headers=stack.auth, timeout=10).status_code == 200
+
+
+def test_a_key_for_one_name_of_the_served_model_may_use_all_its_names(stack: Stack) -> None:
+    listed = httpx.get(f"{stack.url}/v1/models", headers=stack.auth, timeout=10)
+    names = [model["id"] for model in listed.json()["data"]]
+    assert len(names) >= 2 and names[-1] == "default", names  # the served name first, then its aliases
+    keys = {name: create_key(stack.keys_file, f"only-{name}", [name]) for name in (names[0], "default")}
+    keys["another-model"] = create_key(stack.keys_file, "another-model", ["another-model"])
+    messages = [{"role": "user", "content": "Say hello."}]
+    for scope, key in keys.items():
+        headers = {"x-api-key": key}
+        for name in names:
+            counted = httpx.post(
+                f"{stack.url}/v1/messages/count_tokens",
+                json={"model": name, "messages": messages},
+                headers=headers,
+                timeout=60,
+            )
+            sent = httpx.post(
+                f"{stack.url}/v1/messages", json={**chat_body(max_tokens=1), "model": name}, headers=headers, timeout=60
+            )
+            expected = 403 if scope == "another-model" else 200
+            assert (counted.status_code, sent.status_code) == (expected, expected), (
+                scope,
+                name,
+                counted.text,
+                sent.text,
+            )

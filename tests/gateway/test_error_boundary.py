@@ -16,9 +16,10 @@ from starlette.requests import ClientDisconnect
 from contracts.config import KvServeConfig
 from gateway.accounting import record_failure
 from gateway.app import create_app
-from gateway.generation import PromptTooLong, StreamBroken, Unavailable
+from gateway.generation import StreamBroken, Unavailable
 from gateway.openai_api.convert import to_chat
 from gateway.openai_api.schema import ChatCompletionRequest
+from gateway.prompt_size import PromptTooLong
 from gateway.request_flow import ApiError, api_error_for
 from gateway.request_log import RequestRecord
 

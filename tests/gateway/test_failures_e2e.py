@@ -1,6 +1,6 @@
 """Failures with real processes: a full rank queue (529), a dead rank before the first token (retried on
 another), a rank killed mid-stream (continued on the other rank; an error event, never a silent end, when no
-rank is left), API keys (401/403)."""
+rank is left), hung ranks (the error event leaves as the gateway decides), API keys (401/403)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import anthropic
@@ -192,6 +193,58 @@ def test_a_stream_with_no_rank_left_ends_with_an_error_event(two_ranks) -> None:
     assert error["type"] == "error" and error["error"]["type"] == "api_error"
 
 
+@pytest.mark.parametrize("deltas_before", [0, 3], ids=["in-prefill", "after-tokens"])
+def test_a_hung_streams_error_reaches_the_client_when_the_gateway_decides(
+    two_ranks, tmp_path: Path, deltas_before: int
+) -> None:
+    """Issue 32 point 9: the gateway logged a failure at once ("the rank looks hung ... did not accept the
+    request within 5.0 s") that Claude Code got 39 minutes later. Both ranks stop (SIGSTOP, as a machine
+    thrashing under memory pressure would) in a long prefill, or once tokens were sent: the stream's rank goes
+    silent, the other one does not accept the request (or its continuation), and the error event must leave
+    the gateway as it logs the decision."""
+    url, ranks = two_ranks
+    body = {
+        "model": "default",
+        "max_tokens": 300,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": LONG_PROMPT}],
+    }
+    names: list[str] = []
+    error: dict = {}
+    stopped: list[int] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                # deltas_before 0: at the first ping, when the rank is in its prefill (~1,700 tokens, 128 a step)
+                if not stopped and names.count("content_block_delta") == deltas_before:
+                    serving = _busy_rank(ranks)
+                    stopped += [serving, *(port for port in ranks if port != serving)]
+                    for port in stopped:
+                        os.kill(ranks[port].pid, signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+                if line.startswith("event: "):
+                    names.append(line[7:])
+                elif line.startswith("data: ") and names[-1] == "error":
+                    error = json.loads(line[6:])
+                    received_at, received_wall = time.monotonic(), time.time()
+    finally:
+        for port in stopped:
+            os.kill(ranks[port].pid, signal.SIGCONT)
+    assert names[-1] == "error" and "message_stop" not in names, names
+    assert error["error"]["type"] == "api_error"
+    logged = next(
+        line for line in (tmp_path / "gateway.log").read_text().splitlines() if "generation failed mid-stream" in line
+    )
+    assert "the rank looks hung" in logged and "no other rank could continue" in logged, logged
+    decided_wall = datetime.strptime(logged[:23], "%Y-%m-%d %H:%M:%S,%f").timestamp()  # the log line's own time
+    assert received_wall - decided_wall < 1.0, f"the error event came {received_wall - decided_wall:.1f} s late"
+    # rank_stall_secs (5 s) of silence, half a second's grace, then as long for the other rank to accept
+    assert received_at - stopped_at < 5 + 0.5 + 5 + 5
+
+
 def test_api_keys_401_and_403(tmp_path: Path) -> None:
     keys_file = tmp_path / "keys.json"
     secret = create_key(keys_file, "ci", ["default"])
@@ -253,5 +306,6 @@ def test_pings_flow_while_a_long_prefill_runs(two_live_ranks) -> None:
     with httpx.stream("POST", f"{url}/v1/messages", json=body, timeout=120) as response:
         names = [line[7:] for line in response.iter_lines() if line.startswith("event: ")]
     first_block = names.index("content_block_start")
-    assert names[0] == "message_start" and "ping" in names[1:first_block]
+    # message_start waits for the first token (it brings the rank's cache use); the pings go out before it
+    assert "ping" in names[: names.index("message_start")] and names.index("message_start") < first_block
     assert names[-1] == "message_stop"

@@ -1,6 +1,6 @@
 """What the gateway answers without a key, and how, in-process through the real app: the API description only
-in open loopback mode, /metrics behind a key unless metrics_public, a trailing slash answered directly (never
-a redirect built from the Host header), a 405 with its Allow header."""
+in open loopback mode, /metrics behind a key with the metrics scope unless metrics_public, a trailing slash
+answered directly (never a redirect built from the Host header), a 405 with its Allow header."""
 
 from __future__ import annotations
 
@@ -36,12 +36,16 @@ def test_api_description_only_in_open_loopback_mode(keys_file: Path) -> None:
         assert with_keys.get(path, headers={"x-api-key": secret}).status_code == 404, path
 
 
-def test_metrics_need_a_key_unless_configured_public(keys_file: Path) -> None:
-    secret = create_key(keys_file, "prometheus", ["*"])
+def test_metrics_need_a_key_with_the_metrics_scope_unless_configured_public(keys_file: Path) -> None:
+    secret = create_key(keys_file, "prometheus", [], ["metrics"])
+    every_model = create_key(keys_file, "inference", ["*"])
     private = client(api_keys_file=str(keys_file))
     refused = private.get("/metrics")
     assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"
     assert private.get("/metrics", headers={"authorization": f"Bearer {secret}"}).status_code == 200
+    forbidden = private.get("/metrics", headers={"x-api-key": every_model})  # '*' is every model, not every scope
+    assert forbidden.status_code == 403 and forbidden.json()["error"]["type"] == "permission_error"
+    assert "metrics scope" in forbidden.json()["error"]["message"]
     public = client(api_keys_file=str(keys_file), metrics_public=True)
     assert public.get("/metrics").status_code == 200
     assert client().get("/metrics").status_code == 200  # open loopback mode: open like everything else

@@ -4,6 +4,7 @@ token counts (to calibrate the content), and the cache-tier counters of /metrics
 from __future__ import annotations
 
 import re
+import sys
 
 import httpx
 
@@ -63,4 +64,21 @@ def cached_tokens_by_tier(client: httpx.Client) -> dict[str, float]:
     if response.status_code == 200:
         for tier, value in CACHED_TOKENS.findall(response.text):
             tiers[tier] = float(value)
+    elif response.status_code in (401, 403) and not _warned_metrics_refused:
+        _warn_metrics_refused(response.status_code)
     return tiers
+
+
+_warned_metrics_refused = False
+
+
+def _warn_metrics_refused(status: int) -> None:
+    """Once: a gateway with keys on serves /metrics only to keys with the metrics scope, and without it the
+    per-tier cache counts read as zero."""
+    global _warned_metrics_refused
+    _warned_metrics_refused = True
+    print(
+        f"warning: the gateway answered /metrics with {status}: the L0/L1 cache counts will read 0; give the load "
+        "generator a key with the metrics scope (kvserve keys create --name load --models '*' --metrics)",
+        file=sys.stderr,
+    )

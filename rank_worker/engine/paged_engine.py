@@ -366,8 +366,7 @@ class PagedEngine(Engine):
             if seq.is_finished:
                 continue  # aborted while it ran
             if seq.num_output_tokens + 1 >= seq.sampling.max_tokens or seq.num_tokens + 1 >= limit:
-                if seq in self.scheduler.running:
-                    self.scheduler.running.remove(seq)  # it ends at `flight`, which finishes it when read
+                self.scheduler.end(seq)  # it ends at `flight`, which finishes it when read (its row held till then)
                 continue
             flight.pending_at[seq] = seq.num_tokens
             seq.token_ids.append(PENDING_TOKEN)

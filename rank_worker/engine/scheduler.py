@@ -6,6 +6,10 @@ max_num_seqs and free blocks allow. When blocks run out, the last running sequen
 preempted (its blocks released, cached ones kept as cache entries) and requeued at the front, so it
 resumes from its cached prefix later.
 
+max_num_seqs bounds the sequences holding a block-table row: the running ones and those ending in a step still
+on the device (end(): a pipelined successor is scheduled before that step is read, and their rows go back only
+then), so the model runner's rows are never all taken whatever a burst ends at once.
+
 Two policies:
 - fifo: running sequences oldest first, then waiting ones in arrival order.
 - warm_first: a waiting request whose cached prefix (L0, plus what the host tier is known to hold) covers
@@ -174,6 +178,8 @@ class Scheduler:
         self.overrun_s = 0.0  # decode_payback: decoders' time still owed by steps that ran past the budget
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Out of `running` (their last step is still on the device) but holding their row and blocks until removed.
+        self.ending: set[Sequence] = set()
         self.num_preemptions = 0
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
@@ -187,9 +193,22 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def end(self, seq: Sequence) -> None:
+        """The step running on the device is seq's last (it reaches its length there): no later step gives it
+        tokens, but its block-table row and blocks stay taken until that step is read and seq removed, so it still
+        counts against max_num_seqs (admitting in its place now would need one row more than there are)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.ending.add(seq)
+
+    def num_seated(self) -> int:
+        """Sequences holding a block-table row: the running ones and those ending in the step on the device."""
+        return len(self.running) + len(self.ending)
+
     def remove(self, seq: Sequence, release: bool = True) -> None:
         """Take a sequence out of the queues and release its blocks (finish or abort); release=False leaves the
         blocks to the caller (a step still running on the GPU writes them: the engine frees them after it)."""
+        self.ending.discard(seq)
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
@@ -349,7 +368,7 @@ class Scheduler:
         cap = self.policy.max_cold_prefills
         for seq, cold, capped in candidates:
             # Admit only when nobody was preempted this step (or they would thrash).
-            if step.closed or step.budget <= 0 or batch.preempted or len(self.running) >= self.max_num_seqs:
+            if step.closed or step.budget <= 0 or batch.preempted or self.num_seated() >= self.max_num_seqs:
                 step.closed = True
                 return
             if capped and cap and step.cold_in_prefill >= cap:

@@ -1,12 +1,13 @@
 """A ChatRequest in DeepSeek's chat format, written here rather than by the model's Jinja template.
 
-    <｜begin▁of▁sentence｜>{system}{tools section}<｜User｜>{user}<｜Assistant｜>{reply}<｜end▁of▁sentence｜>
+    <｜begin▁of▁sentence｜>{tools section}{system}<｜User｜>{user}<｜Assistant｜>{reply}<｜end▁of▁sentence｜>
     \\n\\n<function_results>\\n<result>{result}</result>\\n</function_results>\\n\\n{reply}<｜end▁of▁sentence｜>
 
 where a reply is [<think>{reasoning}</think> | </think>]{content}[\\n\\n<｜DSML｜function_calls>...]. That is
-the layout of DeepSeek-V3.2's own encoder (encoding_dsv32.py): the only DeepSeek model trained on tool
-markup we can parse as it streams is V3.2 (DSML), so V2 and V3 get its tool calls and results too, with the
-turn markers V2.5, V3, V3.1, R1 and V3.2 all use. DeepSeek-V2(-Lite)-Chat's own template writes its turns as
+the layout of DeepSeek-V3.2's own encoder (encoding_dsv32.py) but for the tools section, which comes before
+the system text here (conversation.SystemPrompt says why): the only DeepSeek model trained on tool markup we
+can parse as it streams is V3.2 (DSML), so V2 and V3 get its tool calls and results too, with the turn
+markers V2.5, V3, V3.1, R1 and V3.2 all use. DeepSeek-V2(-Lite)-Chat's own template writes its turns as
 plain "User: " / "Assistant:" text instead: when the model's template does, so do we (markers_for).
 
 Why not the model's template: DeepSeek's are not prefix-stable (R1's and V3.1's drop the reasoning of
@@ -27,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from gateway.chat import ChatMessage, ChatRequest
-from gateway.prompt.conversation import join_sections, split_system, tool_choice_line, tools_in_force
+from gateway.prompt.conversation import join_sections, system_prompt, tool_choice_line, tools_in_force
 from gateway.prompt.dsml_prompt import dsml_calls, dsml_results, dsml_tools_section
 
 BOS = "<｜begin▁of▁sentence｜>"
@@ -69,9 +70,10 @@ def deepseek_prompt(
     when empty): that token ended the model's turn, and as a special token it never merges with the reply's
     last characters (DeepSeek's marker as plain text would: "...calls>" + "<｜end" tokenizes as "><")."""
     end = eos_token or EOS
-    system, rest = split_system(chat.messages)
+    system, rest = system_prompt(chat.messages)
     tools = tools_in_force(chat)
-    system_text = join_sections(system, dsml_tools_section(tools, tool_choice_line(chat.tool_choice, tools)))
+    choice = tool_choice_line(chat.tool_choice, tools)
+    system_text = join_sections(dsml_tools_section(tools), system.shared, system.session, choice)
     parts = [BOS, system_text + markers.after_system if system_text else ""]
     results: list[ChatMessage] = []
     after_results = False

@@ -5,16 +5,16 @@ deepseek_prompt's."""
 from __future__ import annotations
 
 from gateway.chat import ChatMessage, ToolCall, ToolSpec
-from gateway.prompt.conversation import function_schema, join_sections, to_json, tool_result_text
+from gateway.prompt.conversation import function_schema, to_json, tool_result_text
 
 DSML = "｜DSML｜"
 
 
-def dsml_tools_section(tools: list[ToolSpec], choice_line: str = "") -> str:
+def dsml_tools_section(tools: list[ToolSpec]) -> str:
     if not tools:
         return ""
     schemas = "\n".join(to_json(function_schema(tool)) for tool in tools)
-    section = (
+    return (
         "## Tools\n\n"
         "You can use tools to answer the user. To call them, write a block like this in your reply:\n"
         f"<{DSML}function_calls>\n"
@@ -31,7 +31,6 @@ def dsml_tools_section(tools: list[ToolSpec], choice_line: str = "") -> str:
         "The results come back inside <function_results></function_results>, one <result> per call, in order.\n\n"
         f"The functions available, as JSON schemas:\n<functions>\n{schemas}\n</functions>"
     )
-    return join_sections(section, choice_line)
 
 
 def dsml_calls(calls: list[ToolCall]) -> str:

@@ -10,7 +10,7 @@ from gateway.prompt.conversation import (
     call_json,
     function_schema,
     join_sections,
-    split_system,
+    system_prompt,
     to_json,
     tool_choice_line,
     tool_result_text,
@@ -19,11 +19,12 @@ from gateway.prompt.conversation import (
 
 
 def hermes_messages(chat: ChatRequest, *, thinks: bool) -> list[dict[str, Any]]:
-    system, rest = split_system(chat.messages)
+    system, rest = system_prompt(chat.messages)
     tools = tools_in_force(chat)
-    system_text = join_sections(system, hermes_tools_section(tools, tool_choice_line(chat.tool_choice, tools)))
+    choice = tool_choice_line(chat.tool_choice, tools)
+    system_text = join_sections(hermes_tools_section(tools), system.shared, system.session, choice)
     messages: list[dict[str, Any]] = []
-    if system is not None or system_text:
+    if system.shared is not None or system_text:
         messages.append({"role": "system", "content": system_text})
     results_at: int | None = None  # index of the user message collecting the latest run of tool results
     for message in rest:
@@ -41,11 +42,11 @@ def hermes_messages(chat: ChatRequest, *, thinks: bool) -> list[dict[str, Any]]:
     return messages
 
 
-def hermes_tools_section(tools: list[ToolSpec], choice_line: str = "") -> str:
+def hermes_tools_section(tools: list[ToolSpec]) -> str:
     if not tools:
         return ""
     listing = "\n".join(to_json({"type": "function", "function": function_schema(tool)}) for tool in tools)
-    section = (
+    return (
         "# Tools\n\n"
         "You may call one or more functions to help with the user's request.\n\n"
         "The functions you can call are described by their JSON signatures inside <tools></tools>:\n"
@@ -55,7 +56,6 @@ def hermes_tools_section(tools: list[ToolSpec], choice_line: str = "") -> str:
         '<tool_call>\n{"name": <function-name>, "arguments": <arguments-json-object>}\n</tool_call>\n\n'
         "Each result comes back inside <tool_response></tool_response> tags."
     )
-    return join_sections(section, choice_line)
 
 
 def hermes_assistant_text(message: ChatMessage, *, thinks: bool) -> str:

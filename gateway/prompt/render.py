@@ -6,7 +6,9 @@ Three ways to show tools, calls, results and reasoning, by what the model knows:
 - its template handles tools itself (Qwen2.5/Qwen3): Hugging Face structures, the template decides;
 - anything else (SmolLM2): Hermes <tool_call> JSON, folded into plain messages (hermes_prompt).
 The same request always renders to the same text, and a conversation that only grows renders to a
-text that only grows: both are what lets the KV cache reuse earlier turns.
+text that only grows: both are what lets the KV cache reuse earlier turns. Across sessions, the tool
+definitions and the system text every session shares come first, what names the project and the day last in
+the system turn (conversation.system_prompt): a new project's first request reads the rest from the cache.
 """
 
 from __future__ import annotations
@@ -16,11 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from gateway.chat import ChatMessage, ChatRequest
-from gateway.prompt.chat_template import render_chat
+from gateway.prompt.chat_template import ChatTemplateError, render_chat
 from gateway.prompt.conversation import (
     function_schema,
     join_sections,
-    split_system,
+    system_prompt,
     tool_choice_line,
     tool_result_text,
     tools_in_force,
@@ -75,8 +77,9 @@ def render_prompt(chat: ChatRequest, template: ModelTemplate) -> str:
         markers = markers_for(template.chat_template)
         return deepseek_prompt(chat, markers, thinks=template.thinks, eos_token=template.eos_token)
     extra: dict[str, Any] = {}
+    session = ""
     if template.handles_tools:
-        messages, tools = _native_messages(chat, template)
+        messages, tools, session = _native_messages(chat, template)
         if tools:
             extra["tools"] = tools
     else:
@@ -84,23 +87,37 @@ def render_prompt(chat: ChatRequest, template: ModelTemplate) -> str:
     if chat.reasoning is not None:
         # Qwen3 reads enable_thinking, some templates thinking; other templates ignore both.
         extra["enable_thinking"] = extra["thinking"] = chat.reasoning
-    return render_chat(
-        template.chat_template,
-        messages,
-        bos_token=template.bos_token,
-        eos_token=template.eos_token,
-        add_generation_prompt=True,
-        **extra,
-    )
+
+    def render(messages: list[dict[str, Any]]) -> str:
+        return render_chat(
+            template.chat_template,
+            messages,
+            bos_token=template.bos_token,
+            eos_token=template.eos_token,
+            add_generation_prompt=True,
+            **extra,
+        )
+
+    if session:
+        # The template writes the tools after the first system message: the session's part follows them as a
+        # system message of its own where the template takes a second one (Qwen2.5's and Qwen3's do).
+        try:
+            return render([messages[0], {"role": "system", "content": session}, *messages[1:]])
+        except ChatTemplateError:
+            messages[0]["content"] = join_sections(messages[0]["content"], session)
+    return render(messages)
 
 
-def _native_messages(chat: ChatRequest, template: ModelTemplate) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Hugging Face conventions: tools as {"type": "function", "function": ...}, calls with dict arguments."""
-    system, rest = split_system(chat.messages)
+def _native_messages(
+    chat: ChatRequest, template: ModelTemplate
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]], str]:
+    """Hugging Face conventions: tools as {"type": "function", "function": ...}, calls with dict arguments; and the
+    system prompt's session part, apart."""
+    system, rest = system_prompt(chat.messages)
     tools = tools_in_force(chat)
-    system_text = join_sections(system, tool_choice_line(chat.tool_choice, tools))
+    system_text = join_sections(system.shared, tool_choice_line(chat.tool_choice, tools))
     messages: list[dict[str, Any]] = []
-    if system is not None or system_text:
+    if system.shared is not None or system_text:
         messages.append({"role": "system", "content": system_text})
     reasoning_key = "reasoning_content" in template.chat_template
     for message in rest:
@@ -117,7 +134,7 @@ def _native_messages(chat: ChatRequest, template: ModelTemplate) -> tuple[list[d
             )
         else:
             messages.append({"role": message.role, "content": message.content})
-    return messages, [{"type": "function", "function": function_schema(tool)} for tool in tools]
+    return messages, [{"type": "function", "function": function_schema(tool)} for tool in tools], system.session
 
 
 def _native_assistant(message: ChatMessage, *, reasoning_key: bool, thinks: bool) -> dict[str, Any]:

@@ -46,21 +46,26 @@ class Workspace:
     home: Path  # its HOME (config, session transcripts)
 
 
+def git_project(repo: Path, files: dict[str, str]) -> Path:
+    """A git repository at `repo` holding `files`, in one commit."""
+    repo.mkdir()
+    for name, text in files.items():
+        (repo / name).write_text(text)
+    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
+    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "init"]):
+        subprocess.run([*git, *command], cwd=repo, check=True, capture_output=True)
+    return repo
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory: pytest.TempPathFactory) -> Workspace:
-    """One project and HOME for the current CLI's first call and its tool turns: 2.1.332's system prompt names
-    the project's memory path, so calls from the same project share its ~12K-token prefix and the tool-turn
-    test starts warm instead of paying a second cold prefill of minutes."""
+    """One project and HOME for the current CLI's first call, a second project's and the tool turns: after the
+    first call's cold prefill of minutes, the others start warm (the tool definitions and fixed instructions are
+    rendered before what names the project, so every project shares them)."""
     root = tmp_path_factory.mktemp("claude-code-project")
-    repo, home = root / "repo", root / "home"
-    repo.mkdir()
+    home = root / "home"
     home.mkdir()
-    (repo / "calc.py").write_text(CALC)
-    (repo / "test_calc.py").write_text(TEST_CALC)
-    git = ["git", "-c", "user.email=t@example.com", "-c", "user.name=t"]
-    for command in (["init", "-q"], ["add", "."], ["commit", "-qm", "calc"]):
-        subprocess.run([*git, *command], cwd=repo, check=True, capture_output=True)
-    return Workspace(repo, home)
+    return Workspace(git_project(root / "repo", {"calc.py": CALC, "test_calc.py": TEST_CALC}), home)
 
 
 def test_make_setup_installs_both_versions_and_puts_the_current_one_in_the_venv() -> None:
@@ -92,6 +97,27 @@ def test_first_call_with_the_printed_exports_is_answered(stack: Stack, workspace
     report = run_claude(installed_cli(CURRENT), env, workspace.repo, "Reply with one word: ready")
     assert answered(report), report
     assert token_counters(stack.url)[0] - before[0] > 10_000  # system prompt + tool definitions
+
+
+@pytest.mark.timeout(3000)  # cold only when run alone: the first project's call prefills ~12K tokens then
+def test_a_second_projects_first_call_reads_the_tools_and_instructions_from_the_cache(
+    stack: Stack, workspace: Workspace
+) -> None:
+    """The same user in another project (another working directory, memory directory, git status): its first
+    call must find the ~12K tokens of tool definitions and fixed instructions that the first project's call left
+    in the cache, and prefill only what names the project and the user's prompt."""
+    cli, sessions = installed_cli(CURRENT), {"first": str(uuid.uuid4()), "second": str(uuid.uuid4())}
+    env = claude_env(stack, workspace.home, CLAUDE_CODE_MAX_OUTPUT_TOKENS="8")  # short turns; only the prompts matter
+    second_project = git_project(workspace.repo.parent / "second-project", {"notes.py": "NOTES = []\n"})
+    assert answered(
+        run_claude(cli, env, workspace.repo, "--session-id", sessions["first"], "Reply with one word: ready")
+    )
+    report = run_claude(cli, env, second_project, "--session-id", sessions["second"], "Reply with one word: ready")
+    assert answered(report), report
+    prompt, cached = stack.requests_of(sessions["second"])[0]
+    print(f"second project's first request: {prompt} prompt tokens, {cached} read from the cache")
+    assert cached >= 10_000, (prompt, cached)
+    assert report["usage"]["cache_read_input_tokens"] >= 10_000, report["usage"]  # what Claude Code was told
 
 
 @pytest.mark.timeout(3000)

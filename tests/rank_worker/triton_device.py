@@ -1,5 +1,7 @@
 """Where the Triton kernel tests run: on CUDA, or on the CPU under Triton's interpreter (TRITON_INTERPRET=1 with
-triton importable: the CPU build of torch comes without it); `pytestmark = TRITON_MARKS` skips them elsewhere."""
+triton importable: the CPU build of torch comes without it, make setup installs it, and `make test-kernels`, a step
+of `make test`, runs them so, less the cases marked slow_interpreter); `pytestmark = TRITON_MARKS` skips them
+elsewhere."""
 
 from __future__ import annotations
 

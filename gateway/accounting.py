@@ -30,6 +30,8 @@ class PendingRecord:
     def __init__(self) -> None:
         self.state: GatewayState | None = None
         self.record: RequestRecord | None = None
+        self.request_id = ""  # once the route named the request: its response carries it in id_header
+        self.id_header = ""
 
     def settle(self, sent_status: int | None, sent_error_type: str = "") -> None:
         """Log and count the request with the status that was sent (None: nothing could be sent)."""
@@ -71,6 +73,14 @@ def pending_record() -> Iterator[PendingRecord]:
         yield pending
     finally:
         _pending.reset(token)
+
+
+def name_request(request_id: str, header: str) -> None:
+    """Within pending_record(): the response of the request being served, whatever it is, carries
+    `header: request_id`, so a client can name the request even when it was refused."""
+    pending = _pending.get()
+    if pending is not None:
+        pending.request_id, pending.id_header = request_id, header
 
 
 def record_failure(state: GatewayState, record: RequestRecord, error: ApiError) -> None:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from gateway.accounting import record_end, record_failure
+from gateway.accounting import name_request, record_end, record_failure
 from gateway.body_admission import release_body
 from gateway.body_parse import work_for_body
 from gateway.chat import ChatRequest, InvalidChat
@@ -32,6 +32,7 @@ class ChatApi(Protocol):
     name: str  # "anthropic" | "openai": metrics and log label
     schema: type[BaseModel]
     session_header: str
+    id_header: str  # the response header with the request's id, where the API's own SDK reads it
 
     def new_id(self) -> str: ...
 
@@ -49,7 +50,9 @@ class ChatApi(Protocol):
 async def serve_chat(request: Request, api: ChatApi) -> Response:
     state = gateway_state(request)
     arrived = time.monotonic()
+    # One id for the request: the client's (message id and id_header), the request log's, the router's, the rank's.
     record = RequestRecord(request_id=api.new_id(), api=api.name)
+    name_request(record.request_id, api.id_header)
     try:
         key = authenticate(request)
         body = await parse_body(request, api.schema)
@@ -61,7 +64,7 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         # Off the event loop: tokenizing a long agent prompt takes tens of milliseconds (the tokenizer lets go
         # of the GIL), and the loop meanwhile streams every other request's tokens.
         tokenize_started = time.monotonic()
-        prepared = await prepare_off_loop(request, generation, chat)
+        prepared = await prepare_off_loop(request, generation, chat, record.request_id)
         record.tokenize_s = time.monotonic() - tokenize_started
         record.prompt_tokens = prepared.prompt_tokens
         record.prompt_text = prepared.prompt_text if state.config.log_prompts else ""
@@ -71,7 +74,7 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         # stream flags), so its parsed objects are freed and its share of the body budget goes back now.
         await release_body(request.scope.setdefault("state", {}))
     except Exception as exc:
-        error = api_error_for(exc)
+        error = api_error_for(exc, record.request_id)
         record_failure(state, record, error)
         try:
             raise error from exc
@@ -87,7 +90,7 @@ async def serve_chat(request: Request, api: ChatApi) -> Response:
         try:
             events = await collect(opened, request)
         except Exception as exc:
-            error = api_error_for(exc)
+            error = api_error_for(exc, record.request_id)
             finished(None, error)
             try:
                 raise error from exc
@@ -121,9 +124,11 @@ async def chat_from_body(
         raise ApiError(400, "invalid_request_error", str(exc)) from exc
 
 
-async def prepare_off_loop(request: Request, generation: Generation, chat: ChatRequest) -> PreparedRequest:
+async def prepare_off_loop(
+    request: Request, generation: Generation, chat: ChatRequest, request_id: str
+) -> PreparedRequest:
     """generation.prepare off the event loop; a prompt whose size alone cannot fit is a 400."""
     try:
-        return await work_for_body(request, generation.prepare, chat)
+        return await work_for_body(request, generation.prepare, chat, request_id)
     except PromptCannotFit as exc:
         raise ApiError(400, "invalid_request_error", str(exc)) from exc

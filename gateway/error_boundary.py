@@ -1,8 +1,9 @@
 """The outermost layer of the app (a pure ASGI middleware): whatever escapes the routes and their error
 handlers becomes a 500 `api_error` in the API's own shape that names no internal detail, its traceback
 logged once; a client that went away is a cancellation, not an error; the request's log line and metrics
-are settled with the status actually sent; and a generation request counts as in flight until its
-response (a stream included) is over.
+are settled with the status actually sent; a generation request's response carries its id in a header
+(name_request), an error answer too; and a generation request counts as in flight until its response (a
+stream included) is over.
 
 Pure ASGI rather than an `@exception_handler(Exception)`: Starlette's ServerErrorMiddleware re-raises after
 such a handler, so uvicorn logs a second traceback and closes the keep-alive connection."""
@@ -16,7 +17,7 @@ import logging
 from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from gateway.accounting import CANCELLED, pending_record
+from gateway.accounting import CANCELLED, PendingRecord, pending_record
 from gateway.error_shape import chat_api, error_body, render_error
 from gateway.metrics import GatewayMetrics
 
@@ -34,9 +35,9 @@ class ErrorBoundary:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        exchange = _Exchange(receive, send)
         api = chat_api(scope.get("path", ""))
         with pending_record() as pending, contextlib.ExitStack() as in_flight:
+            exchange = _Exchange(receive, send, pending)
             if api is not None and scope.get("method") == "POST":
                 in_flight.enter_context(self.metrics.track_in_flight(api))
             try:
@@ -49,13 +50,12 @@ class ErrorBoundary:
                     raise
                 exchange.error_type = CANCELLED
             except Exception as exc:
+                where = f"{scope.get('method')} {scope.get('path')} request={pending.request_id or '-'}"
                 if exchange.client_gone or isinstance(exc, ClientDisconnect):
-                    log.info(
-                        "%s %s: the client went away (%s)", scope.get("method"), scope.get("path"), type(exc).__name__
-                    )
+                    log.info("%s: the client went away (%s)", where, type(exc).__name__)
                     exchange.error_type = CANCELLED
                 else:
-                    log.error("%s %s: internal error", scope.get("method"), scope.get("path"), exc_info=exc)
+                    log.error("%s: internal error", where, exc_info=exc)
                     await exchange.answer_internal_error(scope.get("path", ""))
             finally:
                 status = exchange.status
@@ -67,9 +67,10 @@ class ErrorBoundary:
 class _Exchange:
     """What passed between the app and the client: the status sent, whether the client left."""
 
-    def __init__(self, receive: Receive, send: Send) -> None:
+    def __init__(self, receive: Receive, send: Send, pending: PendingRecord) -> None:
         self._receive = receive
         self._send = send
+        self._pending = pending
         self.status: int | None = None
         self.error_type = ""  # set when this layer, not the app, decided the outcome
         self.client_gone = False
@@ -83,6 +84,10 @@ class _Exchange:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
+            pending = self._pending
+            if pending.request_id:
+                named = (pending.id_header.encode(), pending.request_id.encode())
+                message = {**message, "headers": [*message.get("headers", []), named]}
         try:
             await self._send(message)
         except OSError:  # the connection is gone (the server says so as ClientDisconnected, an OSError)

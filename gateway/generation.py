@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -98,7 +97,7 @@ class PreparedRequest:
     prompt_text: str
     prompt_ids: list[int]
     max_tokens: int
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    request_id: str  # the id the client got (msg_..., chatcmpl-...): the router and the rank log it too
     block_hashes: list[bytes] = field(default_factory=list)  # of the prompt's full blocks (prompt_hashes)
 
     @property
@@ -131,14 +130,14 @@ class Generation:
         self.request_timeout_s = request_timeout_s
         self.rank_stall_s = rank_stall_s  # no token nor progress (nor acceptance) for this long: the rank is hung
 
-    def prepare(self, chat: ChatRequest) -> PreparedRequest:
+    def prepare(self, chat: ChatRequest, request_id: str) -> PreparedRequest:
         """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped. The
         prompt's block hashes too: like tokenizing, this runs off the event loop (chat_endpoint)."""
         text, ids = self.prompt(chat)
         room = self.model.max_model_len - len(ids)
         wanted = chat.max_tokens if chat.max_tokens is not None else room
         hashes = prompt_block_hashes(self.model.info, ids)
-        return PreparedRequest(chat, text, ids, max(1, min(wanted, room)), block_hashes=hashes)
+        return PreparedRequest(chat, text, ids, max(1, min(wanted, room)), request_id, block_hashes=hashes)
 
     def count_tokens(self, chat: ChatRequest) -> int:
         """The prompt's exact size; what a request could not send (PromptTooLong) is refused here the same way."""
@@ -204,7 +203,7 @@ class Generation:
                 if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full += 1
                 elif rank_at_fault(exc.code):
-                    self.chooser.report_failure(choice, str(exc))
+                    self.chooser.report_failure(choice, str(exc), request_id)
                 else:  # the rank answered about this request: its own failure, not the rank's
                     raise StreamBroken(str(exc)) from exc
                 last_error = exc
@@ -321,7 +320,7 @@ class OpenGeneration:
                     await reader
                 if not self.stream.call.done():
                     self.stream.cancel()
-            self.owner.chooser.report_failure(self.choice, str(failure))
+            self.owner.chooser.report_failure(self.choice, str(failure), self.stream.request_id)
             if self.rank_switches >= MAX_RANK_SWITCHES:
                 raise StreamBroken(str(failure)) from failure
             if len(self.delivered) >= self.prepared.max_tokens:

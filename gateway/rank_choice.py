@@ -60,8 +60,8 @@ class RankChooser(Protocol):
         """The rank to try next, never one whose rank_id is in `avoid`; None when none is left."""
         ...
 
-    def report_failure(self, choice: RankChoice, detail: str) -> None:
-        """A rank refused a connection or cut a stream."""
+    def report_failure(self, choice: RankChoice, detail: str, request_id: str) -> None:
+        """A rank refused a connection or cut a stream (of the request `request_id`)."""
         ...
 
     def known_addresses(self) -> list[str]: ...
@@ -101,7 +101,7 @@ class StaticRanks:
     async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
         return next((r for r in session_preference(self._ranks, query.session_id) if r.rank_id not in avoid), None)
 
-    def report_failure(self, choice: RankChoice, detail: str) -> None:
+    def report_failure(self, choice: RankChoice, detail: str, request_id: str) -> None:
         pass
 
     def known_addresses(self) -> list[str]:
@@ -193,12 +193,12 @@ class RouterRanks:
         preferred = session_preference(candidates, query.session_id)
         return next((r for r in preferred if r.rank_id not in avoid and r.address not in avoid), None)
 
-    def report_failure(self, choice: RankChoice, detail: str) -> None:
+    def report_failure(self, choice: RankChoice, detail: str, request_id: str) -> None:
+        failure = router_pb.ReportRankFailureRequest(rank_id=choice.rank_id, detail=detail, request_id=request_id)
+
         async def report() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError):
-                await self._stub.ReportRankFailure(
-                    router_pb.ReportRankFailureRequest(rank_id=choice.rank_id, detail=detail), timeout=ROUTE_TIMEOUT_S
-                )
+                await self._stub.ReportRankFailure(failure, timeout=ROUTE_TIMEOUT_S)
 
         task = asyncio.get_running_loop().create_task(report())
         self._failure_reports.add(task)  # keep a reference until it is done

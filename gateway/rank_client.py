@@ -71,6 +71,7 @@ class RankStream:
     last_heard: float = 0.0  # time.monotonic() of the last message (token, progress, finished) or acceptance
     cancelled_by_us: bool = False
     progress: pb.Progress | None = None  # the last one, while no token came
+    request_id: str = ""  # as the rank got it: the client's id, `<id>+<n>` for a continuation after n tokens
 
     async def token_chunks(self) -> AsyncIterator[list[int]]:
         try:
@@ -150,7 +151,7 @@ class RankClient:
                 raise RankRefused(target, code, await call.details() or "no acceptance from the rank")
         except grpc.aio.AioRpcError as exc:
             raise RankRefused(target, exc.code(), exc.details() or "") from exc
-        return RankStream(target, call, last_heard=time.monotonic())
+        return RankStream(target, call, last_heard=time.monotonic(), request_id=request.request_id)
 
     async def close(self) -> None:
         for channel in self._channels.values():

@@ -40,10 +40,10 @@ class ApiError(Exception):
         self.retry_after_s = retry_after_s
 
 
-def api_error_for(exc: BaseException) -> ApiError:
+def api_error_for(exc: BaseException, request_id: str = "") -> ApiError:
     """Map what the generation layer raises to an HTTP status and error type. Only the gateway's own
     validation errors are 4xx; the rest is a 500 whose message names no internal address or exception text
-    (those go to the log)."""
+    (those go to the log, with the request's id)."""
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, (ModelNotAvailable, PromptTooLong, BadRequest, ChatTemplateError)) or _own_value_error(exc):
@@ -55,12 +55,12 @@ def api_error_for(exc: BaseException) -> ApiError:
     if isinstance(exc, Overloaded):
         return ApiError(529, "overloaded_error", f"{exc}; retry later", exc.retry_after_s)
     if isinstance(exc, Unavailable):
-        log.warning("no rank worker could take a request: %s", exc)
+        log.warning("no rank worker could take request=%s: %s", request_id or "-", exc)
         return ApiError(503, "api_error", "no rank worker is available; retry later", 5)
     if isinstance(exc, StreamBroken):
-        log.warning("generation failed mid-stream: %s", exc)
+        log.warning("generation failed mid-stream for request=%s: %s", request_id or "-", exc)
         return ApiError(500, "api_error", "generation failed mid-stream and no rank could continue it")
-    log.error("unexpected error", exc_info=exc)
+    log.error("unexpected error in request=%s", request_id or "-", exc_info=exc)
     return ApiError(500, "api_error", "internal server error; the gateway logged the details")
 
 
@@ -116,7 +116,7 @@ async def stream_bytes(
         failure = ApiError(499, "client_disconnected", "client went away")
         raise
     except Exception as exc:
-        failure = api_error_for(exc)
+        failure = api_error_for(exc, opened.prepared.request_id)
         yield write_error(failure)
     finally:
         await opened.aclose()

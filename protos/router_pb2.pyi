@@ -119,12 +119,14 @@ class ListRanksResponse(_message.Message):
     def __init__(self, ranks: _Optional[_Iterable[_Union[RankStatus, _Mapping]]] = ..., l1_blocks: _Optional[int] = ..., redis_connected: _Optional[bool] = ..., sessions: _Optional[int] = ...) -> None: ...
 
 class ReportRankFailureRequest(_message.Message):
-    __slots__ = ("rank_id", "detail")
+    __slots__ = ("rank_id", "detail", "request_id")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     detail: str
-    def __init__(self, rank_id: _Optional[str] = ..., detail: _Optional[str] = ...) -> None: ...
+    request_id: str
+    def __init__(self, rank_id: _Optional[str] = ..., detail: _Optional[str] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class ReportRankFailureResponse(_message.Message):
     __slots__ = ()

@@ -76,6 +76,18 @@ def finished_message(output: RequestOutput) -> pb.GenerateResponse:
     )
 
 
+def finished_line(request_id: str, finished: pb.Finished) -> str:
+    """The log line of a request that finished: how it ended, its cache use and its times."""
+    stats = finished.stats
+    reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+    return (
+        f"finished request={request_id} reason={reason} prompt_tokens={stats.prompt_tokens} "
+        f"cached_tokens={stats.cached_tokens} l1_cached_tokens={stats.l1_cached_tokens} "
+        f"output_tokens={stats.output_tokens} queue_ms={stats.queue_wait_s * 1000:.1f} "
+        f"prefill_ms={stats.prefill_s * 1000:.1f} total_ms={stats.total_s * 1000:.1f} preemptions={stats.preemptions}"
+    )
+
+
 def stats_message(stats: EngineStats, rank_id: str = "") -> pb.StatsResponse:
     return pb.StatsResponse(rank_id=rank_id, **dataclasses.asdict(stats))  # same field names by design
 
@@ -130,31 +142,48 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
     ) -> AsyncIterator[pb.GenerateResponse]:
         engine_loop = await self._ready(context)
         engine_req = engine_request(request)
+        # Every line about the request names it as request=<id>: the gateway's id, which its client got.
+        request_id = engine_req.request_id
         if engine_loop.queued() >= self._max_waiting:
+            log.info("refused request=%s: the queue is full", request_id)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED, f"rank queue is full ({self._max_waiting} requests waiting)"
             )
         try:
             stream = engine_loop.submit(engine_req)
         except InvalidRequestError as exc:
+            log.info("refused request=%s: %s", request_id, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineLoopStoppedError as exc:
+            log.info("refused request=%s: %s", request_id, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        log.info(
+            "accepted request=%s prompt_tokens=%d max_tokens=%d",
+            request_id,
+            len(engine_req.prompt_token_ids),
+            engine_req.sampling.max_tokens,
+        )
         # Accepted: clients wait for these headers to learn, before any token, that the request is queued
         # (a refusal above arrives instead as an error status).
-        await context.send_initial_metadata((("kvserve-accepted", engine_req.request_id),))
+        await context.send_initial_metadata((("kvserve-accepted", request_id),))
         try:
             async for message in response_messages(stream, engine_loop, self._progress_interval_s):
+                if message.HasField("finished"):
+                    log.info("%s", finished_line(request_id, message.finished))
                 yield message
         except InvalidRequestError as exc:  # refused at add_request time (validate() could not know)
+            log.info("refused request=%s: %s", request_id, exc)
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except EngineLoopStoppedError as exc:
+            log.info("ended request=%s: %s", request_id, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         except EngineFailedError as exc:
+            log.warning("failed request=%s: %s", request_id, exc)
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             if not stream.finished:  # the client went away (cancelled) or the server is stopping
-                engine_loop.abort(engine_req.request_id)
+                engine_loop.abort(request_id)
+                log.info("cancelled request=%s: its call ended before the request did", request_id)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         engine_loop = await self._ready(context)

@@ -38,7 +38,6 @@ SERVER_OPTIONS = [*service_main.SERVER_OPTIONS, ("grpc.max_receive_message_lengt
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # --log-level DEBUG logs one line per route decision
     return service_main.service_arg_parser(
         "kvserve router", "Run the router as a gRPC server.", "router_host", "router_port"
     )

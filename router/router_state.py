@@ -152,9 +152,10 @@ class RouterState:
             log.info("rank %s confirmed by its heartbeat (known from Redis)", rank_id)
         return known
 
-    def report_failure(self, rank_id: str, detail: str) -> bool:
-        """A client saw the rank fail: take it out now. False if unknown or already down."""
-        return self._mark_down(rank_id, f"reported failed: {detail}" if detail else "reported failed")
+    def report_failure(self, rank_id: str, detail: str, request_id: str = "") -> bool:
+        """A client saw the rank fail (serving `request_id`): take it out now. False if unknown or already down."""
+        reason = f"reported failed by request={request_id}" if request_id else "reported failed"
+        return self._mark_down(rank_id, f"{reason}: {detail}" if detail else reason)
 
     def feed_lost(self, rank_id: str, incarnation: str, detail: str) -> None:
         """The rank's event stream has been unreachable for rank_down_after_secs: it is most likely dead."""
@@ -200,9 +201,9 @@ class RouterState:
         now = self._clock()
         ranks = {entry.rank_id: entry for entry in self.registry.healthy() if entry.rank_id not in query.avoid_rank_ids}
         if not ranks:
-            raise NoRankAvailableError(
-                f"no healthy rank to route to ({len(self.registry)} known, {len(query.avoid_rank_ids)} avoided)"
-            )
+            detail = f"no healthy rank to route to ({len(self.registry)} known, {len(query.avoid_rank_ids)} avoided)"
+            log.warning("route request=%s: %s", query.request_id or "-", detail)
+            raise NoRankAvailableError(detail)
         matches = self.index.match(query.block_hashes, ranks)
         candidates = [route_candidate(rank_id, entry, matches[rank_id]) for rank_id, entry in ranks.items()]
         session_rank = self.sessions.rank_of(query.session_id, now) if query.session_id else None
@@ -212,19 +213,18 @@ class RouterState:
         if query.session_id:
             self.sessions.record(query.session_id, choice.rank_id, now)
             self.durable.session_changed(query.session_id)
-        if log.isEnabledFor(logging.DEBUG):
-            log.debug(
-                "route request=%s session=%s rank=%s reason=%s prompt=%d l0=%d l1=%d score=%.0f candidates=%d",
-                query.request_id,
-                query.session_id or "-",
-                choice.rank_id,
-                choice.reason,
-                query.prompt_tokens,
-                choice.expected_l0_tokens,
-                choice.expected_l1_tokens,
-                choice.score,
-                len(candidates),
-            )
+        log.info(
+            "route request=%s session=%s rank=%s reason=%s prompt=%d l0=%d l1=%d score=%.0f candidates=%d",
+            query.request_id or "-",
+            query.session_id or "-",
+            choice.rank_id,
+            choice.reason,
+            query.prompt_tokens,
+            choice.expected_l0_tokens,
+            choice.expected_l1_tokens,
+            choice.score,
+            len(candidates),
+        )
         return RouteAnswer(choice, ranks[choice.rank_id].identity.address)
 
     # --- status ---

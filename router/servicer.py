@@ -154,9 +154,10 @@ class RouterServicer(pb_grpc.RouterServicer):
     ) -> pb.ReportRankFailureResponse:
         try:
             rank_id = _check_id("rank_id", request.rank_id, required=True)
+            request_id = _check_id("request_id", request.request_id, required=False)
         except InvalidMessageError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._state.report_failure(rank_id, request.detail[:1000])  # unknown or already down: nothing to do
+        self._state.report_failure(rank_id, request.detail[:1000], request_id)  # unknown or already down: nothing to do
         return pb.ReportRankFailureResponse()
 
     def _rank_status(self, entry: RankEntry) -> pb.RankStatus:

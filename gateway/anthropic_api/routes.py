@@ -33,6 +33,7 @@ class AnthropicMessages:
     name = "anthropic"
     schema = MessagesRequest
     session_header = "x-claude-code-session-id"  # Claude Code's own, exact session key
+    id_header = "request-id"  # as Anthropic's; here it is the message id
 
     def new_id(self) -> str:
         return f"msg_{uuid.uuid4().hex[:24]}"

@@ -22,6 +22,7 @@ class OpenAiChatCompletions:
     name = "openai"
     schema = ChatCompletionRequest
     session_header = "x-session-id"
+    id_header = "x-request-id"  # as OpenAI's; here it is the completion id
 
     def new_id(self) -> str:
         return f"chatcmpl-{uuid.uuid4().hex[:24]}"

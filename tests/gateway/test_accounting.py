@@ -30,7 +30,7 @@ def lines(caplog: pytest.LogCaptureFixture) -> list[str]:
 def cut_generation(delivered: int, switched: bool) -> OpenGeneration:
     """A generation whose first stream served the prompt (cache use from its first chunk) and, if `switched`,
     went on on a second rank before it was cut."""
-    prepared = PreparedRequest(ChatRequest(messages=[]), "prompt", list(range(100)), max_tokens=50)
+    prepared = PreparedRequest(ChatRequest(messages=[]), "prompt", list(range(100)), max_tokens=50, request_id="msg_x")
     # The rank's counts, as in its TokenChunk: 64 tokens from L0, and 32 after them restored from L1.
     first = RankStream("127.0.0.1:1", call=None, tokens_sent=3, cached_tokens=64, l1_cached_tokens=32)  # type: ignore[arg-type]
     first.queue_wait_s = 0.25

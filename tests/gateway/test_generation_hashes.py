@@ -83,8 +83,8 @@ def test_hashes_computed_off_the_loop_once_go_to_the_router_and_the_rank(
         chat.model = model.name
         try:
             finishes = []
-            for _ in range(2):
-                prepared = await prepare_off_loop(Request({"type": "http"}), generation, chat)
+            for turn in range(2):
+                prepared = await prepare_off_loop(Request({"type": "http"}), generation, chat, f"msg_hashes{turn}")
                 opened = await generation.open(prepared)
                 events = [event async for event in opened.events()]
                 assert isinstance(events[-1], Finish)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -26,15 +28,19 @@ CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
 @pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def worker_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("rank-worker") / "worker.log"
+
+
+@pytest.fixture(scope="module")
+def worker(worker_log: Path) -> Iterator[str]:
     port = free_port()
-    log_path = tmp_path_factory.mktemp("rank-worker") / "worker.log"
     settings = {"KVSERVE_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "KVSERVE_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
-    with start_rank_worker(log_path, port, **settings) as process:
+    with start_rank_worker(worker_log, port, **settings) as process:
         yield f"127.0.0.1:{port}"
         process.send_signal(signal.SIGTERM)
         process.wait(timeout=30)
-    print(log_path.read_text(errors="replace")[-3000:])
+    print(worker_log.read_text(errors="replace")[-3000:])
     assert process.returncode == 0, "the worker did not stop cleanly on SIGTERM"
 
 
@@ -204,6 +210,30 @@ def test_duplicate_request_id_in_flight(stub: pb_grpc.RankWorkerStub) -> None:
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "already in flight" in info.value.details()
     first.cancel()
+
+
+def test_each_line_about_a_request_names_its_id(stub: pb_grpc.RankWorkerStub, worker_log: Path) -> None:
+    run_generate(stub, generate_request([1, 2, 3, 4], max_tokens=3, request_id="msg_served"))
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(generate_request([], request_id="msg_refused"), timeout=30))
+    cancelled = stub.Generate(generate_request([7] * 20, max_tokens=500, request_id="msg_cancelled"), timeout=60)
+    assert next(r for r in cancelled if not r.HasField("progress")).HasField("tokens")  # it is running
+    cancelled.cancel()
+    expected = [
+        r"accepted request=msg_served prompt_tokens=4 max_tokens=3$",
+        r"finished request=msg_served reason=length prompt_tokens=4 .* output_tokens=3 ",
+        r"refused request=msg_refused: .*empty",
+        r"accepted request=msg_cancelled ",
+        r"cancelled request=msg_cancelled: ",
+    ]
+    deadline = time.monotonic() + 30  # the cancel reaches the worker after this call returns
+    while True:
+        lines = worker_log.read_text(errors="replace").splitlines()
+        missing = [pattern for pattern in expected if not any(re.search(pattern, line) for line in lines)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"no line for {missing} in: {lines[-20:]}"
+        time.sleep(0.1)
 
 
 def test_still_serves_after_bad_input(stub: pb_grpc.RankWorkerStub) -> None:

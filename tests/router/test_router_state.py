@@ -194,12 +194,18 @@ def test_restored_rank_routes_once_it_heartbeats(state: RouterState, recorder: R
     assert state.route(query(prompt_tokens(1, 10), session="s")).choice.reason == "session"
 
 
-def test_route_logs_one_debug_line_per_decision(state: RouterState, caplog: pytest.LogCaptureFixture) -> None:
+def test_every_line_about_a_request_names_its_id(state: RouterState, caplog: pytest.LogCaptureFixture) -> None:
     register(state, "a")
-    with caplog.at_level(logging.DEBUG, logger="router"):
+    with caplog.at_level(logging.INFO, logger="router"):
         state.route(query(prompt_tokens(1, 50), session="s"))
-    lines = [record.getMessage() for record in caplog.records if record.getMessage().startswith("route ")]
-    assert len(lines) == 1 and "rank=a reason=only-rank" in lines[0]
+        state.report_failure("a", "connection refused", "msg_1+3")
+        with pytest.raises(NoRankAvailableError):
+            state.route(query(prompt_tokens(1, 50), session="s"))
+    lines = [record.getMessage() for record in caplog.records if "request=" in record.getMessage()]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("route request=req session=s rank=a reason=only-rank "), "one line per decision"
+    assert lines[1] == "rank a marked down: reported failed by request=msg_1+3: connection refused"
+    assert lines[2].startswith("route request=req: no healthy rank to route to")
 
 
 def test_queued_work_is_the_ranks_uncached_report_plus_what_was_routed_since_counted_once(

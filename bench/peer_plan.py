@@ -10,8 +10,9 @@ Three kinds, each timed from submission until the last token is back (after a de
 - decode: `batch` prompts of `context` tokens primed once, then the same prompts (all but a block cached) timed
           with 1 and with 1 + `steps` output tokens: seconds per decode step = (t(1 + steps) - t(1)) / steps.
 Every measure's `seconds` is the median of `repeats` samples, after one warm-up request. The prompts are
-random token ids drawn here, from one seeded stream in one order, so both engines get the same ids (each
-entry records their sha-256 as `prompt_sha256`, which bench/peer_results.py compares). Pure Python: both
+random token ids drawn here, from a stream per measure seeded by its name (Prompts), so both engines get the
+same ids whichever measures run (each entry records their sha-256 as `prompt_sha256`, which
+bench/peer_results.py compares). Pure Python: both
 engines' scripts import it (vLLM's runs in vLLM's own site, without our packages).
 """
 

@@ -25,9 +25,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import MEASURE_NAMES, mfu  # noqa: E402
-from loadgen.report import Thresholds  # noqa: E402
+from loadgen import report  # noqa: E402
 
-CACHE_HIT_OF_OPTIMUM = Thresholds.cache_hit_of_optimum  # the load generator's pass bar, one definition
+CACHE_HIT_OF_OPTIMUM = report.Thresholds.cache_hit_of_optimum  # the load generator's pass bar, one definition
 TARGET = 0.95  # kvserve must reach 95% of vLLM's engine speed (issue 13; the DeepSeek shape's is 0.9: --target)
 SIDES = ("ours", "vllm")
 ENGINE_FILES = {"ours": "ours-engine.json", "vllm": "vllm-engine.json"}
@@ -224,12 +224,6 @@ def ratio_spread(runs: list[dict[str, Any]], ours_provenance: Any) -> dict[str, 
     return spread
 
 
-def cache_criterion_met(step: dict[str, Any], share: float = CACHE_HIT_OF_OPTIMUM) -> bool:
-    """The pass bar's cache criterion: cache hit >= share x the infinite-cache optimum of the same calls."""
-    hit, optimum = step.get("cache_hit"), step.get("expected_cache_hit")
-    return hit is not None and optimum is not None and hit >= share * optimum
-
-
 def step_summary(step: dict[str, Any] | None) -> dict[str, Any] | None:
     """A step's numbers and its verdict under today's bar: the criteria the load generator failed it on, but
     the cache criterion judged against the trace's own reuse (a file of an older flat bar is re-judged);
@@ -238,7 +232,8 @@ def step_summary(step: dict[str, Any] | None) -> dict[str, Any] | None:
         return None
     summary = {key: step.get(key) for key in (*STEP_KEYS, *STEP_OPTIONAL)}
     failed = [name for name in step.get("failed") or [] if name != "cache_hit"]
-    if not step.get("unfinished") and not cache_criterion_met(step):
+    cache_met = report.cache_hit_met(step.get("cache_hit"), step.get("expected_cache_hit"), report.Thresholds())
+    if not step.get("unfinished") and not cache_met:
         failed.append("cache_hit")
     summary["passed_as_recorded"] = step.get("passed")
     summary["failed"] = failed
@@ -255,14 +250,10 @@ def agent_rows(steps: dict[str, dict[int, dict[str, Any]]]) -> list[dict[str, An
 
 
 def largest_passing(rows: list[dict[str, Any]], side: str) -> int | None:
-    """The end of the side's run of passing steps from its smallest agent count up (None when the smallest
-    failed): a pass above a failure is noise, not capacity."""
-    best = None
-    for row in sorted((row for row in rows if row[side]), key=lambda row: row["agents"]):
-        if not row[side]["passed"]:
-            break
-        best = row["agents"]
-    return best
+    """The side's largest passing count by the load generator's rule (the end of its run of passing steps)."""
+    return report.largest_passing(
+        [{"agents": row["agents"], "passed": row[side]["passed"]} for row in rows if row[side]]
+    )
 
 
 def passing_ratio(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], float | None, str, str | None]:

@@ -6,8 +6,9 @@ with the cyclic garbage collector paused: that work is GIL-bound, so two at once
 hold twice the memory, and the millions of objects a large document makes would otherwise set off full
 collections that hold the GIL for seconds (2.6 s without a break, measured). How many bodies are held at
 once is bounded before they are read (gateway.body_admission). The parsed body stays in the request's state
-until the request is over; then let_go_of_body frees a large one in that thread, a slice at a time, and gives
-its memory back to the system (gateway.memory_return), before the body's share of the budget is given back."""
+until the chat route has built its prompt (body_admission.release_body) or the request is over; then
+let_go_of_body frees a large one in that thread, a slice at a time, and gives its memory back to the system
+(gateway.memory_return), before the body's share of the budget is given back."""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def large_body(request: Request) -> bool:
 
 
 async def let_go_of_body(state: dict[str, Any]) -> None:
-    """Once the request is over (`state`: its scope's state), free the body parse_request_body kept there; after
+    """Once the body is needed no more (`state`: its scope's state), free what parse_request_body kept there; after
     a large one (parsed or not), in the large-body thread: the body a slice at a time, then the memory given
     back to the system."""
     held = [state.pop(PARSED_BODY, None)]

@@ -19,7 +19,6 @@ from gateway.body_parse import work_for_body
 from gateway.chat import ChatRequest, InvalidChat
 from gateway.conversation_rules import check_conversation
 from gateway.generation import Finish, Generation, GenerationEvent, OpenGeneration, PreparedRequest
-from gateway.prompt_size import PromptCannotFit
 from gateway.request_flow import ApiError, api_error_for, collect, stream_bytes
 from gateway.request_log import RequestRecord
 from gateway.route_support import authenticate, check_model_allowed, gateway_state, parse_body, ready_generation
@@ -127,8 +126,5 @@ async def chat_from_body(
 async def prepare_off_loop(
     request: Request, generation: Generation, chat: ChatRequest, request_id: str
 ) -> PreparedRequest:
-    """generation.prepare off the event loop; a prompt whose size alone cannot fit is a 400."""
-    try:
-        return await work_for_body(request, generation.prepare, chat, request_id)
-    except PromptCannotFit as exc:
-        raise ApiError(400, "invalid_request_error", str(exc)) from exc
+    """generation.prepare off the event loop (a prompt that cannot fit, PromptTooLong, is api_error_for's 400)."""
+    return await work_for_body(request, generation.prepare, chat, request_id)

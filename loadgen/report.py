@@ -3,8 +3,7 @@
 A step passes when TTFT p95 <= 15 s, per-agent output tok/s p50 >= 20 and p10 >= 10, the cache hit is at
 least 97% of the infinite-cache optimum of the same calls (the trace's own reuse, `expected_cache_hit`: a flat
 bar would ask of a server what the trace does not allow) and fewer than 1% of requests failed (all thresholds
-adjustable). A
-statistic with no samples (no answered request, no decode time) fails its criterion.
+adjustable). A statistic with no samples (no answered request, no decode time) fails its criterion.
 
 Beside the per-agent rate, which pools an agent's calls, the per-request rate (request_tok_s_p50/p10, not a
 criterion) shows how each call decoded: a call whose decode was stalled by other requests' prefills is slow
@@ -165,15 +164,20 @@ def step_stats(
     return stats
 
 
+def cache_hit_met(cache_hit: float | None, optimum: float | None, thresholds: Thresholds) -> bool:
+    """The cache criterion: a hit of at least cache_hit_of_optimum x the infinite-cache optimum of the same calls
+    (missing either, it is not met)."""
+    return cache_hit is not None and optimum is not None and cache_hit >= thresholds.cache_hit_of_optimum * optimum
+
+
 def failed_criteria(stats: dict[str, Any], thresholds: Thresholds) -> list[str]:
     """The names (of CRITERIA) the step's statistics miss; a missing statistic (or a cache hit without the
     optimum to weigh it against) misses."""
-    optimum = stats.get("expected_cache_hit")
     checks = {
         "ttft_p95": lambda v: v <= thresholds.ttft_p95_s,
         "tok_s_p50": lambda v: v >= thresholds.tok_s_p50,
         "tok_s_p10": lambda v: v >= thresholds.tok_s_p10,
-        "cache_hit": lambda v: optimum is not None and v >= thresholds.cache_hit_of_optimum * optimum,
+        "cache_hit": lambda v: cache_hit_met(v, stats.get("expected_cache_hit"), thresholds),
         "errors": lambda v: v < thresholds.errors,
     }
     failed = []

@@ -359,12 +359,12 @@ def with_reference(result: dict[str, Any], reference: dict[str, Any]) -> dict[st
         )
     ours_best = result["largest_passing"]["ours"]
     # The reference's steps carry no cache hit: one passes when it meets the TTFT and tok/s bars (no errors).
-    bar = {"ttft_p95": 15.0, "tok_s_p50": 20.0, "tok_s_p10": 10.0}
+    bar = report.Thresholds()
     passing = [
         step["agents"]
         for step in reference.get("agents", [])
-        if step["ttft_p95"] <= bar["ttft_p95"] and step["tok_s_p50"] >= bar["tok_s_p50"]
-        and step["tok_s_p10"] >= bar["tok_s_p10"]
+        if step["ttft_p95"] <= bar.ttft_p95_s and step["tok_s_p50"] >= bar.tok_s_p50
+        and step["tok_s_p10"] >= bar.tok_s_p10
     ]  # fmt: skip
     theirs_best = max(passing, default=None)
     compared = [row for row in engine if row["ratio"] is not None]

@@ -197,6 +197,24 @@ class KvServeConfig(BaseSettings):
         default_factory=list, description="static rank list host:port (without a router); empty = rank_worker_*"
     )
 
+    # --- expert parallelism (a MoE model's routed experts split across the ranks of a group) ---
+    # Each rank of a group keeps its own sessions, scheduler and KV pool and holds attention, the dense layers
+    # and the shared experts whole; the MoE layers exchange tokens across the group, so its ranks step together.
+    expert_parallel_size: int = Field(
+        1, ge=1, description="ranks per expert-parallel group; each holds 1/size of every MoE layer's routed experts"
+    )
+    expert_parallel_rank: int = Field(0, ge=0, description="this rank's place in its group (kvserve sets it)")
+    expert_parallel_rendezvous: str = Field(
+        "", description="host:port where a group's ranks meet (its rank 0 listens there); kvserve sets it"
+    )
+    expert_parallel_group: str = Field("", description="the group's name, reported to the router (kvserve sets it)")
+    expert_parallel_timeout_secs: float = Field(
+        10.0,
+        gt=0.0,
+        description="a peer of the group silent (no heartbeat) this long is dead or hung: the group's ranks exit "
+        "and are restarted together, and the gateways continue the cut streams once it is back",
+    )
+
     # --- internal plane (router, kvstore, rank workers; the gateway and tools as their clients) ---
     internal_auth: bool = Field(
         True, description="internal gRPC calls carry the shared secret; false is allowed on loopback binds only"
@@ -230,6 +248,13 @@ class KvServeConfig(BaseSettings):
         gt=0.0,
         description="a rank that sends nothing (no token, no progress) for this long, or does not accept a request "
         "within it, is hung: the request continues on another rank",
+    )
+    rank_recovery_wait_secs: float = Field(
+        120.0,
+        gt=0.0,
+        description="how long a cut stream (and a new request) waits for a rank to come back when none can take it "
+        "now (a rank or expert-parallel group restarting); pings keep a stream alive meanwhile, then it fails as it "
+        "would without the wait",
     )
     log_prompts: bool = Field(False, description="put prompt text in logs (off: privacy)")
     request_read_timeout_secs: float = Field(

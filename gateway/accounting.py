@@ -127,9 +127,9 @@ def _record_partial(record: RequestRecord, opened: OpenGeneration) -> None:
     record.cached_tokens = usage.cached_tokens
     record.l1_cached_tokens = usage.l1_cached_tokens
     record.output_tokens = usage.output_tokens
-    record.rank = opened.choice.rank_id
+    record.rank = opened.choice.rank_id if opened.choice is not None else ""  # none: no rank came back in time
     record.rank_switches = opened.rank_switches
-    if cache.tokens_sent:
+    if cache is not None and cache.tokens_sent:
         record.queue_wait_s = cache.queue_wait_s
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,12 +23,15 @@ from gateway.prompt_hashes import prompt_block_hashes, route_block_hashes
 from gateway.prompt_size import refuse_what_does_not_fit
 from gateway.rank_choice import RankChoice, RankChooser, RouteQuery
 from gateway.rank_client import RankClient, RankFailed, RankRefused, RankStream, RequestFailed, rank_at_fault
+from gateway.rank_recovery import FailedRanks, RankRevivals, until_a_rank_takes_it
 from gateway.served_model import ServedModel
 from gateway.session_key import routing_session_id
 
 if TYPE_CHECKING:
     from gateway.prompt_format import PromptFormat
 from protos import rank_worker_pb2 as pb
+
+log = logging.getLogger(__name__)
 
 
 class BadRequest(ValueError):
@@ -43,12 +47,17 @@ class Overloaded(Exception):
 class Unavailable(Exception):
     """No rank could take the request (HTTP 503 / api_error)."""
 
+    def __init__(self, message: str, refused: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.refused = dict(refused or {})  # rank_id -> address of the ranks that refused it (down, loading, hung)
+
 
 class StreamBroken(Exception):
     """The rank failed after tokens were sent: the client gets an error event, never a silent end."""
 
 
-# A stream cut by a failing rank is continued on another rank this many times at most.
+# A stream cut by a failing rank is continued (on another rank, or on the same one once it is back) this many times
+# at most: a rank or expert-parallel group restart cuts a stream once, a rank that keeps failing ends it.
 MAX_RANK_SWITCHES = 2
 # A rank silent for rank_stall_s is given this much longer before it is taken for hung: after a pause of our
 # own event loop, messages the rank sent meanwhile are still on their way to the reader.
@@ -85,7 +94,7 @@ class Finish:
     ttft_s: float = 0.0
     decode_s: float = 0.0
     rank: str = ""
-    rank_switches: int = 0  # streams continued on another rank after a failure
+    rank_switches: int = 0  # continuations after a rank failed the stream
 
 
 GenerationEvent = OutputEvent | Ping | Finish
@@ -119,6 +128,7 @@ class Generation:
         default_temperature: float | None = None,
         default_top_p: float | None = None,
         rank_stall_s: float = 5.0,
+        rank_recovery_wait_s: float = 120.0,
     ) -> None:
         self.default_temperature = 1.0 if default_temperature is None else default_temperature
         self.default_top_p = 1.0 if default_top_p is None else default_top_p
@@ -129,6 +139,9 @@ class Generation:
         self.ping_interval_s = ping_interval_s
         self.request_timeout_s = request_timeout_s
         self.rank_stall_s = rank_stall_s  # no token nor progress (nor acceptance) for this long: the rank is hung
+        self.rank_recovery_wait_s = rank_recovery_wait_s  # with no rank to take a request, wait this long for one
+        self.revivals = RankRevivals(ranks.serving)
+        self.waiting_for_rank = 0  # requests waiting now for a rank to come back
 
     def prepare(self, chat: ChatRequest, request_id: str) -> PreparedRequest:
         """Everything that can be refused without a rank: model name, prompt size; max_tokens is clamped. The
@@ -152,10 +165,54 @@ class Generation:
         return text, ids
 
     async def open(self, prepared: PreparedRequest, arrived: float | None = None) -> OpenGeneration:
-        """Find a rank that accepts the request. Refusals raise here, before any response is sent. arrived: when
-        the request came in (time.monotonic()), where its time to first token starts; default now."""
-        stream, choice = await self._start(prepared, avoid=set())
+        """Find a rank that accepts the request. Refusals raise here, before any response is sent, except that no
+        rank is up (a rank or group restarting): the generation then waits for one in `events()` (pings keep a
+        stream alive meanwhile) and fails as Unavailable after rank_recovery_wait_s. arrived: when the request
+        came in (time.monotonic()), where its time to first token starts; default now."""
+        try:
+            stream, choice = await self._start(prepared, avoid=set())
+        except Unavailable as exc:
+            return OpenGeneration(self, prepared, None, None, arrived, no_rank=exc)
         return OpenGeneration(self, prepared, stream, choice, arrived)
+
+    async def start_when_a_rank_is_back(
+        self,
+        prepared: PreparedRequest,
+        failed: FailedRanks,
+        continuation: list[int] | None,
+        refusal: Unavailable | Overloaded,
+    ) -> tuple[RankStream, RankChoice]:
+        """_start once a rank takes the request: one of the `failed` ranks back (restarted, or resumed), or
+        another one. `refusal` (why none could just now), or the last one, is raised after rank_recovery_wait_s."""
+
+        async def attempt(avoid: set[str]) -> tuple[RankStream, RankChoice]:
+            try:
+                return await self._start(prepared, avoid, continuation)
+            except Unavailable as exc:
+                failed.update(exc.refused)
+                raise
+
+        request_id = prepared.request_id
+        wait_s = self.rank_recovery_wait_s
+        log.warning(
+            "request=%s: no rank can take it now (%s); waiting up to %.0f s for one to come back",
+            request_id,
+            refusal,
+            wait_s,
+        )
+        began = time.monotonic()
+        self.waiting_for_rank += 1
+        try:
+            opened = await until_a_rank_takes_it(
+                attempt, failed, self.revivals, wait_s, refusal, (Unavailable, Overloaded)
+            )
+        except (Unavailable, Overloaded) as exc:
+            log.warning("request=%s: no rank took it within %.0f s: %s", request_id, time.monotonic() - began, exc)
+            raise
+        finally:
+            self.waiting_for_rank -= 1
+        log.info("request=%s: rank %s took it after %.1f s", request_id, opened[1].rank_id, time.monotonic() - began)
+        return opened
 
     async def _start(
         self, prepared: PreparedRequest, avoid: set[str], continuation: list[int] | None = None
@@ -192,6 +249,7 @@ class Generation:
         avoid = set(avoid)
         tried = full = 0
         last_error: RankRefused | None = None
+        refused: dict[str, str] = {}
         while (choice := await self.chooser.choose(query, avoid)) is not None:
             tried += 1
             try:
@@ -208,9 +266,10 @@ class Generation:
                     raise StreamBroken(str(exc)) from exc
                 last_error = exc
                 avoid.add(choice.rank_id)
+                refused[choice.rank_id] = choice.address
         if tried and full == tried:
             raise Overloaded(f"all {full} rank(s) are at their queue limit")
-        raise Unavailable(str(last_error) if last_error else "no rank worker left to try")
+        raise Unavailable(str(last_error) if last_error else "no rank worker left to try", refused)
 
 
 class OpenGeneration:
@@ -220,14 +279,16 @@ class OpenGeneration:
         self,
         owner: Generation,
         prepared: PreparedRequest,
-        stream: RankStream,
-        choice: RankChoice,
+        stream: RankStream | None,
+        choice: RankChoice | None,
         arrived: float | None = None,
+        no_rank: Unavailable | None = None,
     ) -> None:
         self.owner = owner
         self.prepared = prepared
-        self.stream = stream
+        self.stream = stream  # None until a rank takes the request (no_rank: none could when it came)
         self.choice = choice
+        self.no_rank = no_rank
         self.started = time.monotonic() if arrived is None else arrived
         self.delivered: list[int] = []  # tokens handed on, across every rank that served this request
         self.delivered_before_stream = 0  # of those, the ones earlier streams produced
@@ -276,23 +337,29 @@ class OpenGeneration:
         """Token chunks from the rank, Ping when none came for a while. When the rank fails (or says nothing,
         not even progress, for rank_stall_s: hung), the request goes on on another rank: from the prompt if
         nothing was sent yet, else from the prompt plus the tokens already sent (greedy output is then the
-        same as an uninterrupted run). After MAX_RANK_SWITCHES, the failure is final. A failure of the
+        same as an uninterrupted run). With no rank to take it now, it waits for one to come back (a restarted
+        rank or group), pinging meanwhile. After MAX_RANK_SWITCHES, the failure is final. A failure of the
         request's own (RequestFailed) ends it here."""
-        avoid: set[str] = set()
+        failed = FailedRanks()  # ranks that failed this request and are not back since
         ping_s, stall_s = self.owner.ping_interval_s, self.owner.rank_stall_s
+        if self.no_rank is not None:  # no rank could take it when it came: wait for one
+            failed.update(self.no_rank.refused)
+            async for ping in self._wait_for_rank(failed, None, self.no_rank):
+                yield ping
         while True:
+            stream = self._open_stream()
             queue: asyncio.Queue[list[int] | BaseException | None] = asyncio.Queue()
-            reader = asyncio.create_task(_pump(self.stream, queue))
+            reader = asyncio.create_task(_pump(stream, queue))
             failure: RankFailed | None = None
             last_sent = time.monotonic()  # a token or a ping went to the client
             try:
                 while True:
-                    wait_s = min(ping_s - (time.monotonic() - last_sent), stall_s - self.stream.silent_for())
+                    wait_s = min(ping_s - (time.monotonic() - last_sent), stall_s - stream.silent_for())
                     try:
                         item = await asyncio.wait_for(queue.get(), max(wait_s, 0.01))
                     except TimeoutError:
-                        if self.stream.silent_for() >= stall_s and await _still_silent(self.stream, queue):
-                            failure = self._stalled()
+                        if stream.silent_for() >= stall_s and await _still_silent(stream, queue):
+                            failure = self._stalled(stream)
                             break
                         if time.monotonic() - last_sent >= ping_s:
                             last_sent = time.monotonic()
@@ -310,7 +377,7 @@ class OpenGeneration:
                     if isinstance(item, BaseException):
                         raise item
                     if self.cache_stream is None:
-                        self.cache_stream = self.stream
+                        self.cache_stream = stream
                     self.delivered.extend(item)
                     last_sent = time.monotonic()
                     yield item
@@ -318,30 +385,69 @@ class OpenGeneration:
                 reader.cancel()
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await reader
-                if not self.stream.call.done():
-                    self.stream.cancel()
-            self.owner.chooser.report_failure(self.choice, str(failure), self.stream.request_id)
+                if not stream.call.done():
+                    stream.cancel()
+            choice = self._chosen()
+            self.owner.chooser.report_failure(choice, str(failure), stream.request_id)
             if self.rank_switches >= MAX_RANK_SWITCHES:
                 raise StreamBroken(str(failure)) from failure
             if len(self.delivered) >= self.prepared.max_tokens:
-                self.stream.finished = pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, stop_token_id=-1)
+                stream.finished = pb.Finished(finish_reason=pb.FINISH_REASON_LENGTH, stop_token_id=-1)
                 return  # it failed after its last token: nothing is missing
-            self.rank_switches += 1
-            avoid.add(self.choice.rank_id)
+            failed.add(choice.rank_id, choice.address)
+            continuation = list(self.delivered)
             try:
-                self.stream, self.choice = await self.owner._start(self.prepared, avoid, list(self.delivered))
+                try:
+                    self.stream, self.choice = await self.owner._start(self.prepared, failed.avoid(), continuation)
+                except (Unavailable, Overloaded) as exc:  # none can now: wait for one to come back
+                    if isinstance(exc, Unavailable):
+                        failed.update(exc.refused)
+                    async for ping in self._wait_for_rank(failed, continuation, exc):
+                        yield ping
             except (Unavailable, Overloaded, BadRequest) as exc:
                 raise StreamBroken(f"{failure}; no other rank could continue: {exc}") from failure
+            self.rank_switches += 1  # once per continuation, however long it waited for a rank
             self.delivered_before_stream = len(self.delivered)
+
+    async def _wait_for_rank(
+        self, failed: FailedRanks, continuation: list[int] | None, refusal: Unavailable | Overloaded
+    ) -> AsyncIterator[Ping]:
+        """Ping every ping_interval_s until a rank takes the request (its stream is then self.stream) or
+        rank_recovery_wait_s has passed (the last refusal is raised)."""
+        owner = self.owner
+        waiting = asyncio.create_task(owner.start_when_a_rank_is_back(self.prepared, failed, continuation, refusal))
+        try:
+            while True:
+                done, _ = await asyncio.wait({waiting}, timeout=owner.ping_interval_s)
+                if done:
+                    self.stream, self.choice = waiting.result()
+                    return
+                yield Ping()
+        finally:
+            if not waiting.done():  # the client went away (or a cancel) while it waited
+                waiting.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await waiting
+            elif not waiting.cancelled() and waiting.exception() is None and self.stream is not waiting.result()[0]:
+                waiting.result()[0].cancel()  # a rank took it just as the waiter left
+
+    def _open_stream(self) -> RankStream:
+        assert self.stream is not None, "a rank has taken the request"
+        return self.stream
+
+    def _chosen(self) -> RankChoice:
+        assert self.choice is not None, "a rank has taken the request"
+        return self.choice
 
     def prompt_usage(self) -> Usage:
         """The prompt's usage as the rank reported it so far: its cache use comes with the first token (of the
         stream that served it), so until a token came nothing counts as cached; output: the tokens handed on."""
         cache = self.cache_stream or self.stream
+        if cache is None:  # still waiting for a rank
+            return _usage(self.prepared.prompt_tokens, 0, 0, len(self.delivered))
         return _usage(self.prepared.prompt_tokens, cache.cached_tokens, cache.l1_cached_tokens, len(self.delivered))
 
-    def _stalled(self) -> RankFailed:
-        stream = self.stream
+    def _stalled(self, stream: RankStream) -> RankFailed:
         where = "queued" if stream.progress is None or stream.progress.queued else "in prefill or decode"
         detail = f"no token or progress for {stream.silent_for():.1f} s ({where}): the rank looks hung"
         return RankFailed(stream.target, grpc.StatusCode.DEADLINE_EXCEEDED, detail, stream.tokens_sent)
@@ -349,10 +455,11 @@ class OpenGeneration:
     def _finish(
         self, saw_tool_call: bool, stop_sequence: str | None, first_token_at: float | None, output_tokens: int
     ) -> Finish:
-        done = self.stream.finished
-        cache = self.cache_stream or self.stream
+        stream = self._open_stream()
+        done = stream.finished
+        cache = self.cache_stream or stream
         stats = done.stats if done is not None else pb.GenerateStats()
-        if cache is not self.stream or done is None:  # cache use of the stream that served the first token
+        if cache is not stream or done is None:  # cache use of the stream that served the first token
             stats = pb.GenerateStats(
                 cached_tokens=cache.cached_tokens,
                 l1_cached_tokens=cache.l1_cached_tokens,
@@ -382,12 +489,12 @@ class OpenGeneration:
             stats.queue_wait_s,
             ttft,
             now - (first_token_at or now),
-            self.choice.rank_id,
+            self._chosen().rank_id,
             self.rank_switches,
         )
 
     async def aclose(self) -> None:
-        if not self.stream.call.done():
+        if self.stream is not None and not self.stream.call.done():
             self.stream.cancel()
 
 

@@ -36,6 +36,11 @@ class GatewayMetrics:
         self.output_tokens = Counter("output_tokens", "Generated tokens", ["api"], **own)
         self.errors = Counter("errors", "Errors by API error type", ["type"], **own)
         self.in_flight = Gauge("requests_in_flight", "Requests received and not yet finished", ["api"], **own)
+        self.waiting_for_rank = Gauge(
+            "requests_waiting_for_rank",
+            "Requests (new ones, or streams a failed rank cut) waiting for a rank to come back",
+            **own,
+        )
         # Children created up front, so every series is exported as 0 before the first request.
         for api in APIS:
             self.time_to_first_token.labels(api=api)

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
@@ -22,6 +23,11 @@ CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
     ("grpc.max_send_message_length", 64 * 1024 * 1024),
     ("grpc.keepalive_time_ms", 20_000),
+    # Reach a restarted rank within a second of its start, not after gRPC's default backoff (up to minutes):
+    # streams cut by its restart wait for it.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 
@@ -111,13 +117,29 @@ class RankClient:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._stubs: dict[str, pb_grpc.RankWorkerStub] = {}
 
+    def _channel(self, target: str) -> grpc.aio.Channel:
+        channel = self._channels.get(target)
+        if channel is None:
+            channel = self._channels[target] = internal_auth.aio_channel(target, options=CHANNEL_OPTIONS)
+        return channel
+
     def _stub(self, target: str) -> pb_grpc.RankWorkerStub:
         stub = self._stubs.get(target)
         if stub is None:
-            channel = internal_auth.aio_channel(target, options=CHANNEL_OPTIONS)
-            self._channels[target] = channel
-            stub = self._stubs[target] = pb_grpc.RankWorkerStub(channel)
+            stub = self._stubs[target] = pb_grpc.RankWorkerStub(self._channel(target))
         return stub
+
+    async def serving(self, target: str, timeout_s: float) -> bool:
+        """Whether the rank says SERVING on the standard health service within timeout_s (waiting that long for
+        a connection): False while it is down, loading its model, or hung."""
+        request = health_pb2.HealthCheckRequest(service="")
+        try:
+            reply = await health_pb2_grpc.HealthStub(self._channel(target)).Check(
+                request, timeout=timeout_s, wait_for_ready=True
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
 
     async def model_info(self, targets: list[str], timeout_s: float = 10.0) -> pb.ModelInfoResponse:
         errors = []
@@ -151,6 +173,9 @@ class RankClient:
                 raise RankRefused(target, code, await call.details() or "no acceptance from the rank")
         except grpc.aio.AioRpcError as exc:
             raise RankRefused(target, exc.code(), exc.details() or "") from exc
+        except asyncio.CancelledError:  # the caller gave up waiting (a client gone): the rank must not go on
+            call.cancel()
+            raise
         return RankStream(target, call, last_heard=time.monotonic(), request_id=request.request_id)
 
     async def close(self) -> None:

@@ -29,6 +29,9 @@ class GatewayState:
     def __init__(self, config: KvServeConfig) -> None:
         self.config = config
         self.metrics = GatewayMetrics()
+        self.metrics.waiting_for_rank.set_function(
+            lambda: self.generation.waiting_for_rank if self.generation is not None else 0
+        )
         mode = auth_mode(config)  # refuses an open gateway on a reachable address
         self.keys: LiveKeyStore | None = LiveKeyStore(config.api_keys_file) if mode == "keys" else None
         if self.keys is None:
@@ -64,6 +67,7 @@ class GatewayState:
                 ping_interval_s=self.config.ping_interval_secs,
                 request_timeout_s=self.config.request_timeout_secs,
                 rank_stall_s=self.config.rank_stall_secs,
+                rank_recovery_wait_s=self.config.rank_recovery_wait_secs,
                 default_temperature=self.config.default_temperature,
                 default_top_p=self.config.default_top_p,
             )

@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "up", help="start the local stack (redis, kvstore, router, rank workers, gateway) until Ctrl-C"
     )
     up.add_argument("--ranks", type=int, default=1, help="rank workers to start (consecutive ports, a GPU each)")
+    _add_expert_parallel(up)
     up.add_argument("--config", help="YAML config file, passed to every service")
     up.add_argument(
         "--gpus",
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compose = commands.add_parser("compose", help="render docker-compose.yml from the stack's topology")
     compose.add_argument("--ranks", type=int, default=4, help="rank workers, one GPU each (default: 4)")
+    _add_expert_parallel(compose)
     compose.add_argument("--config", default="config/compose.yaml", help="the config file mounted in containers")
     compose.add_argument("--output", "-o", default="docker-compose.yml", help="file to write, or - for stdout")
 
@@ -99,6 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_expert_parallel(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--expert-parallel",
+        type=int,
+        metavar="R",
+        help="ranks per expert-parallel group (a MoE model's experts split across them): ranks 0..R-1 form the "
+        "first group, R..2R-1 the next, ...; R must divide --ranks. Default: the config's expert_parallel_size",
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
     if args.command == "rank-worker":
@@ -117,11 +129,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _complete(args)
     if args.command in ("up", "compose") and args.ranks < 1:
         build_parser().error("--ranks must be at least 1")
+    if args.command in ("up", "compose") and args.expert_parallel is not None:
+        if args.expert_parallel < 1:
+            build_parser().error("--expert-parallel must be at least 1")
+        if args.ranks % args.expert_parallel:
+            build_parser().error(
+                f"--expert-parallel {args.expert_parallel} must divide --ranks {args.ranks}: each expert-parallel "
+                "group is that many whole ranks"
+            )
     if args.command == "up":
         from launcher.up import UpOptions, run_up
 
         gpus = tuple(gpu.strip() for gpu in args.gpus.split(",") if gpu.strip())
-        return run_up(UpOptions(args.config, args.ranks, args.ready_timeout, Path(args.state_dir), gpus))
+        options = UpOptions(
+            args.config, args.ranks, args.ready_timeout, Path(args.state_dir), gpus, args.expert_parallel
+        )
+        return run_up(options)
     if args.command == "compose":
         return _compose(args)
     if args.command == "keys":
@@ -153,7 +176,7 @@ def _compose(args: argparse.Namespace) -> int:
 
     output = Path("docker-compose.yml" if args.output == "-" else args.output)
     try:
-        text = render_compose(args.ranks, Path(args.config), output)
+        text = render_compose(args.ranks, Path(args.config), output, args.expert_parallel)
     except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -161,7 +184,8 @@ def _compose(args: argparse.Namespace) -> int:
         sys.stdout.write(text)
     else:
         output.write_text(text)
-        print(f"wrote {output} ({args.ranks} rank workers, config {args.config})", file=sys.stderr)
+        groups = f" in expert-parallel groups of {args.expert_parallel}" if (args.expert_parallel or 1) > 1 else ""
+        print(f"wrote {output} ({args.ranks} rank workers{groups}, config {args.config})", file=sys.stderr)
     return 0
 
 

@@ -6,6 +6,10 @@ Only addresses differ between the modes: local binds 127.0.0.1 on the configured
 0.0.0.0 inside an internal network and services find each other by their service name. So do the secrets'
 paths: the internal plane's shared secret (every kvserve service) and Redis's password (Redis and the router)
 are files in the state dir locally and compose secrets under /run/secrets in compose.
+
+With expert parallelism (groups of R consecutive ranks: 0..R-1, R..2R-1, ...) each rank is told its group's size,
+its place in it, the group's name and the rendezvous where the group's first rank listens: a free loopback port
+of its own locally, COMPOSE_RENDEZVOUS_PORT of the first rank's container in compose.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
 from contracts.config import KvServeConfig
+from contracts.expert_parallel import COMPOSE_RENDEZVOUS_PORT, group_first_rank, group_name
 from contracts.service_main import client_target
 from launcher.health_check import HealthCheck
 
@@ -61,6 +66,7 @@ class ServiceSpec:
     uses_arena: bool = False  # maps the kvstore's L1 arena (the kvstore and the rank workers)
     secrets: tuple[str, ...] = ()  # the secrets it reads (INTERNAL_SECRET, REDIS_PASSWORD)
     entrypoint: tuple[str, ...] = ()  # compose only: what runs before argv (redis: writes its password config)
+    group: str = ""  # the expert-parallel group it lives and dies with (rank workers); empty = none
 
 
 @dataclass(frozen=True)
@@ -102,7 +108,10 @@ class _Stack:
     plan: StackPlan
     ranks: int
     gpu_ids: tuple[str, ...]
+    expert_parallel: int = 1  # ranks per expert-parallel group
+    configured_ports: frozenset[int] = frozenset()  # ports the config names for this build: never picked
     given_ports: set[int] = field(default_factory=set)  # picked for port 0 in this build
+    rendezvous: dict[int, str] = field(default_factory=dict)  # expert-parallel group's first rank -> host:port
 
     @property
     def compose(self) -> bool:
@@ -119,10 +128,19 @@ class _Stack:
         """A free port no other service of this build was given: the OS may report one port free twice."""
         for _ in range(MAX_PORT_PICKS):
             port = free_port()
-            if port not in self.given_ports:
+            if port not in self.given_ports and port not in self.configured_ports:
                 self.given_ports.add(port)
                 return port
         raise RuntimeError(f"no free port unlike {sorted(self.given_ports)} after {MAX_PORT_PICKS} picks")
+
+    def group_rendezvous(self, first_rank: int) -> str:
+        """Where the group led by `first_rank` meets: that rank's container in compose, a port of its own locally."""
+        if first_rank not in self.rendezvous:
+            if self.compose:
+                self.rendezvous[first_rank] = f"{rank_name(first_rank)}:{COMPOSE_RENDEZVOUS_PORT}"
+            else:
+                self.rendezvous[first_rank] = client_target(LOCAL_BIND, self.free_port())
+        return self.rendezvous[first_rank]
 
     def address(self, name: str, host: str, port: int) -> str:
         return f"{name}:{port}" if self.compose else client_target(host, port)
@@ -144,19 +162,41 @@ class _Stack:
         return (self.plan.python, "-m", module, "--host", host, "--port", str(port))
 
 
-def build_topology(config: KvServeConfig, ranks: int, plan: StackPlan) -> list[ServiceSpec]:
-    """The services of a stack with `ranks` rank workers, in start order: redis, kvstore, router, ranks, gateway."""
+def build_topology(
+    config: KvServeConfig, ranks: int, plan: StackPlan, expert_parallel: int | None = None
+) -> list[ServiceSpec]:
+    """The services of a stack with `ranks` rank workers, in start order: redis, kvstore, router, ranks, gateway.
+    `expert_parallel` ranks form each expert-parallel group (default: the config's expert_parallel_size)."""
     if ranks < 1:
         raise ValueError("a stack needs at least one rank worker")
+    group_size = config.expert_parallel_size if expert_parallel is None else expert_parallel
+    if group_size < 1:
+        raise ValueError("an expert-parallel group needs at least one rank (--expert-parallel 1: none)")
+    if ranks % group_size:
+        raise ValueError(
+            f"{ranks} rank workers do not split into expert-parallel groups of {group_size}: the group size must "
+            f"divide the number of ranks (--ranks {ranks} --expert-parallel {group_size})"
+        )
     gpu_ids = tuple(str(rank) for rank in range(ranks)) if plan.mode == "compose" else tuple(plan.gpu_ids)
     if gpu_ids and len(gpu_ids) < ranks:
         raise ValueError(f"{ranks} rank workers need {ranks} GPUs, one each; {len(gpu_ids)} visible: {list(gpu_ids)}")
-    stack = _Stack(config, plan, ranks, gpu_ids)
+    stack = _Stack(config, plan, ranks, gpu_ids, group_size, _configured_ports(config, ranks))
     redis = _redis(stack)
     kvstore = _kvstore(stack)
     router = _router(stack, redis, kvstore)
     rank_workers = [_rank_worker(stack, rank, kvstore, router) for rank in range(ranks)]
     return [redis, kvstore, router, *rank_workers, _gateway(stack, router, rank_workers)]
+
+
+def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
+    """The ports the config gives the build's services; a port picked free for another must not be one of them
+    (the OS reports them free until their service starts)."""
+    redis_port = urlsplit(config.redis_url).port
+    ports = {DEFAULT_REDIS_PORT if redis_port is None else redis_port, config.kvstore_port, config.router_port}
+    ports.add(config.gateway_port)
+    if config.rank_worker_port:
+        ports.update(config.rank_worker_port + rank for rank in range(ranks))
+    return frozenset(ports - {0})
 
 
 def _redis(stack: _Stack) -> ServiceSpec:
@@ -259,6 +299,18 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
             environment["KVSERVE_GPU_MEMORY_UTILIZATION"] = f"{config.gpu_memory_utilization / sharing:.4g}"
     elif stack.ranks > 1 and config.num_kv_blocks is None:
         environment["KVSERVE_KV_CACHE_MEMORY_GB"] = f"{cpu_kv_cache_gb(config, stack.ranks):g}"
+    group = ""
+    if stack.expert_parallel > 1:
+        if stack.compose and port == COMPOSE_RENDEZVOUS_PORT:
+            raise ValueError(f"rank_worker_port {port} is the expert-parallel rendezvous port: choose another")
+        first = group_first_rank(rank, stack.expert_parallel)
+        group = group_name(first)
+        environment["KVSERVE_EXPERT_PARALLEL_SIZE"] = str(stack.expert_parallel)
+        environment["KVSERVE_EXPERT_PARALLEL_RANK"] = str(rank - first)
+        environment["KVSERVE_EXPERT_PARALLEL_GROUP"] = group
+        environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"] = stack.group_rendezvous(first)
+    elif config.expert_parallel_size != 1:  # the config file asks for groups that --expert-parallel 1 turned off
+        environment["KVSERVE_EXPERT_PARALLEL_SIZE"] = "1"
     return ServiceSpec(
         name=name,
         role="rank-worker",
@@ -273,6 +325,7 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
         startup_s=stack.plan.rank_startup_s,
         uses_arena=True,
         secrets=(INTERNAL_SECRET,),
+        group=group,
     )
 
 

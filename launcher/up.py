@@ -6,7 +6,8 @@ previous run's kept in logs.prev), the redis data, services.json (names, pids, a
 internal plane's shared secret and Redis's password, made on the first start) go to the state dir (default
 .kvserve/run), its user's alone (launcher/state_dir.py). SIGINT or SIGTERM stops everything in reverse order.
 A service that exits once the stack is up is restarted, as compose's `restart: unless-stopped` would; one that
-keeps crashing stops the stack.
+keeps crashing stops the stack. The ranks of an expert-parallel group (`--expert-parallel R`) are restarted
+together when one of them exits (launcher/supervisor.py); services.json counts each group's restarts.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ class UpOptions:
     ready_timeout_s: float = 600.0
     state_dir: Path = DEFAULT_STATE_DIR
     gpus: tuple[str, ...] = ()  # the GPU of each rank, in order (repeats share one); empty = one visible GPU each
+    expert_parallel: int | None = None  # ranks per expert-parallel group; None = the config's expert_parallel_size
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -119,7 +121,7 @@ def plan_stack(options: UpOptions, config: KvServeConfig) -> list[ServiceSpec]:
         gpu_ids=gpu_ids[: options.ranks],
         rank_startup_s=options.ready_timeout_s,
     )
-    specs = build_topology(config, options.ranks, plan)
+    specs = build_topology(config, options.ranks, plan, options.expert_parallel)
     for spec in specs:
         _check_port_free(spec)
     return specs
@@ -142,7 +144,8 @@ def _check_port_free(spec: ServiceSpec) -> None:
 
 
 def write_services_file(supervisor: Supervisor, path: Path) -> None:
-    """services.json: what runs where, for scripts and tests (pids change when a service is restarted)."""
+    """services.json: what runs where, for scripts and tests (pids change when a service is restarted), its
+    restarts so far, and each expert-parallel group's restarts (one per group restart) and their last cause."""
     entries = [
         {
             "name": service.spec.name,
@@ -150,10 +153,16 @@ def write_services_file(supervisor: Supervisor, path: Path) -> None:
             "pid": service.process.pid,
             "address": service.spec.address,
             "log": str(service.log_path),
+            "restarts": service.restart_count,
+            "recovering": service.recovering,
+            **({"group": service.spec.group} if service.spec.group else {}),
         }
         for service in supervisor.services
     ]
-    write_private(path, json.dumps({"launcher_pid": os.getpid(), "services": entries}, indent=2) + "\n")
+    document: dict[str, object] = {"launcher_pid": os.getpid(), "services": entries}
+    if supervisor.groups:
+        document["groups"] = [group.report() for group in supervisor.groups.values()]
+    write_private(path, json.dumps(document, indent=2) + "\n")
 
 
 def run_up(options: UpOptions, out: TextIO = sys.stdout) -> int:
@@ -235,7 +244,8 @@ def _print_ready(
             continue
         kind = "redis" if spec.role == "redis" else "gRPC"
         device = f", GPU {spec.gpu}" if spec.gpu is not None else ""
-        out.write(f"  {spec.name}: {spec.address} ({kind}{device})\n")
+        group = f", expert-parallel group {spec.group}" if spec.group else ""
+        out.write(f"  {spec.name}: {spec.address} ({kind}{device}{group})\n")
     if ranks[0].gpu is None and config.num_kv_blocks is None:
         total = config.kv_cache_memory_gb
         each = cpu_kv_cache_gb(config, len(ranks))

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\x11kvserve.router.v1\"\x9c\x01\n\x08RankLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12#\n\x1bwaiting_warm_prefill_tokens\x18\x06 \x01(\x03\"\xa3\x01\n\x13RegisterRankRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x05 \x01(\x0c\x12)\n\x04load\x18\x06 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\"\x16\n\x14RegisterRankResponse\"c\n\x10HeartbeatRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12)\n\x04load\x18\x03 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"{\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x61void_rank_ids\x18\x05 \x03(\t\"y\n\rRouteResponse\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_l0_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x65xpected_l1_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x12\n\x10ListRanksRequest\"\x9b\x01\n\nRankStatus\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12)\n\x04load\x18\x04 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\x12\x11\n\tl0_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\"\x7f\n\x11ListRanksResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.kvserve.router.v1.RankStatus\x12\x11\n\tl1_blocks\x18\x02 \x01(\x03\x12\x17\n\x0fredis_connected\x18\x03 \x01(\x08\x12\x10\n\x08sessions\x18\x04 \x01(\x03\"O\n\x18ReportRankFailureRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x1b\n\x19ReportRankFailureResponse2\xd5\x03\n\x06Router\x12_\n\x0cRegisterRank\x12&.kvserve.router.v1.RegisterRankRequest\x1a\'.kvserve.router.v1.RegisterRankResponse\x12V\n\tHeartbeat\x12#.kvserve.router.v1.HeartbeatRequest\x1a$.kvserve.router.v1.HeartbeatResponse\x12J\n\x05Route\x12\x1f.kvserve.router.v1.RouteRequest\x1a .kvserve.router.v1.RouteResponse\x12V\n\tListRanks\x12#.kvserve.router.v1.ListRanksRequest\x1a$.kvserve.router.v1.ListRanksResponse\x12n\n\x11ReportRankFailure\x12+.kvserve.router.v1.ReportRankFailureRequest\x1a,.kvserve.router.v1.ReportRankFailureResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13protos/router.proto\x12\x11kvserve.router.v1\"\x9c\x01\n\x08RankLoad\x12\x0f\n\x07running\x18\x01 \x01(\x05\x12\x0f\n\x07waiting\x18\x02 \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x03 \x01(\x03\x12\x13\n\x0b\x66ree_blocks\x18\x04 \x01(\x05\x12\x14\n\x0ctotal_blocks\x18\x05 \x01(\x05\x12#\n\x1bwaiting_warm_prefill_tokens\x18\x06 \x01(\x03\"@\n\x13\x45xpertParallelPlace\x12\r\n\x05group\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\x05\x12\x0c\n\x04size\x18\x03 \x01(\x05\"\xe4\x01\n\x13RegisterRankRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x13\n\x0bincarnation\x18\x03 \x01(\t\x12\x12\n\nblock_size\x18\x04 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x05 \x01(\x0c\x12)\n\x04load\x18\x06 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\x12?\n\x0f\x65xpert_parallel\x18\x07 \x01(\x0b\x32&.kvserve.router.v1.ExpertParallelPlace\"\x16\n\x14RegisterRankResponse\"\xa4\x01\n\x10HeartbeatRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12)\n\x04load\x18\x03 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\x12?\n\x0f\x65xpert_parallel\x18\x04 \x01(\x0b\x32&.kvserve.router.v1.ExpertParallelPlace\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\"{\n\x0cRouteRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\x12\x15\n\rprompt_tokens\x18\x04 \x01(\x05\x12\x16\n\x0e\x61void_rank_ids\x18\x05 \x03(\t\"y\n\rRouteResponse\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x1a\n\x12\x65xpected_l0_tokens\x18\x03 \x01(\x05\x12\x1a\n\x12\x65xpected_l1_tokens\x18\x04 \x01(\x05\x12\x0e\n\x06reason\x18\x05 \x01(\t\"\x12\n\x10ListRanksRequest\"\xdc\x01\n\nRankStatus\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07healthy\x18\x03 \x01(\x08\x12)\n\x04load\x18\x04 \x01(\x0b\x32\x1b.kvserve.router.v1.RankLoad\x12\x11\n\tl0_blocks\x18\x05 \x01(\x03\x12\x1c\n\x14last_heartbeat_age_s\x18\x06 \x01(\x01\x12?\n\x0f\x65xpert_parallel\x18\x07 \x01(\x0b\x32&.kvserve.router.v1.ExpertParallelPlace\"\x7f\n\x11ListRanksResponse\x12,\n\x05ranks\x18\x01 \x03(\x0b\x32\x1d.kvserve.router.v1.RankStatus\x12\x11\n\tl1_blocks\x18\x02 \x01(\x03\x12\x17\n\x0fredis_connected\x18\x03 \x01(\x08\x12\x10\n\x08sessions\x18\x04 \x01(\x03\"O\n\x18ReportRankFailureRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\x12\x12\n\nrequest_id\x18\x03 \x01(\t\"\x1b\n\x19ReportRankFailureResponse2\xd5\x03\n\x06Router\x12_\n\x0cRegisterRank\x12&.kvserve.router.v1.RegisterRankRequest\x1a\'.kvserve.router.v1.RegisterRankResponse\x12V\n\tHeartbeat\x12#.kvserve.router.v1.HeartbeatRequest\x1a$.kvserve.router.v1.HeartbeatResponse\x12J\n\x05Route\x12\x1f.kvserve.router.v1.RouteRequest\x1a .kvserve.router.v1.RouteResponse\x12V\n\tListRanks\x12#.kvserve.router.v1.ListRanksRequest\x1a$.kvserve.router.v1.ListRanksResponse\x12n\n\x11ReportRankFailure\x12+.kvserve.router.v1.ReportRankFailureRequest\x1a,.kvserve.router.v1.ReportRankFailureResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +33,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_RANKLOAD']._serialized_start=43
   _globals['_RANKLOAD']._serialized_end=199
-  _globals['_REGISTERRANKREQUEST']._serialized_start=202
-  _globals['_REGISTERRANKREQUEST']._serialized_end=365
-  _globals['_REGISTERRANKRESPONSE']._serialized_start=367
-  _globals['_REGISTERRANKRESPONSE']._serialized_end=389
-  _globals['_HEARTBEATREQUEST']._serialized_start=391
-  _globals['_HEARTBEATREQUEST']._serialized_end=490
-  _globals['_HEARTBEATRESPONSE']._serialized_start=492
-  _globals['_HEARTBEATRESPONSE']._serialized_end=526
-  _globals['_ROUTEREQUEST']._serialized_start=528
-  _globals['_ROUTEREQUEST']._serialized_end=651
-  _globals['_ROUTERESPONSE']._serialized_start=653
-  _globals['_ROUTERESPONSE']._serialized_end=774
-  _globals['_LISTRANKSREQUEST']._serialized_start=776
-  _globals['_LISTRANKSREQUEST']._serialized_end=794
-  _globals['_RANKSTATUS']._serialized_start=797
-  _globals['_RANKSTATUS']._serialized_end=952
-  _globals['_LISTRANKSRESPONSE']._serialized_start=954
-  _globals['_LISTRANKSRESPONSE']._serialized_end=1081
-  _globals['_REPORTRANKFAILUREREQUEST']._serialized_start=1083
-  _globals['_REPORTRANKFAILUREREQUEST']._serialized_end=1162
-  _globals['_REPORTRANKFAILURERESPONSE']._serialized_start=1164
-  _globals['_REPORTRANKFAILURERESPONSE']._serialized_end=1191
-  _globals['_ROUTER']._serialized_start=1194
-  _globals['_ROUTER']._serialized_end=1663
+  _globals['_EXPERTPARALLELPLACE']._serialized_start=201
+  _globals['_EXPERTPARALLELPLACE']._serialized_end=265
+  _globals['_REGISTERRANKREQUEST']._serialized_start=268
+  _globals['_REGISTERRANKREQUEST']._serialized_end=496
+  _globals['_REGISTERRANKRESPONSE']._serialized_start=498
+  _globals['_REGISTERRANKRESPONSE']._serialized_end=520
+  _globals['_HEARTBEATREQUEST']._serialized_start=523
+  _globals['_HEARTBEATREQUEST']._serialized_end=687
+  _globals['_HEARTBEATRESPONSE']._serialized_start=689
+  _globals['_HEARTBEATRESPONSE']._serialized_end=723
+  _globals['_ROUTEREQUEST']._serialized_start=725
+  _globals['_ROUTEREQUEST']._serialized_end=848
+  _globals['_ROUTERESPONSE']._serialized_start=850
+  _globals['_ROUTERESPONSE']._serialized_end=971
+  _globals['_LISTRANKSREQUEST']._serialized_start=973
+  _globals['_LISTRANKSREQUEST']._serialized_end=991
+  _globals['_RANKSTATUS']._serialized_start=994
+  _globals['_RANKSTATUS']._serialized_end=1214
+  _globals['_LISTRANKSRESPONSE']._serialized_start=1216
+  _globals['_LISTRANKSRESPONSE']._serialized_end=1343
+  _globals['_REPORTRANKFAILUREREQUEST']._serialized_start=1345
+  _globals['_REPORTRANKFAILUREREQUEST']._serialized_end=1424
+  _globals['_REPORTRANKFAILURERESPONSE']._serialized_start=1426
+  _globals['_REPORTRANKFAILURERESPONSE']._serialized_end=1453
+  _globals['_ROUTER']._serialized_start=1456
+  _globals['_ROUTER']._serialized_end=1925
 # @@protoc_insertion_point(module_scope)

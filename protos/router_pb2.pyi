@@ -22,35 +22,49 @@ class RankLoad(_message.Message):
     waiting_warm_prefill_tokens: int
     def __init__(self, running: _Optional[int] = ..., waiting: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., free_blocks: _Optional[int] = ..., total_blocks: _Optional[int] = ..., waiting_warm_prefill_tokens: _Optional[int] = ...) -> None: ...
 
+class ExpertParallelPlace(_message.Message):
+    __slots__ = ("group", "rank", "size")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    group: str
+    rank: int
+    size: int
+    def __init__(self, group: _Optional[str] = ..., rank: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
+
 class RegisterRankRequest(_message.Message):
-    __slots__ = ("rank_id", "address", "incarnation", "block_size", "hash_namespace", "load")
+    __slots__ = ("rank_id", "address", "incarnation", "block_size", "hash_namespace", "load", "expert_parallel")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     HASH_NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     address: str
     incarnation: str
     block_size: int
     hash_namespace: bytes
     load: RankLoad
-    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ...) -> None: ...
+    expert_parallel: ExpertParallelPlace
+    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_namespace: _Optional[bytes] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ..., expert_parallel: _Optional[_Union[ExpertParallelPlace, _Mapping]] = ...) -> None: ...
 
 class RegisterRankResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("rank_id", "incarnation", "load")
+    __slots__ = ("rank_id", "incarnation", "load", "expert_parallel")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     incarnation: str
     load: RankLoad
-    def __init__(self, rank_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ...) -> None: ...
+    expert_parallel: ExpertParallelPlace
+    def __init__(self, rank_id: _Optional[str] = ..., incarnation: _Optional[str] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ..., expert_parallel: _Optional[_Union[ExpertParallelPlace, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("known",)
@@ -91,20 +105,22 @@ class ListRanksRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class RankStatus(_message.Message):
-    __slots__ = ("rank_id", "address", "healthy", "load", "l0_blocks", "last_heartbeat_age_s")
+    __slots__ = ("rank_id", "address", "healthy", "load", "l0_blocks", "last_heartbeat_age_s", "expert_parallel")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
     L0_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    EXPERT_PARALLEL_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     address: str
     healthy: bool
     load: RankLoad
     l0_blocks: int
     last_heartbeat_age_s: float
-    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ..., l0_blocks: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ...) -> None: ...
+    expert_parallel: ExpertParallelPlace
+    def __init__(self, rank_id: _Optional[str] = ..., address: _Optional[str] = ..., healthy: _Optional[bool] = ..., load: _Optional[_Union[RankLoad, _Mapping]] = ..., l0_blocks: _Optional[int] = ..., last_heartbeat_age_s: _Optional[float] = ..., expert_parallel: _Optional[_Union[ExpertParallelPlace, _Mapping]] = ...) -> None: ...
 
 class ListRanksResponse(_message.Message):
     __slots__ = ("ranks", "l1_blocks", "redis_connected", "sessions")

@@ -315,11 +315,11 @@ class EngineLoop:
                 with phase("loop.add"):
                     self._add(new)
                     self._abort(aborts)  # after adds, so an abort racing its own submit still finds the request
-                step_s = self._step() if self._engine.has_unfinished() else None
+                step_s = self._step() if self._must_step() else None
                 with phase("loop.after"):
                     self._publish_kv_events()
                     self._stats = self._engine.stats()
-                    busy = self._engine.has_unfinished()
+                    busy = self._must_step()
                     self._refresh_progress()
                 if step_s is not None:
                     self._record_timing(step_s, time.perf_counter() - iteration_started)
@@ -485,9 +485,13 @@ class EngineLoop:
         except Exception:
             log.exception("engine.stats() failed")
 
+    def _must_step(self) -> bool:
+        """Work of the engine's own, or an expert-parallel group stepping that needs this rank in its steps."""
+        return self._engine.has_unfinished() or self._engine.wants_step()
+
     def _safe_has_unfinished(self) -> bool:
         try:
-            return self._engine.has_unfinished()
+            return self._must_step()
         except Exception:
             log.exception("engine.has_unfinished() failed; idling until new work arrives")
             return False

@@ -68,10 +68,25 @@ def config_from_args(args: argparse.Namespace) -> KvServeConfig:
 
 
 def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> Engine:
+    """The engine; in an expert-parallel group (expert_parallel_size > 1) the group is formed first (its ranks
+    meet at the rendezvous, so this rank is not ready before its group is), then its shard of the model loads."""
     # Imported here so `--help` and config errors do not pay for importing torch and the model code.
     from rank_worker.engine.factory import build_engine as factory_build_engine
+    from rank_worker.engine.factory import resolve_device
+    from rank_worker.expert_parallel.group import ExpertGroup, settings_from_config
 
-    return factory_build_engine(config, l1_client)
+    settings = settings_from_config(config)
+    group = None
+    if settings is not None:
+        log.info(
+            "joining expert-parallel group %s as rank %d of %d at %s",
+            settings.name,
+            settings.rank,
+            settings.size,
+            settings.rendezvous,
+        )
+        group = ExpertGroup.form(settings, resolve_device(config.device))
+    return factory_build_engine(config, l1_client, group)
 
 
 def apply_gil_switch_interval(config: KvServeConfig) -> None:
@@ -150,12 +165,18 @@ async def serve(config: KvServeConfig) -> int:
             incarnation=incarnation,
             block_size=info.block_size,
             hash_namespace=info.hash_namespace,
+            expert_parallel_group=_group_name(config),
+            expert_parallel_rank=config.expert_parallel_rank if config.expert_parallel_size > 1 else 0,
+            expert_parallel_size=config.expert_parallel_size,
         )
         router_link = RouterLink(config.router, identity, engine_loop.stats, config.heartbeat_interval_secs)
         router_link.start()
 
     await stop.wait()
     log.info("stopping: refusing new calls, %d requests in flight", engine_loop.in_flight())
+    lockstep = getattr(engine, "lockstep", None)
+    if lockstep is not None:
+        lockstep.group.stop_watching()  # its peers stop too: one leaving first is no broken group
     if router_link is not None:
         await router_link.stop()  # the router notices within rank_down_after_secs
     await health_servicer.enter_graceful_shutdown()
@@ -165,6 +186,13 @@ async def serve(config: KvServeConfig) -> int:
     engine.close()
     log.info("stopped")
     return 0
+
+
+def _group_name(config: KvServeConfig) -> str:
+    """The expert-parallel group the router is told of ("" for a rank on its own)."""
+    if config.expert_parallel_size == 1:
+        return ""
+    return config.expert_parallel_group or f"ep@{config.expert_parallel_rendezvous}"
 
 
 def _log_l1(config: KvServeConfig, stats: EngineStats) -> None:

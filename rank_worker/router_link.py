@@ -36,6 +36,17 @@ class RankIdentity:
     incarnation: str  # unique per process start
     block_size: int
     hash_namespace: bytes
+    expert_parallel_group: str = ""  # the rank's expert-parallel group (config expert_parallel_group); "" = none
+    expert_parallel_rank: int = 0  # its place in the group
+    expert_parallel_size: int = 1  # ranks in the group
+
+    def expert_parallel(self) -> pb.ExpertParallelPlace | None:
+        """The group place the router is told, in registration and every heartbeat; None out of any group."""
+        if not self.expert_parallel_group:
+            return None
+        return pb.ExpertParallelPlace(
+            group=self.expert_parallel_group, rank=self.expert_parallel_rank, size=self.expert_parallel_size
+        )
 
 
 def advertise_address(configured: str, host: str, port: int) -> str:
@@ -105,6 +116,7 @@ class RouterLink:
                         rank_id=self.identity.rank_id,
                         incarnation=self.identity.incarnation,
                         load=rank_load(self._load()),
+                        expert_parallel=self.identity.expert_parallel(),
                     ),
                     timeout=self.timeout_s,
                 )
@@ -129,11 +141,19 @@ class RouterLink:
                 block_size=identity.block_size,
                 hash_namespace=identity.hash_namespace,
                 load=rank_load(self._load()),
+                expert_parallel=identity.expert_parallel(),
             ),
             timeout=self.timeout_s,
         )
         self.registered = True
-        log.info("registered with the router at %s as %s (%s)", self.router_address, identity.rank_id, identity.address)
+        group = f", expert-parallel group {identity.expert_parallel_group}" if identity.expert_parallel_group else ""
+        log.info(
+            "registered with the router at %s as %s (%s%s)",
+            self.router_address,
+            identity.rank_id,
+            identity.address,
+            group,
+        )
 
     def _mark_reachable(self) -> None:
         if not self._reachable:

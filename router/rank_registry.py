@@ -2,6 +2,10 @@
 
 A rank is HEALTHY while it heartbeats, DOWN once it misses heartbeats for rank_down_after_secs or someone
 reports it failed, and UNCONFIRMED when it was loaded from Redis at router start and has not spoken yet.
+
+A rank of an expert-parallel group says which (and its place in it) when it registers and in every heartbeat; the
+registry keeps what it last said, for the status listing. Routing does not look at it: each rank of a group keeps
+its own sessions and KV pool.
 """
 
 from __future__ import annotations
@@ -21,6 +25,15 @@ class RankLoad:
     free_blocks: int = 0
     total_blocks: int = 0
     waiting_warm_prefill_tokens: int = 0  # the part of waiting_prefill_tokens a new warm request waits for
+
+
+@dataclass(frozen=True)
+class ExpertParallelPlace:
+    """A rank's place in its expert-parallel group, as the rank reports it."""
+
+    group: str  # the group's name, e.g. ep-0
+    rank: int  # its place in the group, 0..size-1
+    size: int  # ranks in the group
 
 
 class RankHealth(enum.Enum):
@@ -52,6 +65,7 @@ class RankEntry:
     pending_warm_prefill_tokens: int = 0  # the part of it routed as warm requests
     down_since: float | None = None
     down_reason: str = ""
+    expert_parallel: ExpertParallelPlace | None = None  # as last reported; None: in no group
 
     @property
     def rank_id(self) -> str:
@@ -94,8 +108,11 @@ class RankRegistry:
     def get(self, rank_id: str) -> RankEntry | None:
         return self._ranks.get(rank_id)
 
-    def register(self, identity: RankIdentity, load: RankLoad, now: float) -> RegisterOutcome:
-        """A rank announces itself; it is healthy from now on. A new incarnation replaces the old entry."""
+    def register(
+        self, identity: RankIdentity, load: RankLoad, now: float, expert_parallel: ExpertParallelPlace | None = None
+    ) -> RegisterOutcome:
+        """A rank announces itself (and its expert-parallel group, if any); it is healthy from now on. A new
+        incarnation replaces the old entry."""
         previous = self._ranks.get(identity.rank_id)
         if previous is None:
             outcome = RegisterOutcome.NEW
@@ -103,7 +120,9 @@ class RankRegistry:
             outcome = RegisterOutcome.NEW_INCARNATION
         else:
             outcome = RegisterOutcome.SAME_INCARNATION
-        self._ranks[identity.rank_id] = RankEntry(identity, RankHealth.HEALTHY, now, load)
+        self._ranks[identity.rank_id] = RankEntry(
+            identity, RankHealth.HEALTHY, now, load, expert_parallel=expert_parallel
+        )
         return outcome
 
     def restore(self, identity: RankIdentity, now: float) -> None:
@@ -111,15 +130,24 @@ class RankRegistry:
         if identity.rank_id not in self._ranks:
             self._ranks[identity.rank_id] = RankEntry(identity, RankHealth.UNCONFIRMED, now)
 
-    def heartbeat(self, rank_id: str, incarnation: str, load: RankLoad, now: float) -> bool:
-        """Record a heartbeat; False (the rank must register again) for an unknown rank, another
-        incarnation, or a rank declared down: a down rank comes back only through RegisterRank."""
+    def heartbeat(
+        self,
+        rank_id: str,
+        incarnation: str,
+        load: RankLoad,
+        now: float,
+        expert_parallel: ExpertParallelPlace | None = None,
+    ) -> bool:
+        """Record a heartbeat and the group it reports (None: in no group); False (the rank must register again)
+        for an unknown rank, another incarnation, or a rank declared down: a down rank comes back only through
+        RegisterRank."""
         entry = self._ranks.get(rank_id)
         if entry is None or entry.identity.incarnation != incarnation or entry.health is RankHealth.DOWN:
             return False
         entry.health = RankHealth.HEALTHY
         entry.last_heartbeat = now
         entry.load = load
+        entry.expert_parallel = expert_parallel
         entry.pending_prefill_tokens = 0  # the reported queue now includes what we sent before
         entry.pending_warm_prefill_tokens = 0
         return True

@@ -15,7 +15,14 @@ from typing import Protocol
 
 from contracts.kv_events import KvEvent
 from router.prefix_index import PrefixIndex, PrefixMatch
-from router.rank_registry import RankEntry, RankIdentity, RankLoad, RankRegistry, RegisterOutcome
+from router.rank_registry import (
+    ExpertParallelPlace,
+    RankEntry,
+    RankIdentity,
+    RankLoad,
+    RankRegistry,
+    RegisterOutcome,
+)
 from router.route_score import Candidate, RouteChoice, RoutePolicy, choose_rank
 from router.session_table import SessionTable
 
@@ -116,10 +123,12 @@ class RouterState:
 
     # --- ranks ---
 
-    def register_rank(self, identity: RankIdentity, load: RankLoad) -> RegisterOutcome:
+    def register_rank(
+        self, identity: RankIdentity, load: RankLoad, expert_parallel: ExpertParallelPlace | None = None
+    ) -> RegisterOutcome:
         """A rank (re)announces itself: healthy now; a new incarnation starts with an empty index."""
         previous = self.registry.get(identity.rank_id)
-        outcome = self.registry.register(identity, load, self._clock())
+        outcome = self.registry.register(identity, load, self._clock(), expert_parallel)
         if outcome is not RegisterOutcome.SAME_INCARNATION:
             self.index.clear_rank(identity.rank_id)
         if previous is None or previous.identity != identity:
@@ -127,12 +136,13 @@ class RouterState:
         # A fresh subscription starts with a snapshot, so the index is right whatever happened before.
         self.follower.follow_rank(identity)
         log.info(
-            "rank %s registered (%s) at %s, incarnation %s, block size %d",
+            "rank %s registered (%s) at %s, incarnation %s, block size %d%s",
             identity.rank_id,
             outcome.value,
             identity.address,
             identity.incarnation,
             identity.block_size,
+            _describe_group(expert_parallel),
         )
         return outcome
 
@@ -143,13 +153,20 @@ class RouterState:
         self.registry.restore(identity, self._clock())
         self.follower.follow_rank(identity)
 
-    def heartbeat(self, rank_id: str, incarnation: str, load: RankLoad) -> bool:
+    def heartbeat(
+        self, rank_id: str, incarnation: str, load: RankLoad, expert_parallel: ExpertParallelPlace | None = None
+    ) -> bool:
         """False: the router does not know this process (or declared it down); it must register again."""
         entry = self.registry.get(rank_id)
         was_unconfirmed = entry is not None and not entry.healthy
-        known = self.registry.heartbeat(rank_id, incarnation, load, self._clock())
+        previous_group = entry.expert_parallel if entry is not None else None
+        known = self.registry.heartbeat(rank_id, incarnation, load, self._clock(), expert_parallel)
         if known and was_unconfirmed:
-            log.info("rank %s confirmed by its heartbeat (known from Redis)", rank_id)
+            log.info(
+                "rank %s confirmed by its heartbeat (known from Redis)%s", rank_id, _describe_group(expert_parallel)
+            )
+        elif known and expert_parallel != previous_group:
+            log.info("rank %s now reports%s", rank_id, _describe_group(expert_parallel) or " no expert-parallel group")
         return known
 
     def report_failure(self, rank_id: str, detail: str, request_id: str = "") -> bool:
@@ -238,3 +255,8 @@ class RouterState:
 
     def heartbeat_age(self, entry: RankEntry) -> float:
         return max(self._clock() - entry.last_heartbeat, 0.0)
+
+
+def _describe_group(place: ExpertParallelPlace | None) -> str:
+    """The log's words for a rank's expert-parallel group: empty for none."""
+    return "" if place is None else f", expert-parallel group {place.group} rank {place.rank}/{place.size}"

@@ -7,7 +7,7 @@ import grpc
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from router.durable_state import DurableState
-from router.rank_registry import RankEntry, RankIdentity, RankLoad
+from router.rank_registry import ExpertParallelPlace, RankEntry, RankIdentity, RankLoad
 from router.router_state import NoRankAvailableError, RouteQuery, RouterState
 
 MAX_ID_CHARS = 256  # rank, incarnation, request and session ids: they become Redis keys and log fields
@@ -73,6 +73,22 @@ def rank_identity(message: pb.RegisterRankRequest) -> RankIdentity:
     )
 
 
+def expert_parallel_place(message: pb.ExpertParallelPlace) -> ExpertParallelPlace | None:
+    """The registry's group place for a wire one; None for no group (unset, or an empty name)."""
+    if not message.group:
+        return None
+    group = _check_id("expert_parallel.group", message.group, required=True)
+    if message.size < 1 or not 0 <= message.rank < message.size:
+        raise InvalidMessageError(
+            f"expert_parallel: rank {message.rank} of a group of {message.size} (0 <= rank < size is required)"
+        )
+    return ExpertParallelPlace(group, message.rank, message.size)
+
+
+def expert_parallel_message(place: ExpertParallelPlace | None) -> pb.ExpertParallelPlace | None:
+    return None if place is None else pb.ExpertParallelPlace(group=place.group, rank=place.rank, size=place.size)
+
+
 def route_query(message: pb.RouteRequest) -> RouteQuery:
     if message.prompt_tokens < 0:
         raise InvalidMessageError("prompt_tokens must not be negative")
@@ -109,18 +125,20 @@ class RouterServicer(pb_grpc.RouterServicer):
     ) -> pb.RegisterRankResponse:
         try:
             identity, load = rank_identity(request), rank_load(request.load)
+            place = expert_parallel_place(request.expert_parallel)
         except InvalidMessageError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._state.register_rank(identity, load)
+        self._state.register_rank(identity, load, place)
         return pb.RegisterRankResponse()
 
     async def Heartbeat(self, request: pb.HeartbeatRequest, context: grpc.aio.ServicerContext) -> pb.HeartbeatResponse:
         try:
             rank_id = _check_id("rank_id", request.rank_id, required=True)
             load = rank_load(request.load)
+            place = expert_parallel_place(request.expert_parallel)
         except InvalidMessageError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        return pb.HeartbeatResponse(known=self._state.heartbeat(rank_id, request.incarnation, load))
+        return pb.HeartbeatResponse(known=self._state.heartbeat(rank_id, request.incarnation, load, place))
 
     async def Route(self, request: pb.RouteRequest, context: grpc.aio.ServicerContext) -> pb.RouteResponse:
         try:
@@ -168,4 +186,5 @@ class RouterServicer(pb_grpc.RouterServicer):
             load=load_message(entry.load),
             l0_blocks=self._state.index.l0_blocks(entry.rank_id),
             last_heartbeat_age_s=self._state.heartbeat_age(entry),
+            expert_parallel=expert_parallel_message(entry.expert_parallel),
         )

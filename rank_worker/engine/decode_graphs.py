@@ -78,12 +78,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(
-        self, seqs: list[Sequence], timer: GpuTimer | None = None, carried: CarriedTokens | None = None
+        self,
+        seqs: list[Sequence],
+        timer: GpuTimer | None = None,
+        carried: CarriedTokens | None = None,
+        rows: int | None = None,
     ) -> torch.Tensor | None:
         """Logits [len(seqs), vocab] for one decode token of each sequence (its next uncomputed token, taken on
         the device where carried: StepInputs.build), or None when the step fits no recorded graph (the caller
-        runs it eagerly)."""
-        batch = bucket_for(len(seqs), self.buckets)
+        runs it eagerly). rows: the bucket is the one for this many rows (an expert-parallel group's largest
+        decode step: every rank replays the same graph), not for len(seqs)."""
+        batch = bucket_for(max(len(seqs), rows or 0), self.buckets)
         if batch is None or (self.capture and batch not in self.graphs):
             return None
         self.inputs.build_padded_decode(seqs, batch, carried)

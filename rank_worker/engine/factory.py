@@ -7,11 +7,15 @@ import logging
 from collections.abc import Iterator
 
 import torch
+from torch import nn
 
 from contracts.config import GPU_DECODE_STEP_BUDGET_MS, KvServeConfig
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, solo_prefill_tokens
+from rank_worker.expert_parallel.attach import join_group
+from rank_worker.expert_parallel.group import ExpertGroup
+from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.attention.kv_quant import check_backend, pool_dtype
 from rank_worker.model.causal_lm import CausalLM
@@ -20,7 +24,8 @@ from rank_worker.model.deepseek import DeepseekForCausalLM
 from rank_worker.model.deepseek_config import DeepseekConfig
 from rank_worker.model.feature_check import check_supported
 from rank_worker.model.llama import RANDOM_INIT_SCHEMES, LlamaForCausalLM
-from rank_worker.model_files.source import ModelSource, open_model_source
+from rank_worker.model.moe import MoE
+from rank_worker.model_files.source import ModelSource, SkipTensor, open_model_source
 from rank_worker.model_files.weights_digest import random_weights_digest
 
 log = logging.getLogger(__name__)
@@ -71,15 +76,23 @@ def build_model(
     max_positions: int,
     seed: int,
     random_weights: str = "normal",
+    shard: ExpertShard = WHOLE,
 ) -> CausalLM:
     """The model of source's config.json (Llama family or DeepSeek), its features checked before any weight
-    is read (a refusal takes a second), then loaded or given random weights."""
-    model: CausalLM
+    is read (a refusal takes a second), then loaded or given random weights. shard: the routed experts this
+    rank holds in an expert-parallel group; only their tensors are read (random ones: the whole model's rows)."""
+    model: DeepseekForCausalLM | LlamaForCausalLM
+    skip: SkipTensor | None = None
     if is_deepseek(source.hf_config):
         deepseek = DeepseekConfig.from_hf(source.hf_config)  # raises UnsupportedModelError naming what is not
+        if not shard.whole:
+            _check_moe(shard, deepseek.n_routed_experts, source.model_id)
         with _default_dtype(dtype), torch.device(device):
-            model = DeepseekForCausalLM(deepseek, max_positions=max_positions)
+            model = DeepseekForCausalLM(deepseek, max_positions=max_positions, shard=shard)
+        skip = None if shard.whole else model.skipped_by_shard
     else:
+        if not shard.whole:
+            _check_moe(shard, 0, source.model_id)  # the Llama family has no routed experts: refused
         cfg = LlamaFamilyConfig.from_hf(source.hf_config)
         check_supported(source.hf_config, max_positions)
         with _default_dtype(dtype), torch.device(device):
@@ -88,8 +101,36 @@ def build_model(
         log.info("random weights (load_format dummy), seed %d, %s", seed, random_weights)
         model.init_random_weights(seed, random_weights)
     else:
-        model.load_hf_weights(source.load_weights())
+        model.load_hf_weights(source.load_weights(skip))
+    log.info("%s", weight_memory(model, shard))
     return model.eval()
+
+
+def _check_moe(shard: ExpertShard, n_routed: int, model_id: str) -> None:
+    if not n_routed:
+        raise ValueError(
+            f"expert parallelism needs a MoE model (routed experts to split): {model_id} has none; "
+            f"set expert_parallel_size 1 (it is {shard.size})"
+        )
+    shard.check(n_routed)
+
+
+def weight_memory(model: nn.Module, shard: ExpertShard = WHOLE) -> str:
+    """A line for the start-up log: the parameter bytes on the model's device, and for a rank of an
+    expert-parallel group its share of the routed experts and what the whole model takes."""
+    held = sum(param.numel() * param.element_size() for param in model.parameters())
+    line = f"weights: {held / 1e9:.2f} GB on {next(model.parameters()).device}"
+    if shard.whole:
+        return line
+    routed = 0  # the routed experts' rows of every expert stack held here (the shared experts' rows follow them)
+    for module in model.modules():
+        if isinstance(module, MoE):
+            for param in module.parameters(recurse=False):
+                routed += len(module.routed) * param[0].numel() * param.element_size()
+    return (
+        f"{line} (expert-parallel rank {shard.rank} of {shard.size}: 1/{shard.size} of the routed experts, "
+        f"{routed / 1e9:.2f} GB; the whole model takes {(held + routed * (shard.size - 1)) / 1e9:.2f} GB)"
+    )
 
 
 def weights_digest(source: ModelSource, seed: int, device: torch.device, random_weights: str = "normal") -> str:
@@ -209,17 +250,22 @@ def _decode_graph_bytes(config: KvServeConfig, model: CausalLM, max_model_len: i
     return reserved
 
 
-def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) -> PagedEngine:
+def build_engine(
+    config: KvServeConfig, l1_client: KvStoreClient | None = None, group: ExpertGroup | None = None
+) -> PagedEngine:
     """Everything a rank worker needs at start: model files checked first, then weights, then the pool, then
-    the L1 tier over l1_client (None: L0 only)."""
+    the L1 tier over l1_client (None: L0 only). group: the rank's expert-parallel group, formed (its MoE layers
+    exchange across it from the first forward: the pool's sizing probes run on every rank alike)."""
     source = open_model_source(config.model, config.load_format)
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     trained = int(source.hf_config.get("max_position_embeddings", 2048))
     max_model_len = resolve_max_model_len(config, trained)
-    model = build_model(source, device, dtype, max_model_len, config.seed, config.random_weights)
+    shard = ExpertShard(config.expert_parallel_rank, config.expert_parallel_size)
+    model = build_model(source, device, dtype, max_model_len, config.seed, config.random_weights, shard)
     digest = weights_digest(source, config.seed, device, config.random_weights)
     log.info("model %s: weights digest %s (part of the KV-cache namespace)", source.model_id, digest)
+    lockstep = join_group(model, group) if group is not None else None
     num_blocks = size_kv_pool(config, model, device, dtype, max_model_len)
     capacity = num_blocks * config.block_size
     if max_model_len > capacity:
@@ -266,7 +312,7 @@ def build_engine(config: KvServeConfig, l1_client: KvStoreClient | None = None) 
         solo_prefill_tokens=config.solo_prefill_tokens,
         decode_payback=config.decode_payback,
     )
-    return PagedEngine(model, settings, source.tokenizer, l1_client)
+    return PagedEngine(model, settings, source.tokenizer, l1_client, lockstep=lockstep)
 
 
 def decode_step_budget_ms(config: KvServeConfig, device: torch.device) -> float:

@@ -182,6 +182,11 @@ class Engine(ABC):
         answer, the kvstore gone): after wake() it steps the engine even when idle."""
         return None  # an engine with nothing outside its own thread never needs it
 
+    def wants_step(self) -> bool:
+        """Whether the engine must be stepped although it holds nothing unfinished: an expert-parallel group's
+        other ranks are working, and its MoE layers need this rank in every step (PagedEngine's lockstep)."""
+        return False
+
     def last_step_tokens(self) -> tuple[int, int]:
         """(tokens computed, of which prefill tokens) in the last step, for step timing; (0, 0) if unknown."""
         return (0, 0)

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
@@ -18,9 +20,12 @@ from rank_worker.engine.scheduler import ScheduledBatch
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_inputs import CarriedTokens, StepInputs
 from rank_worker.engine.step_trace import phase
+from rank_worker.expert_parallel.lockstep import GroupStep, Lockstep
 from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.causal_lm import CausalLM
-from rank_worker.model.forward_batch import PrefillSlice
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -87,10 +92,13 @@ class ModelRunner:
         scratch_block: int,
         cuda_graphs: bool,
         max_step_tokens: int = 0,
+        lockstep: Lockstep | None = None,
     ) -> None:
         """max_step_tokens: the most tokens a step carries (a solo prefill's, past max_num_batched_tokens; 0: that);
         the MLP of a step longer than max_num_batched_tokens runs that many rows at a time (ForwardBatch.dense_rows)."""
         self.model = model
+        self.lockstep = lockstep  # an expert-parallel group's: every launch agreed with the group's ranks
+        self.launches = 0  # forwards launched, real or (in a group) empty
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
@@ -143,7 +151,11 @@ class ModelRunner:
         """Forward the batch and draw the next token of each sequence that reaches its end, without reading them.
         carried: input tokens still on the device (the step in flight's draws), for a step launched before its
         predecessor is read."""
-        if self.decode_graphs is not None and all(n == 1 for _, n in batch.entries):
+        self.launches += 1
+        decode_only = all(n == 1 for _, n in batch.entries)
+        if self.lockstep is not None:
+            return self._launch_in_group(batch, carried, decode_only)
+        if self.decode_graphs is not None and decode_only:
             seqs = [seq for seq, _ in batch.entries]
             logits = self.decode_graphs.run(seqs, self.gpu_timer, carried)
             if logits is not None:
@@ -157,6 +169,72 @@ class ModelRunner:
         self.gpu_timer.start()
         logits = self.model(forward, self.kv_cache)
         return self._sampled(logits, sampling_seqs, self.gpu_timer.stop())
+
+    def _launch_in_group(self, batch: ScheduledBatch, carried: CarriedTokens | None, decode_only: bool) -> LaunchedStep:
+        """launch() in an expert-parallel group: the group agrees first, then every rank runs the same
+        exchanges: the agreed decode graph bucket when every rank decodes, else an eager forward under the
+        agreed exchange plan."""
+        assert self.lockstep is not None
+        step = self.lockstep.agree(batch.num_tokens, decode_only and self.decode_graphs is not None, busy=True)
+        if self.decode_graphs is not None and step.all_decode:
+            seqs = [seq for seq, _ in batch.entries]
+            logits = self._in_group(lambda: self.decode_graphs.run(seqs, self.gpu_timer, carried, rows=step.tokens))
+            if logits is not None:
+                span = self.gpu_timer.last_span()
+                rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+                if len(rows) < len(seqs):
+                    logits = logits[rows]
+                return self._sampled(logits, [seqs[i] for i in rows], span)
+        forward, sampling_seqs = self.inputs.build(batch.entries, carried)
+        self.gpu_timer.start()
+        logits = self._eager_in_group(forward, step)
+        return self._sampled(logits, sampling_seqs, self.gpu_timer.stop())
+
+    @torch.inference_mode()
+    def launch_empty(self, busy: bool) -> None:
+        """In an expert-parallel group, a launch with nothing of this rank's own: agreed with the group, and where
+        another rank has tokens, a forward of padding rows only (the decode graph of the agreed bucket, or one
+        eager padding row) so that every exchange of the group has this rank in it. busy: this rank still has
+        work in flight (a step to read, L1 copies), so the group steps again."""
+        assert self.lockstep is not None
+        self.launches += 1
+        step = self.lockstep.agree(0, True, busy)
+        if step.tokens == 0:
+            return  # no rank has tokens: no forward anywhere
+        self.lockstep.empty_steps += 1
+        graphs = self.decode_graphs
+        replayed = graphs is not None and step.all_decode
+        if replayed and self._in_group(lambda: graphs.run([], rows=step.tokens)) is not None:
+            self._settle()
+            return
+        self.inputs.fill_padding(1)
+        self._eager_in_group(self.inputs.batch_view(1, 1, 1), step)
+        self._settle()
+
+    def _eager_in_group(self, forward: ForwardBatch, step: GroupStep) -> torch.Tensor:
+        exchange = self.lockstep.exchange if self.lockstep is not None else None
+        assert exchange is not None
+        exchange.plan = step.plan(self.inputs.dense_rows)
+        try:
+            return self._in_group(lambda: self.model(forward, self.kv_cache))
+        finally:
+            exchange.plan = None
+
+    def _in_group(self, forward: Callable[[], T]) -> T:
+        """A forward with the group's exchanges in it: one that fails part-way has left the group's collectives
+        out of step, which no retry can mend: the group is broken (its ranks restart together)."""
+        try:
+            return forward()
+        except Exception as exc:
+            assert self.lockstep is not None
+            self.lockstep.group.broken(f"a forward failed inside the group's exchanges: {exc!r}")
+            raise
+
+    def _settle(self) -> None:
+        """After an empty step on CUDA: its input buffers are refilled two launches on, perhaps before the device
+        has copied them (nothing reads an empty step's tokens, which is what orders a real step's reuse)."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _sampled(self, logits: torch.Tensor, seqs: list[Sequence], span: object) -> LaunchedStep:
         if not seqs:

@@ -36,6 +36,7 @@ from rank_worker.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
 from rank_worker.engine.step_inputs import CarriedTokens
 from rank_worker.engine.step_trace import phase
+from rank_worker.expert_parallel.lockstep import Lockstep
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
@@ -134,8 +135,12 @@ class PagedEngine(Engine):
         tokenizer: TokenizerBundle | None = None,
         l1_client: KvStoreClient | None = None,
         l1_retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        lockstep: Lockstep | None = None,
     ) -> None:
+        """lockstep: the rank's expert-parallel group (None: a rank on its own). In a group every step() call
+        launches exactly one forward agreed with the group's ranks (an empty one when it has nothing to run)."""
         self.model = model
+        self.lockstep = lockstep
         self.settings = settings
         self.tokenizer = tokenizer
         device = model.embed_tokens.device
@@ -186,6 +191,7 @@ class PagedEngine(Engine):
             max_model_len=settings.max_model_len,
             scratch_block=settings.num_blocks,
             cuda_graphs=settings.cuda_graphs,
+            lockstep=lockstep,
         )
         # Kernels compiled and graphs recorded now, not on first use while serving (each costs a request
         # seconds: a Triton compile takes 1-5 s, a graph recording 0.1-0.5 s).
@@ -289,6 +295,11 @@ class PagedEngine(Engine):
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         if self.l1 is not None:
             self.l1.set_wake(wake)
+        if self.lockstep is not None:
+            self.lockstep.set_wake(wake)
+
+    def wants_step(self) -> bool:
+        return self.lockstep is not None and self.lockstep.wants_step()
 
     def request_progress(self, request_id: str) -> tuple[int, bool] | None:
         seq = self.requests.get(request_id)
@@ -306,7 +317,19 @@ class PagedEngine(Engine):
     def step(self) -> list[RequestOutput]:
         """One step's outputs. With pipeline_steps a step is left running and the next call schedules and
         launches its successor (input tokens drawn by the running step taken on the device) before reading it,
-        so the host's work between steps (reading, stop checks, delivery, scheduling) overlaps the GPU's."""
+        so the host's work between steps (reading, stop checks, delivery, scheduling) overlaps the GPU's.
+        In an expert-parallel group a call that launched nothing of its own launches an empty step, so that the
+        group's ranks make their agreements (and exchanges) together."""
+        if self.lockstep is None:
+            return self._step()
+        launches = self.runner.launches
+        try:
+            return self._step()
+        finally:
+            if self.runner.launches == launches:
+                self.runner.launch_empty(busy=self.has_unfinished())
+
+    def _step(self) -> list[RequestOutput]:
         self._last_step_tokens = (0, 0)
         if self._carried is not None:
             outputs, self._carried = self._carried, None
@@ -570,3 +593,5 @@ class PagedEngine(Engine):
     def close(self) -> None:
         if self.l1 is not None:
             self.l1.close()
+        if self.lockstep is not None:
+            self.lockstep.close()

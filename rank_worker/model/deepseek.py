@@ -9,12 +9,14 @@ is still one contiguous chunk for the L1 copies.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.model import fused_ops, latent_store, residual_stream
 from rank_worker.model.attention import decode_kernel, mla_decode_kernel
 from rank_worker.model.attention.backend import AttentionBackend, BackendName
@@ -27,15 +29,17 @@ from rank_worker.model.mla import LatentAttention
 from rank_worker.model.moe import GatedMLP, MoE, Rearranged, empty_param
 from rank_worker.model.yarn_rope import DeepseekRotary
 
+_EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, index: int, rotary: DeepseekRotary) -> None:
+    def __init__(self, cfg: DeepseekConfig, index: int, rotary: DeepseekRotary, shard: ExpertShard = WHOLE) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LatentAttention(cfg, rotary)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: MoE | GatedMLP = (
-            MoE(cfg) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            MoE(cfg, shard) if cfg.is_moe_layer(index) else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         )
 
     def forward(self, x: torch.Tensor, kv_layer: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
@@ -44,14 +48,16 @@ class DeepseekDecoderLayer(nn.Module):
 
 
 class DeepseekForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekConfig, max_positions: int) -> None:
+    def __init__(self, cfg: DeepseekConfig, max_positions: int, shard: ExpertShard = WHOLE) -> None:
+        """shard: the routed experts this rank holds in an expert-parallel group (WHOLE: all of them)."""
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
         self.rotary = DeepseekRotary(
             cfg.qk_rope_head_dim, cfg.rope_theta, cfg.rope_scaling, cfg.rope_interleave, max_positions
         )
         self.embed_tokens = empty_param(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DeepseekDecoderLayer(cfg, i, self.rotary, shard) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else empty_param(cfg.vocab_size, cfg.hidden_size)
         self.backend: AttentionBackend = MlaSdpaAttention()
@@ -132,13 +138,14 @@ class DeepseekForCausalLM(nn.Module):
 
     def load_hf_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors in; every parameter must be covered. V3's multi-token-prediction
-        layers (model.layers.{num_layers}...) are not part of the forward and are skipped."""
+        layers (model.layers.{num_layers}...) are not part of the forward and are skipped, as are the routed
+        experts other ranks of an expert-parallel group hold (a loader given skipped_by_shard never reads them)."""
         targets = self.hf_targets()
         filled: set[str] = set()
         for name, tensor in weights:
             target = targets.get(name)
             if target is None:
-                if name.endswith("rotary_emb.inv_freq") or self._is_mtp(name):
+                if name.endswith("rotary_emb.inv_freq") or self._is_mtp(name) or self.skipped_by_shard(name):
                     continue
                 if name == "lm_head.weight":
                     continue  # tied checkpoints sometimes carry a copy
@@ -154,6 +161,19 @@ class DeepseekForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:5]}")
 
+    def skipped_by_shard(self, name: str) -> bool:
+        """Whether the Hugging Face tensor `name` is a routed expert of a MoE layer that another rank of this
+        model's expert-parallel group holds: the loaders leave such tensors on disk (source.SkipTensor)."""
+        match = _EXPERT_TENSOR.match(name)
+        if match is None or self.shard.whole:
+            return False
+        layer, expert = int(match[1]), int(match[2])
+        if layer >= self.cfg.num_layers:
+            return False  # an MTP layer's: _is_mtp's
+        mlp = self.layers[layer].mlp
+        # an id past n_routed_experts or an expert of a dense layer is not skipped: the load refuses it by name
+        return isinstance(mlp, MoE) and expert < self.cfg.n_routed_experts and expert not in mlp.routed
+
     def _is_mtp(self, name: str) -> bool:
         parts = name.split(".")
         if parts[:2] != ["model", "layers"] or not parts[2].isdigit():
@@ -162,6 +182,6 @@ class DeepseekForCausalLM(nn.Module):
         return self.cfg.num_layers <= index < self.cfg.num_layers + self.cfg.num_mtp_layers
 
     def init_random_weights(self, seed: int = 0, scheme: str = "normal") -> None:
-        """Random weights for benchmarks (llama.RANDOM_INIT_SCHEMES): by default normal(0, 0.02) in
-        named_parameters order, norms 1, biases (the router's correction bias) 0."""
+        """Random weights for benchmarks (llama.RANDOM_INIT_SCHEMES): by default normal(0, 0.02), norms 1, biases
+        (the router's correction bias) 0; a shard's experts are the whole model's rows for their ids."""
         init_random_weights(self, seed, scheme)

@@ -7,6 +7,7 @@ Face-named tensors or filled with random values. q/k/v and gate/up are fused int
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable
 
 import torch
@@ -22,31 +23,73 @@ from rank_worker.model.rotary import RotaryEmbedding
 
 # Part of the KV-cache namespace of random weights: change one whenever init_random_weights draws differently.
 RANDOM_INIT_SCHEMES = {
-    "normal": "normal(0, 0.02) in named_parameters order; norms 1, biases 0",
+    "normal": "normal(0, 0.02), each parameter from a generator seeded by (seed, its name), each row of an expert "
+    "stack by (seed, name, global expert id) or (seed, name, 'shared', s); norms 1, biases 0 (draw 2)",
     # vLLM's load_format dummy: every parameter, norms too, each from a generator seeded alike, so tensors of
     # one size and dtype are equal (every layer's; the LM head is the embedding). Side by side with vLLM on
-    # random weights, a MoE's routing (how many experts a decode step reads) depends on the draw.
-    "uniform": "uniform(-1e-3, 1e-3), every parameter from its own generator seeded alike",
+    # random weights, a MoE's routing (how many experts a decode step reads) depends on the draw. An expert
+    # stack's rows are seeded by expert instead (alike in every layer too), so a shard draws its own experts.
+    "uniform": "uniform(-1e-3, 1e-3), every parameter from its own generator seeded alike, each row of an expert "
+    "stack by (seed, global expert id) or (seed, 'shared', s) (draw 2)",
 }
 
 
 def init_random_weights(model: nn.Module, seed: int = 0, scheme: str = "normal") -> None:
     """RANDOM_INIT_SCHEMES[scheme] over any model of ours (the Llama and DeepSeek families share them, so a
-    digest of the seed, scheme and shape names the same weights wherever they are made)."""
+    digest of the seed, scheme and shape names the same weights wherever they are made). A parameter's values
+    depend on its name alone, never on which others exist, and an expert's rows on its global id: a rank holding
+    a shard of the experts (expert_parallel/) draws what the whole model has in those rows."""
     if scheme not in RANDOM_INIT_SCHEMES:
         raise ValueError(f"random weights: no scheme {scheme!r} (one of {sorted(RANDOM_INIT_SCHEMES)})")
     device = next(model.parameters()).device
-    generator = torch.Generator(device=device).manual_seed(seed)
+    generator = torch.Generator(device=device)
+    stacks = _expert_stack_rows(model)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if scheme == "uniform":
-                param.uniform_(-1e-3, 1e-3, generator=torch.Generator(device=device).manual_seed(seed))
-            elif name.endswith("norm.weight"):
+            if scheme == "normal" and name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif name.endswith("bias"):
+                continue
+            if scheme == "normal" and name.endswith("bias"):
                 param.zero_()
-            else:
-                param.normal_(0.0, 0.02, generator=generator)
+                continue
+            stream = (name,) if scheme == "normal" else ()  # uniform: seeded alike, whatever the name
+            rows = stacks.get(name)
+            if rows is None:
+                seeded = generator.manual_seed(_stream_seed(seed, *stream) if stream else seed)
+                _draw(param, scheme, seeded)
+                continue
+            for row, key in enumerate(rows):  # one launch an expert: the stack's rows are views
+                _draw(param[row], scheme, generator.manual_seed(_stream_seed(seed, *stream, *key)))
+
+
+def _expert_stack_rows(model: nn.Module) -> dict[str, list[tuple[str | int, ...]]]:
+    """Each expert stack's name -> what its rows are: a MoE's own parameters (moe.py's experts_gate_up and
+    experts_down: the routed experts it holds, by global id, then the shared ones)."""
+    stacks: dict[str, list[tuple[str | int, ...]]] = {}
+    for prefix, module in model.named_modules():
+        routed = getattr(module, "routed", None)
+        if not isinstance(routed, range):
+            continue
+        keys: list[tuple[str | int, ...]] = [(e,) for e in routed]
+        keys += [("shared", s) for s in range(module.shared)]
+        for name, param in module.named_parameters(recurse=False):
+            if param.shape[0] != len(keys):
+                raise ValueError(f"{prefix}.{name}: {param.shape[0]} rows for {len(keys)} experts")
+            stacks[f"{prefix}.{name}" if prefix else name] = keys
+    return stacks
+
+
+def _stream_seed(seed: int, *parts: str | int) -> int:
+    """A generator seed from (seed, parts), stable across processes and machines (Python's hash() is not)."""
+    text = "\x1f".join(str(part) for part in (seed, *parts))
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+def _draw(values: torch.Tensor, scheme: str, generator: torch.Generator) -> None:
+    if scheme == "uniform":
+        values.uniform_(-1e-3, 1e-3, generator=generator)
+    else:
+        values.normal_(0.0, 0.02, generator=generator)
 
 
 def _param(*shape: int) -> nn.Parameter:

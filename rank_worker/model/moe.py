@@ -21,7 +21,9 @@ Experts run one of three ways, all giving each token the weighted sum of its exp
   Finding the experts hit is a host sync.
 - every_expert (a recorded graph where grouped GEMMs do not run): every expert over every token, weighted by
   its routing weight (0 where not chosen): n_routed_experts / num_experts_per_tok times the routed flops.
-With expert parallelism tokens would also be dispatched across ranks; one rank holds every expert here.
+With expert parallelism (rank_worker/expert_parallel/) a rank holds only its shard of the routed experts
+(stacked first, then the shared ones whole) and its `exchange` runs the layer across the group: every rank's
+tokens and routing gathered, each rank's experts over the pairs routed to them, the sums sent back.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.model import fused_ops, moe_kernels, moe_mlp_kernel
 from rank_worker.model.deepseek_config import DeepseekConfig
+from rank_worker.model.residual_stream import mlp_rows as residual_stream_rows
 
 
 def empty_param(*shape: int, dtype: torch.dtype | None = None) -> nn.Parameter:
@@ -177,41 +181,72 @@ class TopkRouter(nn.Module):
 
 class MoE(nn.Module):
     """The experts stacked, routed ones first, then the shared ones ([E + S, 2I, H] gate/up and [E + S, H, I]
-    down, I = moe_intermediate_size), and the router."""
+    down, I = moe_intermediate_size), and the router. With a shard of an expert-parallel group E is the
+    shard's routed experts (global ids shard.experts(n_routed_experts)); the router stays whole."""
 
-    def __init__(self, cfg: DeepseekConfig) -> None:
+    def __init__(self, cfg: DeepseekConfig, shard: ExpertShard = WHOLE) -> None:
         super().__init__()
         self.cfg = cfg
+        self.shard = shard
+        self.routed = shard.experts(cfg.n_routed_experts)  # the global ids of the routed experts held here
         self.shared = cfg.n_shared_experts
-        size, experts = cfg.moe_intermediate_size, cfg.n_routed_experts + self.shared
+        size, experts = cfg.moe_intermediate_size, len(self.routed) + self.shared
         self.gate = TopkRouter(cfg)
         self.experts_gate_up = empty_param(experts, 2 * size, cfg.hidden_size)
         self.experts_down = empty_param(experts, cfg.hidden_size, size)
+        self.exchange = None  # expert_parallel.exchange.ExpertExchange: runs the layer across the group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.exchange is not None:
+            return self.exchange.run(self, x)
         ids, weights = self.route(x)
+        return self.experts(x, ids, weights)
+
+    def by_rows(self, h: torch.Tensor, rows: int) -> torch.Tensor:
+        """residual_stream.mlp_by_rows' call: across the group the exchange sets the chunks (every rank must make
+        as many exchanges a layer), on one rank `rows` rows at a time."""
+        if self.exchange is not None:
+            return self.exchange.by_rows(self, h)
+        return residual_stream_rows(self, h, rows)
+
+    def experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """The weighted sum of each token's experts (ids: local expert rows, -1 for a slot served elsewhere, which
+        only the experts_hit path is given), in out_dtype (default x's)."""
         if grouped_gemm_runs(x):
-            return self.grouped_experts(x, ids, weights)
+            return self.grouped_experts(x, ids, weights, out_dtype)
         if x.is_cuda and torch.cuda.is_current_stream_capturing():
-            return self.every_expert(x, ids, weights)
-        return self.experts_hit(x, ids, weights)
+            return self.every_expert(x, ids, weights, out_dtype)
+        return self.experts_hit(x, ids, weights, out_dtype)
+
+    def serves_masked_slots(self, x: torch.Tensor) -> bool:
+        """Whether experts() takes -1 for a slot served elsewhere (else such a slot must name a real row at
+        weight 0): the experts_hit path skips them."""
+        return not grouped_gemm_runs(x) and not (x.is_cuda and torch.cuda.is_current_stream_capturing())
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's experts and weights, the shared experts' slots included: [T, k + S] each."""
         return self.gate(x, self.shared)
 
-    def experts_hit(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def experts_hit(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The experts' weighted sum (the shared ones' slots included), each expert over the tokens routed to it."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=out_dtype or x.dtype)
         # The experts this batch hit, ascending (one host sync: fine for the CPU path, see the module doc).
         for expert in torch.unique(ids).tolist():
+            if expert < 0:
+                continue  # a slot another rank of the group serves
             tokens, slot = torch.where(ids == expert)
             h = F.linear(x[tokens], self.experts_gate_up[expert])
             h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
             out.index_add_(0, tokens, (h * weights[tokens, slot, None]).to(out.dtype))
         return out
 
-    def grouped_experts(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def grouped_experts(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The same sum by two grouped GEMMs over the (token, slot) pairs sorted by expert, with no host sync.
         On CUDA small batches (decode steps) sort by moe_kernels.align and run the experts by moe_mlp_kernel
         (weight-streaming kernels for a few rows an expert) instead of the grouped GEMMs; large ones (prefill
@@ -219,14 +254,15 @@ class MoE(nn.Module):
         path in float32) does it all in PyTorch. ids and weights as route gives them: align places the shared
         experts' slots (the last) without sorting them."""
         tokens, k = ids.shape
+        dtype = out_dtype or x.dtype
         if tokens == 0:
-            return torch.zeros_like(x)
+            return torch.zeros_like(x, dtype=dtype)
         experts = self.experts_gate_up.shape[0]
         kernels = fused_ops.kernels_available(x.device)
         if kernels and tokens * k <= moe_kernels.ALIGN_MAX_PAIRS:
             token_of_row, row_of_pair, ends = moe_kernels.align(ids, experts, self.shared)
             h = moe_mlp_kernel.expert_mlp(x, self.experts_gate_up, self.experts_down, token_of_row, ends)
-            return moe_kernels.combine(h, weights, row_of_pair, x.dtype)
+            return moe_kernels.combine(h, weights, row_of_pair, dtype)
         flat = ids.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pair index (token * k + slot), grouped by expert
         # Runs' ends from a scatter-add, not bincount: bincount sizes its output on the host (a sync).
@@ -243,19 +279,22 @@ class MoE(nn.Module):
         h = torch._grouped_mm(rows, self.experts_gate_up.transpose(1, 2), offs=ends)
         h = torch._grouped_mm(_silu_and_mul(h), self.experts_down.transpose(1, 2), offs=ends)
         if kernels:  # one pass over h (prefill chunks: the PyTorch sum below moved it ~6 times in float32)
-            return moe_kernels.combine(h, weights, row_of_pair, x.dtype)
+            return moe_kernels.combine(h, weights, row_of_pair, dtype)
         h = h.float() * weights.reshape(-1).index_select(0, order).unsqueeze(1)
         slots = torch.empty_like(h)
         slots.index_copy_(0, order, h)  # back to (token, slot) order
-        return slots.view(tokens, k, -1).sum(dim=1).to(x.dtype)
+        return slots.view(tokens, k, -1).sum(dim=1).to(dtype)
 
-    def every_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def every_expert(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, out_dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
         """The same sum with no host sync: every expert over every token, its output weighted by the token's
         routing weight for it (0 where not chosen), added in expert order as experts_hit adds."""
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x, dtype=out_dtype or x.dtype)
         experts = self.experts_gate_up.shape[0]
         routing = torch.zeros(x.shape[0], experts, dtype=weights.dtype, device=x.device)
-        routing.scatter_(1, ids, weights)  # [T, experts]
+        # an add, not a scatter: across a group a slot served elsewhere names a real row at weight 0
+        routing.scatter_add_(1, ids, weights)  # [T, experts]
         for expert in range(experts):
             h = F.linear(x, self.experts_gate_up[expert])
             h = F.linear(fused_ops.silu_and_mul_reference(h), self.experts_down[expert])
@@ -263,14 +302,17 @@ class MoE(nn.Module):
         return out
 
     def hf_targets(self, prefix: str) -> dict[str, torch.Tensor | Rearranged]:
-        size, routed, hidden = self.cfg.moe_intermediate_size, self.cfg.n_routed_experts, self.cfg.hidden_size
+        """HF tensor name -> the part of our parameters it fills: the router, the routed experts this shard
+        holds (global id e in local row e - routed.start) and the shared experts (the rows after them)."""
+        size, hidden = self.cfg.moe_intermediate_size, self.cfg.hidden_size
         targets: dict[str, torch.Tensor | Rearranged] = {f"{prefix}.gate.weight": self.gate.weight}
         if self.gate.e_score_correction_bias is not None:
             targets[f"{prefix}.gate.e_score_correction_bias"] = self.gate.e_score_correction_bias
-        for e in range(routed):
-            targets[f"{prefix}.experts.{e}.gate_proj.weight"] = self.experts_gate_up[e, :size]
-            targets[f"{prefix}.experts.{e}.up_proj.weight"] = self.experts_gate_up[e, size:]
-            targets[f"{prefix}.experts.{e}.down_proj.weight"] = self.experts_down[e]
+        for row, e in enumerate(self.routed):
+            targets[f"{prefix}.experts.{e}.gate_proj.weight"] = self.experts_gate_up[row, :size]
+            targets[f"{prefix}.experts.{e}.up_proj.weight"] = self.experts_gate_up[row, size:]
+            targets[f"{prefix}.experts.{e}.down_proj.weight"] = self.experts_down[row]
+        routed = len(self.routed)
         if self.shared:
             # the shared MLP's intermediate dims, cut into S experts of `size` each: gate/up rows s*size.., down
             # columns s*size.. (the MLP is the sum of its slices' MLPs)

@@ -50,6 +50,14 @@ def mlp_by_rows(mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, ro
     at once): what a step longer than max_num_batched_tokens (a solo prefill) keeps its activation peak under.
     Every row is computed on its own either way; a GEMM may round differently by its row count (its kernel is
     chosen by shape), as between any two chunkings of a prompt."""
+    by_rows = getattr(mlp, "by_rows", None)  # a MoE layer: across an expert-parallel group its exchange chunks
+    if by_rows is not None:
+        return by_rows(h, rows)
+    return mlp_rows(mlp, h, rows)
+
+
+def mlp_rows(mlp: Callable[[torch.Tensor], torch.Tensor], h: torch.Tensor, rows: int) -> torch.Tensor:
+    """mlp_by_rows on one rank."""
     if rows <= 0 or h.shape[0] <= rows:
         return mlp(h)
     out = torch.empty_like(h)

@@ -25,7 +25,7 @@ import torch
 
 from rank_worker.model_files.gguf_dequant import dequantized
 from rank_worker.model_files.gguf_rope import rope_scaling_from_metadata
-from rank_worker.model_files.source import ModelPathError
+from rank_worker.model_files.source import ModelPathError, SkipTensor
 
 DEEPSEEK2 = ARCH = "deepseek2"
 
@@ -271,14 +271,20 @@ def _expected_tensors(hf_config: dict[str, Any], tensors: dict[str, Any]) -> lis
     return names
 
 
-def iter_deepseek2_weights(plan: list[PlannedWeight], tensors: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
-    """(HF name, float32 tensor) for every planned weight; a stacked expert tensor is dequantized one expert at a
-    time, so the peak is one expert's float32 copy, not the whole stack's."""
+def iter_deepseek2_weights(
+    plan: list[PlannedWeight], tensors: dict[str, Any], skip: SkipTensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every planned weight `skip` keeps; a stacked expert tensor is dequantized one
+    expert at a time, so the peak is one expert's float32 copy, not the whole stack's. An expert is one contiguous
+    block of the stack's quantized rows, sliced before dequantizing: the experts left out are never read."""
     for weight in plan:
+        if skip is not None and all(skip(name) for name in weight.hf_names):
+            continue
         if weight.kind == "experts":
             stacked = tensors[weight.sources[0]]
             for index, hf_name in enumerate(weight.hf_names):
-                yield hf_name, dequantized(stacked, index)
+                if skip is None or not skip(hf_name):
+                    yield hf_name, dequantized(stacked, index)
         elif weight.kind == "kv_b":
             k_b, v_b = (dequantized(tensors[name]) for name in weight.sources)
             yield weight.hf_names[0], kv_b_from_split(k_b, v_b)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -14,6 +14,7 @@ import torch
 
 from rank_worker.model_files.gguf_deepseek import (
     DEEPSEEK2,
+    PlannedWeight,
     deepseek2_hf_config,
     iter_deepseek2_weights,
     plan_deepseek2_weights,
@@ -22,7 +23,7 @@ from rank_worker.model_files.gguf_dequant import dequantized
 from rank_worker.model_files.gguf_rope import rope_scaling_from_metadata
 from rank_worker.model_files.gguf_tokenizer import tokenizer_from_metadata
 from rank_worker.model_files.progress import TensorProgress
-from rank_worker.model_files.source import ModelPathError, ModelSource
+from rank_worker.model_files.source import ModelPathError, ModelSource, SkipTensor, WeightLoader
 from rank_worker.model_files.weights_digest import gguf_weights_digest
 
 log = logging.getLogger(__name__)
@@ -85,13 +86,13 @@ def open_gguf(path: Path) -> ModelSource:
         hf_config = deepseek2_hf_config(path, metadata, tensors)
         plan = plan_deepseek2_weights(path, hf_config, tensors)
         num_tensors = sum(len(weight.hf_names) for weight in plan)
-        load_weights = partial(_track, num_tensors, partial(iter_deepseek2_weights, plan, tensors))
+        load_weights: WeightLoader = partial(_load_deepseek2, plan, tensors)
     else:
         hf_config = _hf_config(path, arch, metadata, tensors)
         names = _hf_names(path, arch, tensors)
         _check_complete(path, arch, hf_config["num_hidden_layers"], tensors)
         num_tensors = len(names)
-        load_weights = partial(_track, num_tensors, partial(_iter_weights, arch, hf_config, names, tensors))
+        load_weights = partial(_load_llama_family, arch, hf_config, names, tensors)
     _check_dequantizable(path, tensors)
     tokenizer = tokenizer_from_metadata(metadata, path)
     if tokenizer is not None:
@@ -217,8 +218,23 @@ def _check_dequantizable(path: Path, tensors: dict[str, Any]) -> None:
             raise ModelPathError(f"GGUF {path}: cannot dequantize {tensor.name} ({exc})") from exc
 
 
-def _track(count: int, weights: Callable[[], Iterator[tuple[str, torch.Tensor]]]) -> Iterator[tuple[str, torch.Tensor]]:
-    return TensorProgress("dequantizing GGUF", count).track(weights())
+def _load_deepseek2(
+    plan: list[PlannedWeight], tensors: dict[str, Any], skip: SkipTensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    count = sum(1 for weight in plan for name in weight.hf_names if skip is None or not skip(name))
+    return _track(count, iter_deepseek2_weights(plan, tensors, skip))
+
+
+def _load_llama_family(
+    arch: str, hf_config: dict[str, Any], names: dict[str, str], tensors: dict[str, Any], skip: SkipTensor | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    if skip is not None:
+        names = {gguf_name: hf_name for gguf_name, hf_name in names.items() if not skip(hf_name)}
+    return _track(len(names), _iter_weights(arch, hf_config, names, tensors))
+
+
+def _track(count: int, weights: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    return TensorProgress("dequantizing GGUF", count).track(weights)
 
 
 def _iter_weights(

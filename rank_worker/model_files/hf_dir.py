@@ -12,7 +12,7 @@ from safetensors import safe_open
 from rank_worker.model_files.hf_config import load_hf_config, read_json
 from rank_worker.model_files.hf_tokenizer import load_hf_tokenizer
 from rank_worker.model_files.progress import TensorProgress
-from rank_worker.model_files.source import ModelPathError, ModelSource
+from rank_worker.model_files.source import ModelPathError, ModelSource, SkipTensor
 from rank_worker.model_files.weights_digest import hf_weights_digest
 
 log = logging.getLogger(__name__)
@@ -37,8 +37,12 @@ def open_hf_dir(directory: Path) -> ModelSource:
         log.warning("%s has no lm_head.weight; treating the embeddings as tied", directory)
         hf_config["tie_word_embeddings"] = True
 
-    def load_weights() -> Iterator[tuple[str, torch.Tensor]]:
-        return _iter_weights(names_by_shard)
+    def load_weights(skip: SkipTensor | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+        if skip is None:
+            return _iter_weights(names_by_shard)
+        return _iter_weights(
+            {shard: [name for name in names if not skip(name)] for shard, names in names_by_shard.items()}
+        )
 
     index_path = directory / INDEX_FILE
     return ModelSource(
@@ -97,8 +101,11 @@ def _iter_weights(names_by_shard: dict[Path, list[str]]) -> Iterator[tuple[str, 
 
     def tensors() -> Iterator[tuple[str, torch.Tensor]]:
         for shard, names in names_by_shard.items():
+            if not names:
+                continue  # every tensor of this file left out (the experts other ranks hold): not even opened
             progress.label(shard.name)
-            # One tensor at a time off the memory map, so only the tensor in flight is resident.
+            # One tensor at a time off the memory map, so only the tensor in flight is resident (and a name left
+            # out is never read).
             with safe_open(str(shard), framework="pt", device="cpu") as handle:
                 for name in names:
                     yield name, handle.get_tensor(name)

@@ -10,7 +10,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -20,7 +20,13 @@ log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 
-WeightLoader = Callable[[], Iterator[tuple[str, torch.Tensor]]]
+# True for an HF tensor name the model will not read (the routed experts another rank of its expert-parallel group
+# holds: DeepseekForCausalLM.skipped_by_shard); the loader then leaves that tensor's bytes on disk.
+SkipTensor = Callable[[str], bool]
+
+
+class WeightLoader(Protocol):
+    def __call__(self, skip: SkipTensor | None = None) -> Iterator[tuple[str, torch.Tensor]]: ...
 
 
 class ModelPathError(Exception):
@@ -32,8 +38,8 @@ class ModelSource:
     model_id: str
     hf_config: dict[str, Any]
     tokenizer: TokenizerBundle | None
-    # Yields (HF parameter name, CPU tensor in HF layout) one at a time; each call starts a fresh pass.
-    # dtype is the checkpoint's for HF directories, float32 (dequantized) for GGUF.
+    # Yields (HF parameter name, CPU tensor in HF layout) one at a time; each call starts a fresh pass, reading
+    # only the tensors `skip` keeps. dtype is the checkpoint's for HF directories, float32 (dequantized) for GGUF.
     # None means "no weights on disk": the engine initialises random weights (load_format="dummy").
     load_weights: WeightLoader | None
     num_tensors: int

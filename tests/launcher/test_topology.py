@@ -229,3 +229,113 @@ def test_up_places_ranks_on_the_gpus_named(monkeypatch: pytest.MonkeyPatch) -> N
         plan_stack(UpOptions(None, ranks=2, gpus=("0",)), config)
     with pytest.raises(StackError, match="GPU 7 is not visible"):
         plan_stack(UpOptions(None, ranks=2, gpus=("7", "7")), config)
+
+
+EP_ENV = (
+    "KVSERVE_EXPERT_PARALLEL_SIZE",
+    "KVSERVE_EXPERT_PARALLEL_RANK",
+    "KVSERVE_EXPERT_PARALLEL_GROUP",
+    "KVSERVE_EXPERT_PARALLEL_RENDEZVOUS",
+)
+
+
+def rank_specs(specs: list[ServiceSpec]) -> list[ServiceSpec]:
+    return [spec for spec in specs if spec.role == "rank-worker"]
+
+
+def expert_parallel_env(spec: ServiceSpec) -> tuple[str, ...]:
+    return tuple(spec.environment.get(name, "") for name in EP_ENV)
+
+
+def test_expert_parallel_groups_locally_meet_at_a_port_of_their_own() -> None:
+    """--ranks 4 --expert-parallel 2: ranks 0-1 are group ep-0, 2-3 group ep-2; each group's first rank listens
+    on a loopback port no other service of the build has."""
+    plan = StackPlan(mode="local", config_file="/etc/kv.yaml", python="/venv/bin/python", state_dir=STATE_DIR)
+    specs = build_topology(config(), 4, plan, expert_parallel=2)
+    ranks = rank_specs(specs)
+    places = [expert_parallel_env(rank)[:3] for rank in ranks]
+    assert places == [("2", "0", "ep-0"), ("2", "1", "ep-0"), ("2", "0", "ep-2"), ("2", "1", "ep-2")]
+    assert [rank.group for rank in ranks] == ["ep-0", "ep-0", "ep-2", "ep-2"]
+    rendezvous = [rank.environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"] for rank in ranks]
+    assert rendezvous[0] == rendezvous[1] and rendezvous[2] == rendezvous[3] and rendezvous[0] != rendezvous[2]
+    hosts, ports = zip(*(address.rsplit(":", 1) for address in rendezvous[::2]), strict=True)
+    assert set(hosts) == {"127.0.0.1"}
+    taken = {spec.port for spec in specs}
+    assert not taken & {int(port) for port in ports}, "a rendezvous port is another service's"
+    assert all(not spec.group for spec in specs if spec.role != "rank-worker")
+    # the rest of a rank's wiring is as without groups
+    plain = rank_specs(build_topology(config(), 4, plan))
+    for grouped, alone in zip(ranks, plain, strict=True):
+        assert {k: v for k, v in grouped.environment.items() if k not in EP_ENV} == alone.environment
+        assert (grouped.argv, grouped.port, grouped.depends_on) == (alone.argv, alone.port, alone.depends_on)
+
+
+def test_expert_parallel_rendezvous_ports_avoid_configured_ports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The OS reports a configured port free until its service starts: a rendezvous pick must skip it."""
+    reported = iter([50152, 8080, 6379, 50140, 41000, 41001])
+    monkeypatch.setattr("launcher.topology.free_port", lambda host="127.0.0.1": next(reported))
+    ranks = rank_specs(local(4, rank_worker_port=50151, gateway_port=8080, router_port=50140, expert_parallel_size=2))
+    rendezvous = [rank.environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"] for rank in ranks]
+    assert rendezvous == ["127.0.0.1:41000", "127.0.0.1:41000", "127.0.0.1:41001", "127.0.0.1:41001"]
+
+
+def test_expert_parallel_groups_in_compose_meet_at_their_first_ranks_container() -> None:
+    specs = build_topology(config(), 4, StackPlan(mode="compose"), expert_parallel=2)
+    ranks = rank_specs(specs)
+    assert [expert_parallel_env(rank) for rank in ranks] == [
+        ("2", "0", "ep-0", "rank-worker-0:29500"),
+        ("2", "1", "ep-0", "rank-worker-0:29500"),
+        ("2", "0", "ep-2", "rank-worker-2:29500"),
+        ("2", "1", "ep-2", "rank-worker-2:29500"),
+    ]
+    # nothing new to wait for: a group's ranks meet with retries, and their service names resolve on the network
+    plain = by_name(compose(4))
+    assert all(spec.depends_on == plain[spec.name].depends_on for spec in specs)
+    gpus = ("0", "1", "2", "3")
+    local_ranks = rank_specs(
+        build_topology(config(), 4, StackPlan(mode="local", config_file="/k.yaml", gpu_ids=gpus), expert_parallel=2)
+    )
+    assert [set(spec.environment) for spec in local_ranks] == [set(spec.environment) for spec in ranks]
+    assert [spec.group for spec in local_ranks] == [spec.group for spec in ranks]
+
+
+def test_two_ranks_in_one_group() -> None:
+    for specs in (local(2, expert_parallel_size=2), compose(2, expert_parallel_size=2)):
+        ranks = rank_specs(specs)
+        assert [expert_parallel_env(rank)[:3] for rank in ranks] == [("2", "0", "ep-0"), ("2", "1", "ep-0")]
+        assert len({rank.environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"] for rank in ranks}) == 1
+    assert (
+        rank_specs(compose(2, expert_parallel_size=2))[1].environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"]
+        == "rank-worker-0:29500"
+    )
+
+
+def test_a_group_size_must_divide_the_ranks() -> None:
+    with pytest.raises(ValueError, match="must divide the number of ranks"):
+        build_topology(config(), 3, StackPlan(mode="compose"), expert_parallel=2)
+    with pytest.raises(ValueError, match="must divide the number of ranks"):
+        compose(2, expert_parallel_size=4)  # the config's size is the default
+    with pytest.raises(ValueError, match="at least one rank"):
+        build_topology(config(), 2, StackPlan(mode="compose"), expert_parallel=0)
+
+
+def test_without_groups_the_ranks_are_told_nothing_new() -> None:
+    """One rank per group (the default) leaves every spec as it was; --expert-parallel 1 over a config asking
+    for groups tells the ranks so."""
+    for specs in (local(4), compose(4), build_topology(config(), 4, StackPlan(mode="compose"), expert_parallel=1)):
+        assert all(not set(EP_ENV) & set(spec.environment) and not spec.group for spec in specs)
+    assert compose(4) == build_topology(config(), 4, StackPlan(mode="compose"), expert_parallel=1)
+    overridden = build_topology(config(expert_parallel_size=2), 2, StackPlan(mode="compose"), expert_parallel=1)
+    assert [expert_parallel_env(rank) for rank in rank_specs(overridden)] == [("1", "", "", "")] * 2
+
+
+def test_up_plans_expert_parallel_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    from launcher.up import UpOptions, plan_stack
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    config = KvServeConfig(
+        rank_worker_port=0, router_port=0, kvstore_port=0, gateway_port=0, redis_url="redis://127.0.0.1:0/0"
+    )
+    specs = plan_stack(UpOptions(None, ranks=4, expert_parallel=2), config)
+    assert [rank.group for rank in rank_specs(specs)] == ["ep-0", "ep-0", "ep-2", "ep-2"]
+    assert [rank.gpu for rank in rank_specs(specs)] == ["0", "1", "2", "3"]  # a GPU each, as without groups

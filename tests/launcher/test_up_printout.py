@@ -55,3 +55,14 @@ def test_the_logs_line_names_where_the_previous_run_went(tmp_path: Path) -> None
     text = printout(tmp_path)
     logs = (tmp_path / "state" / "logs").resolve()
     assert f"  logs: {logs} (the previous run's: {logs.parent / 'logs.prev'})\n" in text
+
+
+def test_ranks_name_their_expert_parallel_group(tmp_path: Path) -> None:
+    config = KvServeConfig()
+    state_dir = tmp_path / "state"
+    specs = build_topology(config, 2, StackPlan(mode="local", state_dir=state_dir), expert_parallel=2)
+    out = io.StringIO()
+    _print_ready(specs, "smollm2", 1024, config, UpOptions(None, ranks=2, state_dir=state_dir), out)
+    lines = [line for line in out.getvalue().splitlines() if line.startswith("  rank-worker-")]
+    assert len(lines) == 2 and all(line.endswith("(gRPC, expert-parallel group ep-0)") for line in lines)
+    assert "expert-parallel" not in printout(tmp_path)  # without groups, as before

@@ -113,3 +113,28 @@ def test_link_registers_heartbeats_and_survives_a_router_restart(
     time.sleep(3 * HEARTBEAT_S)  # beats against a dead router: nothing raises, the task keeps running
     assert link.running
     asyncio.run_coroutine_threadsafe(link.stop(), background_loop).result(10)
+
+
+def test_link_reports_its_expert_parallel_group(tmp_path: Path, background_loop: asyncio.AbstractEventLoop) -> None:
+    """Registration and every heartbeat carry the rank's group; the router lists it (and none for a plain rank)."""
+    router_port = free_port()
+    router = f"127.0.0.1:{router_port}"
+    settings = {
+        "KVSERVE_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0",
+        "KVSERVE_HEARTBEAT_INTERVAL_SECS": str(HEARTBEAT_S),
+    }
+    grouped = RankIdentity("rank-ep", "127.0.0.1:50998", "inc-ep", 16, b"n" * 16, "ep-2", 1, 2)
+    plain = RankIdentity("rank-plain", "127.0.0.1:50997", "inc-plain", 16, b"n" * 16)
+    links = [RouterLink(router, rank, lambda: engine_stats(50), interval_s=HEARTBEAT_S) for rank in (grouped, plain)]
+    with start_router(tmp_path / "router.log", router_port, **settings):
+        for link in links:
+            background_loop.call_soon_threadsafe(link.start)
+        wait_until(lambda: all(link.heartbeats > 2 for link in links), 10, "both ranks heartbeating")
+        listed = ranks(router)
+        assert listed["rank-ep"].HasField("expert_parallel")
+        place = listed["rank-ep"].expert_parallel
+        assert (place.group, place.rank, place.size) == ("ep-2", 1, 2)
+        assert not listed["rank-plain"].HasField("expert_parallel")
+        for link in links:
+            asyncio.run_coroutine_threadsafe(link.stop(), background_loop).result(10)
+    assert "expert-parallel group ep-2 rank 1/2" in (tmp_path / "router.log").read_text()

@@ -1,8 +1,20 @@
-"""The rank registry: registration, incarnations, heartbeats, down ranks and optimistic load."""
+"""The rank registry: registration, incarnations, heartbeats, down ranks, optimistic load and the expert-parallel
+group a rank reports."""
 
 from __future__ import annotations
 
-from router.rank_registry import RankHealth, RankIdentity, RankLoad, RankRegistry, RegisterOutcome
+import pytest
+
+from protos import router_pb2 as pb
+from router.rank_registry import (
+    ExpertParallelPlace,
+    RankHealth,
+    RankIdentity,
+    RankLoad,
+    RankRegistry,
+    RegisterOutcome,
+)
+from router.servicer import InvalidMessageError, expert_parallel_message, expert_parallel_place
 
 
 def identity(rank_id: str = "r0", incarnation: str = "i1", address: str = "127.0.0.1:1") -> RankIdentity:
@@ -86,3 +98,38 @@ def test_pending_warm_prefill_counts_in_the_warm_queue_only_when_routed_warm() -
     assert entry is not None and (entry.queued_prefill_tokens, entry.queued_warm_prefill_tokens) == (1950, 150)
     registry.heartbeat("r0", "i1", RankLoad(waiting_prefill_tokens=1400, waiting_warm_prefill_tokens=30), now=1)
     assert (entry.queued_prefill_tokens, entry.queued_warm_prefill_tokens) == (1400, 30)
+
+
+def test_the_group_a_rank_reports_is_kept_from_its_heartbeats() -> None:
+    registry = RankRegistry(rank_down_after_s=5)
+    place = ExpertParallelPlace("ep-2", 1, 2)
+    registry.register(identity("r3"), RankLoad(), now=0, expert_parallel=place)
+    entry = registry.get("r3")
+    assert entry is not None and entry.expert_parallel == place
+    assert registry.heartbeat("r3", "i1", RankLoad(running=1), now=1, expert_parallel=place)
+    assert entry.expert_parallel == place and entry.load.running == 1
+    # a rank known from Redis alone (the router restarted) learns its group from the next heartbeat
+    registry.restore(identity("r4"), now=0)
+    restored = registry.get("r4")
+    assert restored is not None and restored.expert_parallel is None
+    assert registry.heartbeat("r4", "i1", RankLoad(), now=1, expert_parallel=ExpertParallelPlace("ep-4", 0, 2))
+    assert restored.expert_parallel == ExpertParallelPlace("ep-4", 0, 2) and restored.healthy
+    # what the rank last said counts: a heartbeat without a group means none
+    assert registry.heartbeat("r3", "i1", RankLoad(), now=2)
+    assert entry.expert_parallel is None
+    assert not registry.heartbeat("r3", "stale", RankLoad(), now=3, expert_parallel=place), "another process"
+    assert entry.expert_parallel is None
+
+
+def test_the_wire_group_place() -> None:
+    place = pb.ExpertParallelPlace(group="ep-0", rank=1, size=2)
+    assert expert_parallel_place(place) == ExpertParallelPlace("ep-0", 1, 2)
+    assert expert_parallel_message(ExpertParallelPlace("ep-0", 1, 2)) == place
+    assert expert_parallel_place(pb.HeartbeatRequest().expert_parallel) is None  # unset: in no group
+    assert expert_parallel_place(pb.ExpertParallelPlace(rank=0, size=2)) is None  # no name: in no group
+    assert expert_parallel_message(None) is None
+    for bad in (pb.ExpertParallelPlace(group="ep-0", rank=2, size=2), pb.ExpertParallelPlace(group="ep-0", size=0)):
+        with pytest.raises(InvalidMessageError, match="0 <= rank < size"):
+            expert_parallel_place(bad)
+    with pytest.raises(InvalidMessageError, match="unprintable"):
+        expert_parallel_place(pb.ExpertParallelPlace(group="ep\n0", rank=0, size=1))

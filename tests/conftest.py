@@ -28,6 +28,7 @@ LONGEST_FILES_FIRST = (
     "tests/gateway/test_failures_e2e.py",
     "tests/rank_worker/test_expert_parallel_engine.py",
     "tests/e2e/test_rank_recovery_e2e.py",
+    "tests/e2e/test_expert_parallel_e2e.py",
     "tests/e2e/test_service_failures_e2e.py",
     "tests/e2e/test_routing_e2e.py",
     "tests/gateway/test_anthropic_e2e.py",

@@ -7,10 +7,10 @@ CPU. The group's rank 0 hosts the TCPStore the ranks meet at (expert_parallel_re
 
 A peer that dies or hangs must not leave the others waiting inside a collective forever. Each rank's watchdog
 thread bumps its own heartbeat counter in the store every `interval` and checks its peers': a counter that has
-not moved for `timeout` (SIGSTOP), or a store that no longer answers (rank 0 gone), breaks the group. So does a
-collective that raises (a peer's socket closed: SIGKILL). A broken group ends the process with
-EXIT_GROUP_BROKEN: its ranks are restarted together (the launcher; see contracts/expert_parallel.py) and the
-gateways continue the cut streams once it is back.
+not moved for `timeout` (SIGSTOP), or a store that no longer answers (rank 0 gone, or stopped: a second thread
+watches the watchdog's own store calls come back), breaks the group. So does a collective that raises (a peer's
+socket closed: SIGKILL). A broken group ends the process with EXIT_GROUP_BROKEN: its ranks are restarted together
+(the launcher; see contracts/expert_parallel.py) and the gateways continue the cut streams once it is back.
 """
 
 from __future__ import annotations
@@ -33,7 +33,9 @@ from rank_worker.expert_parallel.shard import ExpertShard
 log = logging.getLogger(__name__)
 
 HEARTBEAT_FRACTION = 0.2  # heartbeats every timeout * this (2 s at the default 10 s)
-WAKE_WAIT_S = 1.0  # an idle rank's wake thread blocks on the store this long per call (no spinning)
+# An idle rank's wake thread blocks on the store this long per call (no spinning; its own connection, so nothing
+# waits behind it). Long: torch logs two warnings for every wait that times out.
+WAKE_WAIT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -89,7 +91,9 @@ class ExpertGroup:
         # gloo beside NCCL for the host-side agreement; on the CPU the one gloo group serves both
         self.control_group = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else dist.group.WORLD
         self._beat = 0
+        self._answered_at = time.monotonic()  # when the watchdog's last round of store calls came back
         self._watchdog = threading.Thread(target=self._watch, name="ep-watchdog", daemon=True)
+        self._store_deadline = threading.Thread(target=self._watch_answers, name="ep-store-deadline", daemon=True)
 
     @classmethod
     def form(
@@ -121,7 +125,9 @@ class ExpertGroup:
         store.set(f"heartbeat/{settings.rank}", "0")  # before the barrier: the peers' watchdogs read it at once
         group = cls(settings, store, device, on_broken)
         group.barrier()
+        group._answered_at = time.monotonic()
         group._watchdog.start()
+        group._store_deadline.start()
         log.info(
             "expert-parallel group %s formed: rank %d of %d at %s in %.1f s (%s)",
             settings.name,
@@ -199,10 +205,14 @@ class ExpertGroup:
         log.error("expert-parallel group %s broken at rank %d: %s", self.name, self.rank, reason)
         self._on_broken(reason)
 
+    @property
+    def _interval(self) -> float:
+        return max(self.settings.timeout_s * HEARTBEAT_FRACTION, 0.05)
+
     def _watch(self) -> None:
         """Bump this rank's heartbeat, and break the group when a peer's has not moved for timeout_s."""
         timeout = self.settings.timeout_s
-        interval = max(timeout * HEARTBEAT_FRACTION, 0.05)
+        interval = self._interval
         keys = [f"heartbeat/{rank}" for rank in range(self.size) if rank != self.rank]
         last_value: dict[str, bytes] = {}
         last_change = {key: time.monotonic() for key in keys}
@@ -215,7 +225,7 @@ class ExpertGroup:
                 if not self._stop.is_set():
                     self.broken(f"the group's store at {self.settings.rendezvous} did not answer: {exc}")
                 return
-            now = time.monotonic()
+            now = self._answered_at = time.monotonic()
             for key, value in zip(keys, values, strict=True):
                 if value != last_value.get(key):
                     last_value[key] = value
@@ -225,6 +235,20 @@ class ExpertGroup:
                     self.broken(f"rank {peer} has not answered for {now - last_change[key]:.1f} s (dead or hung)")
                     return
 
+    def _watch_answers(self) -> None:
+        """Break the group when the watchdog's store calls stop coming back. The store's host (rank 0) stopped
+        (SIGSTOP) answers nothing, and TCPStore, its wait timed out, cancels it and then waits for the cancel's answer
+        without a limit: the watchdog would block for good, its peers' heartbeats unread."""
+        timeout = self.settings.timeout_s
+        while not self._stop.wait(self._interval):
+            silent = time.monotonic() - self._answered_at
+            if silent > timeout:
+                self.broken(
+                    f"the group's store at {self.settings.rendezvous} has not answered for {silent:.1f} s "
+                    "(rank 0 dead or hung)"
+                )
+                return
+
     def stop_watching(self) -> None:
         """A clean stop has begun (the whole group stops): a peer going away from now on is no failure."""
         self._stop.set()
@@ -232,8 +256,9 @@ class ExpertGroup:
     def close(self) -> None:
         """Leave the group (a clean stop of the whole group: its peers stop too)."""
         self._stop.set()
-        if self._watchdog.is_alive():
-            self._watchdog.join(timeout=2 * self.settings.timeout_s)
+        for thread in (self._watchdog, self._store_deadline):
+            if thread.is_alive():
+                thread.join(timeout=2 * self.settings.timeout_s)
         if dist.is_initialized():
             try:
                 dist.destroy_process_group()

@@ -96,10 +96,10 @@ class Lockstep:
                 self._wake()
             with self._cond:  # the key stays set: wait for the next idle period before waiting on the store again
                 while self._epoch == epoch and not self._stopped.is_set():
-                    self._cond.wait(WAKE_WAIT_S)
+                    self._cond.wait()
 
     def close(self) -> None:
         self._stopped.set()
         with self._cond:
             self._cond.notify_all()
-        self._waker.join(timeout=2 * WAKE_WAIT_S)
+        # not joined: it may be inside a store wait of its own (up to WAKE_WAIT_S); a daemon, it ends with the process

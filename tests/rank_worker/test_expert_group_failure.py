@@ -45,18 +45,20 @@ def _member(rank: int, port: int, events: Any, in_collective: bool) -> None:
 
 
 def _start(in_collective: bool) -> tuple[Any, list[Any], dict[int, int]]:
+    """Rank 0's events (a queue of its own: a queue's write lock is shared by its writers, and a writer stopped
+    holding it would hold up the other's reports), the processes, and their pids."""
     context = multiprocessing.get_context("spawn")
-    events = context.Queue()
+    queues = [context.Queue() for _ in range(2)]
     port = free_port()
-    procs = [context.Process(target=_member, args=(rank, port, events, in_collective)) for rank in range(2)]
+    procs = [context.Process(target=_member, args=(rank, port, queues[rank], in_collective)) for rank in range(2)]
     for proc in procs:
         proc.start()
     pids: dict[int, int] = {}
-    while len(pids) < 2:
-        kind, rank, pid, _ = events.get(timeout=120)
-        assert kind == "formed", (kind, rank, pid)
+    for rank, queue in enumerate(queues):
+        kind, got, pid, _ = queue.get(timeout=120)
+        assert (kind, got) == ("formed", rank), (kind, got, pid)
         pids[rank] = pid
-    return events, procs, pids
+    return queues[0], procs, pids
 
 
 def _stop_all(procs: list[Any]) -> None:

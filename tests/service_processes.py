@@ -139,6 +139,16 @@ def free_port() -> int:
     return PORT_CLAIMS.take()
 
 
+# A whole stack on any free ports: `kvserve up` picks them and reports them in its state dir's services.json.
+ANY_PORTS = {
+    "KVSERVE_REDIS_URL": "redis://127.0.0.1:0/0",
+    "KVSERVE_KVSTORE_PORT": "0",
+    "KVSERVE_ROUTER_PORT": "0",
+    "KVSERVE_RANK_WORKER_PORT": "0",
+    "KVSERVE_GATEWAY_PORT": "0",
+}
+
+
 def service_env(**settings: str) -> dict[str, str]:
     """The environment minus any KVSERVE_* of the caller, plus the test secrets and `settings`; torch threads
     split between xdist workers as tests/conftest.py does in-process."""

@@ -156,15 +156,9 @@ class ModelRunner:
         if self.lockstep is not None:
             return self._launch_in_group(batch, carried, decode_only)
         if self.decode_graphs is not None and decode_only:
-            seqs = [seq for seq, _ in batch.entries]
-            logits = self.decode_graphs.run(seqs, self.gpu_timer, carried)
-            if logits is not None:
-                span = self.gpu_timer.last_span()
-                # A one-token prefill chunk short of the prompt's end is computed but not sampled.
-                rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
-                if len(rows) < len(seqs):
-                    logits = logits[rows]
-                return self._sampled(logits, [seqs[i] for i in rows], span)
+            replayed = self._replayed(batch, carried)
+            if replayed is not None:
+                return replayed
         forward, sampling_seqs = self.inputs.build(batch.entries, carried)
         self.gpu_timer.start()
         logits = self.model(forward, self.kv_cache)
@@ -177,18 +171,30 @@ class ModelRunner:
         assert self.lockstep is not None
         step = self.lockstep.agree(batch.num_tokens, decode_only and self.decode_graphs is not None, busy=True)
         if self.decode_graphs is not None and step.all_decode:
-            seqs = [seq for seq, _ in batch.entries]
-            logits = self._in_group(lambda: self.decode_graphs.run(seqs, self.gpu_timer, carried, rows=step.tokens))
-            if logits is not None:
-                span = self.gpu_timer.last_span()
-                rows = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
-                if len(rows) < len(seqs):
-                    logits = logits[rows]
-                return self._sampled(logits, [seqs[i] for i in rows], span)
+            replayed = self._in_group(lambda: self._replayed(batch, carried, rows=step.tokens))
+            if replayed is not None:
+                return replayed
         forward, sampling_seqs = self.inputs.build(batch.entries, carried)
         self.gpu_timer.start()
         logits = self._eager_in_group(forward, step)
         return self._sampled(logits, sampling_seqs, self.gpu_timer.stop())
+
+    def _replayed(
+        self, batch: ScheduledBatch, carried: CarriedTokens | None, rows: int | None = None
+    ) -> LaunchedStep | None:
+        """A decode-only step replayed from its bucket's graph (rows: DecodeGraphs.run's), or None where no graph
+        fits (the caller runs it eagerly)."""
+        assert self.decode_graphs is not None
+        seqs = [seq for seq, _ in batch.entries]
+        logits = self.decode_graphs.run(seqs, self.gpu_timer, carried, rows=rows)
+        if logits is None:
+            return None
+        span = self.gpu_timer.last_span()
+        # A one-token prefill chunk short of the prompt's end is computed but not sampled.
+        sampled = [i for i, seq in enumerate(seqs) if seq.num_computed_tokens + 1 == seq.num_tokens]
+        if len(sampled) < len(seqs):
+            logits = logits[sampled]
+        return self._sampled(logits, [seqs[i] for i in sampled], span)
 
     @torch.inference_mode()
     def launch_empty(self, busy: bool) -> None:

@@ -30,7 +30,7 @@ import anthropic
 import grpc
 import openai
 import pytest
-from service_processes import gateway_stack, request_log_line, running_process, service_env
+from service_processes import ANY_PORTS, gateway_stack, request_log_line, running_process, service_env
 
 from contracts import internal_auth
 from contracts.expert_parallel import EXIT_GROUP_BROKEN
@@ -51,13 +51,6 @@ STREAMS = 4  # two sessions on each rank (the router balances new sessions by lo
 MAX_TOKENS = 64
 STARTED_TOKENS = 4  # every stream has this many deltas when the rank fails: all are mid-stream
 GREEDY = {"temperature": 0, "ignore_eos": True}  # ignore_eos: always MAX_TOKENS tokens, time enough to fail a rank
-ANY_PORTS = {
-    "KVSERVE_REDIS_URL": "redis://127.0.0.1:0/0",
-    "KVSERVE_KVSTORE_PORT": "0",
-    "KVSERVE_ROUTER_PORT": "0",
-    "KVSERVE_RANK_WORKER_PORT": "0",
-    "KVSERVE_GATEWAY_PORT": "0",
-}
 # Both stacks serve the checkpoint alike: float32, a small pool and token budget (a prompt and its continuation
 # are prefilled in more than one chunk).
 MODEL_SETTINGS = {"dtype": "float32", "num_kv_blocks": 64, "max_model_len": 512, "max_num_batched_tokens": 32}

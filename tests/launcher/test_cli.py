@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_processes import free_port, running_process, service_env
+from service_processes import ANY_PORTS, free_port, running_process, service_env
 from tokenizers import Tokenizer
 
 from contracts import internal_auth
@@ -34,15 +34,7 @@ from protos import router_pb2, router_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ["redis", "kvstore", "router", "rank-worker-0", "rank-worker-1", "gateway"]
-# Every port 0: the launcher picks free ones and reports them in services.json.
 REQUEST_TIMEOUT_SECS = 900  # the config file's: what the printed Claude Code timeouts must follow
-ANY_PORTS = {
-    "KVSERVE_REDIS_URL": "redis://127.0.0.1:0/0",
-    "KVSERVE_KVSTORE_PORT": "0",
-    "KVSERVE_ROUTER_PORT": "0",
-    "KVSERVE_RANK_WORKER_PORT": "0",
-    "KVSERVE_GATEWAY_PORT": "0",
-}
 
 
 def kvserve(*args: str, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -48,7 +48,7 @@ STALL_S = 2.0  # the gateway's rank_stall_secs
 GROUP_TIMEOUT_S = 3.0  # expert_parallel_timeout_secs: a peer silent this long is hung
 RECOVERY_WAIT_S = 120.0  # rank_recovery_wait_secs: far past a group restart on 2 loaded cores
 STREAMS = 4  # two sessions on each rank (the router balances new sessions by load)
-MAX_TOKENS = 64
+MAX_TOKENS = 160  # long beside the client's lag: a rank must not finish a stream before it fails
 STARTED_TOKENS = 4  # every stream has this many deltas when the rank fails: all are mid-stream
 GREEDY = {"temperature": 0, "ignore_eos": True}  # ignore_eos: always MAX_TOKENS tokens, time enough to fail a rank
 # Both stacks serve the checkpoint alike: float32, a small pool and token budget (a prompt and its continuation

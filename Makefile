@@ -1,4 +1,5 @@
-# Development entry points: `make up` runs the local stack, `make test` is what CI runs (.ci/run).
+# Development entry points: `make up` runs the local stack, `make test` and `make test-compose` are what CI runs
+# (.ci/run).
 # `make up RANKS=2` starts two rank workers (one GPU each where there are GPUs).
 
 VENV := .venv
@@ -30,7 +31,10 @@ CLAUDE_CODE_OLDER_VERSION ?= 2.1.197
 CLAUDE_CODE_DIR := .claude-code
 RANKS ?= 1
 
-.PHONY: setup up test test-kernels lint format protos check-protos clean
+# test-compose: a Docker daemon of its own (as root) with its data root (the images, their build cache) in here.
+COMPOSE_DIR ?= build/compose
+
+.PHONY: setup up test test-kernels test-compose lint format protos check-protos clean
 
 setup: $(STAMP)
 
@@ -82,6 +86,12 @@ test: setup
 test-kernels: setup
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -n auto -q -m "$(KERNEL_MARKS)" $(KERNEL_TESTS)
 
+# The CPU node's compose stack under Docker (tests/compose/run; as root): installs docker.io, debootstrap and the
+# Compose plugin where missing, starts its own dockerd, builds the images with nothing pulled, `docker compose up`
+# with one rank, requests, restarts, kills, `docker compose down -v`, then stops the daemon.
+test-compose: setup
+	tests/compose/run $(COMPOSE_DIR)
+
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
@@ -102,4 +112,4 @@ check-protos: setup
 	echo "protos: generated code matches the .proto files"
 
 clean:
-	rm -rf $(VENV) $(CLAUDE_CODE_DIR) .pytest_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) $(CLAUDE_CODE_DIR) .pytest_cache .ruff_cache build *.egg-info docker/pip/wheels

@@ -51,9 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--state-dir", default=".kvserve/run", help="logs, redis data, services.json")
 
     compose = commands.add_parser("compose", help="render docker-compose.yml from the stack's topology")
-    compose.add_argument("--ranks", type=int, default=4, help="rank workers, one GPU each (default: 4)")
+    compose.add_argument("--ranks", type=int, help="rank workers, one GPU each (default: 4; --cpu: 1)")
     _add_expert_parallel(compose)
-    compose.add_argument("--config", default="config/compose.yaml", help="the config file mounted in containers")
+    compose.add_argument(
+        "--cpu",
+        action="store_true",
+        help="a CPU node's compose file: no GPU reservation, the CPU image (Dockerfile build arguments), a memory "
+        "limit per service, config/compose-cpu.yaml",
+    )
+    compose.add_argument(
+        "--config", help="the config file mounted in containers (default: config/compose.yaml; --cpu: compose-cpu.yaml)"
+    )
     compose.add_argument("--output", "-o", default="docker-compose.yml", help="file to write, or - for stdout")
 
     # Their own flags (and --help) are parsed by the tools themselves.
@@ -93,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
         if action == "revoke":
             sub.add_argument("key", help="the key's id (as `kvserve keys list` shows it), or its name if unique")
 
+    preflight = commands.add_parser(
+        "preflight",
+        help="before `docker compose up`: GPUs the file reserves that this host lacks, missing or open secret files, "
+        "published ports in use",
+    )
+    preflight.add_argument("--file", "-f", default="docker-compose.yml", help="the compose file (default: %(default)s)")
+
     secret = commands.add_parser("secret", help="make the internal plane's secret files (for compose)")
     secret_create = secret.add_subparsers(dest="secret_command", required=True, metavar="ACTION").add_parser(
         "create", help="write a new random secret (mode 0600) unless the file exists"
@@ -127,6 +142,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "complete":
         return _complete(args)
+    if args.command == "compose":
+        args.ranks = args.ranks if args.ranks is not None else (1 if args.cpu else 4)
+        args.config = args.config or ("config/compose-cpu.yaml" if args.cpu else "config/compose.yaml")
     if args.command in ("up", "compose") and args.ranks < 1:
         build_parser().error("--ranks must be at least 1")
     if args.command in ("up", "compose") and args.expert_parallel is not None:
@@ -154,11 +172,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.keys_command == "create":
             return create_command(path, args.name, args.models, args.metrics)
         return revoke_command(path, args.key) if args.keys_command == "revoke" else list_command(path)
+    if args.command == "preflight":
+        return _preflight(Path(args.file))
     if args.command == "secret":
         from launcher.stack_secrets import create_command as create_secret_command
 
         return create_secret_command(Path(args.file))
     raise AssertionError(args.command)
+
+
+def _preflight(compose_file: Path) -> int:
+    from launcher.preflight import check, host_gpus
+
+    if not compose_file.is_file():
+        print(f"error: {compose_file} does not exist: render it with `kvserve compose` (or --cpu)", file=sys.stderr)
+        return 1
+    problems = check(compose_file, host_gpus())
+    for problem in problems:
+        print(f"error: {problem}", file=sys.stderr)
+    if problems:
+        print(f"{compose_file}: {len(problems)} problem(s) to fix before `docker compose up`", file=sys.stderr)
+        return 1
+    print(f"{compose_file}: ready for `docker compose up`", file=sys.stderr)
+    return 0
 
 
 def _bench(rest: list[str]) -> int:
@@ -176,7 +212,7 @@ def _compose(args: argparse.Namespace) -> int:
 
     output = Path("docker-compose.yml" if args.output == "-" else args.output)
     try:
-        text = render_compose(args.ranks, Path(args.config), output, args.expert_parallel)
+        text = render_compose(args.ranks, Path(args.config), output, args.expert_parallel, args.cpu)
     except (FileNotFoundError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -185,7 +221,9 @@ def _compose(args: argparse.Namespace) -> int:
     else:
         output.write_text(text)
         groups = f" in expert-parallel groups of {args.expert_parallel}" if (args.expert_parallel or 1) > 1 else ""
-        print(f"wrote {output} ({args.ranks} rank workers{groups}, config {args.config})", file=sys.stderr)
+        node = "on a CPU node" if args.cpu else "a GPU each"
+        workers = f"{args.ranks} rank worker{'s' if args.ranks != 1 else ''}"
+        print(f"wrote {output} ({workers}, {node}{groups}, config {args.config})", file=sys.stderr)
     return 0
 
 

@@ -1,14 +1,18 @@
 """`kvserve compose`: docker-compose.yml rendered from the same topology `kvserve up` starts (compose mode).
 
-What compose adds to the specs: the image, the mounted config file, the shared L1 arena volume, GPU
-reservations, networks, healthchecks in compose's syntax, and the secrets: the internal plane's shared secret
-(every kvserve service), Redis's password (Redis and the router) and the gateway's API keys.
+What compose adds to the specs: the images and how to build them, the mounted config file, the shared L1 arena
+volume, GPU reservations, networks, healthchecks in compose's syntax, and the secrets: the internal plane's
+shared secret (every kvserve service), Redis's password (Redis and the router) and the gateway's API keys.
+
+Two forms: a GPU node's (the default; rank i reserves GPU i) and a CPU node's (`--cpu`: no GPU, the CPU image's
+build arguments, a memory limit on every service), what `make test-compose` runs under Docker.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import posixpath
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -27,12 +31,28 @@ from launcher.topology import (
     StackPlan,
     build_topology,
     compose_secret_path,
+    cpu_kv_cache_gb,
 )
 
 DEFAULT_CONFIG = Path("config/compose.yaml")
 DEFAULT_OUTPUT = Path("docker-compose.yml")
 IMAGE = "kvserve:latest"
-REDIS_IMAGE = "redis:7.2-bookworm"
+CPU_IMAGE = "kvserve:cpu"
+# Built from Debian's redis-server by docker/redis/Dockerfile (no registry image), FROM the Debian base image
+# docker/base.sh builds.
+REDIS_IMAGE = "kvserve-redis:latest"
+REDIS_DOCKERFILE_DIR = "docker/redis"
+CHECKOUT = Path(__file__).resolve().parents[1]  # the build context: where the Dockerfile and docker/ are
+# The CPU image: the Debian base of docker/base.sh, CPU torch, no GPU extra or FlashInfer kernels (Dockerfile).
+CPU_BUILD_ARGS = {
+    "BASE_IMAGE": "kvserve-base:bookworm",
+    "KVSERVE_EXTRA": "",
+    "TORCH_INDEX_URL": "https://download.pytorch.org/whl/cpu",
+    "FLASHINFER_JIT_CACHE_INDEX": "",
+}
+# A CPU node's memory limits (MiB) beyond the KV pool and the L1 arena, from what the embedded model's services
+# used under `make test-compose` (docker stats, 2026-12-05), with room to spare.
+CPU_MEMORY_MIB = {"redis": 256, "kvstore": 512, "router": 256, "rank-worker": 2048, "gateway": 512}
 INTERNAL_NETWORK = "internal"
 EDGE_NETWORK = "edge"
 ARENA_VOLUME = "l1-arena"
@@ -57,6 +77,16 @@ HEADER = """\
 # Redis's password: `kvserve secret create --file kvserve-internal-secret` and
 # `kvserve secret create --file kvserve-redis-password` (mode 0600, readable by uid 1000, the containers'
 # user); put models under ./models.
+{images}"""
+
+GPU_IMAGES = """\
+# Images: docker/base.sh builds kvserve-base:bookworm from Debian's packages (Redis's image builds FROM it, so no
+# registry image is named but the Dockerfile's CUDA base); `docker compose build` builds the two images.
+"""
+
+CPU_IMAGES = """\
+# Images, nothing pulled: docker/base.sh builds kvserve-base:bookworm from Debian's packages (the base of both);
+# where a build reaches no index, docker/wheelhouse.sh fills docker/pip/wheels first; then `docker compose build`.
 """
 
 SECTION_COMMENTS = {
@@ -91,6 +121,13 @@ EXPERT_PARALLEL_COMMENT = (
 )
 
 
+CPU_SERVICES_COMMENT = (
+    "# One container per service, all from the same image except Redis: a CPU node's (no GPU; the image built\n"
+    "# FROM the Debian base of docker/base.sh with CPU torch, see the Dockerfile). Every service has a memory\n"
+    "# limit: a rank's holds the model, its KV pool and the L1 pages it touches; the kvstore's, the arena.\n"
+)
+
+
 class _Dumper(yaml.SafeDumper):
     def ignore_aliases(self, data: Any) -> bool:
         return True  # a compose file reads better without &id001 anchors
@@ -120,14 +157,20 @@ def compose_config(config_file: Path) -> KvServeConfig:
         return load_config(config_file)
 
 
-def compose_topology(config: KvServeConfig, ranks: int, expert_parallel: int | None = None) -> list[ServiceSpec]:
-    return build_topology(config, ranks, StackPlan(mode="compose"), expert_parallel)
+def compose_topology(
+    config: KvServeConfig, ranks: int, expert_parallel: int | None = None, cpu: bool = False
+) -> list[ServiceSpec]:
+    return build_topology(config, ranks, StackPlan(mode="compose", compose_gpus=not cpu), expert_parallel)
 
 
-def compose_document(specs: Sequence[ServiceSpec], config: KvServeConfig, config_source: str) -> dict[str, Any]:
-    """The docker-compose document (as plain data) for the specs; config_source is the config file's path
-    relative to the compose file."""
-    services = {spec.name: _service(spec, config_source) for spec in specs}
+def compose_document(
+    specs: Sequence[ServiceSpec], config: KvServeConfig, config_source: str, context: str = ".", cpu: bool = False
+) -> dict[str, Any]:
+    """The docker-compose document (as plain data) for the specs; config_source is the config file's path and
+    context the checkout's (the build context), both relative to the compose file; cpu: a CPU node's form."""
+    ranks = sum(spec.role == "rank-worker" for spec in specs)
+    limits = {spec.name: _cpu_memory_limit(spec, config, ranks) for spec in specs} if cpu else {}
+    services = {spec.name: _service(spec, config_source, context, cpu, limits.get(spec.name)) for spec in specs}
     arena_gb = math.ceil(config.l1_host_gb) + ARENA_SLACK_GB
     return {
         "name": "kvserve",
@@ -149,13 +192,28 @@ def _compose_text(word: str) -> str:
     return word.replace("$", "$$")
 
 
-def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
+def _cpu_memory_limit(spec: ServiceSpec, config: KvServeConfig, ranks: int) -> str:
+    """A CPU node's memory limit for the service: its own need, plus the KV pool for a rank, plus the L1 arena for
+    the kvstore and the ranks (tmpfs pages count against the container that first touches them)."""
+    mib = CPU_MEMORY_MIB[spec.role]
+    if spec.role == "rank-worker":
+        kv_gb = config.kv_cache_memory_gb if ranks == 1 else cpu_kv_cache_gb(config, ranks)
+        mib += math.ceil(kv_gb * 1024)
+    if spec.uses_arena:
+        mib += math.ceil(config.l1_host_gb * 1024)
+    return f"{mib}m"
+
+
+def _service(
+    spec: ServiceSpec, config_source: str, context: str, cpu: bool, memory_limit: str | None
+) -> dict[str, Any]:
     service: dict[str, Any] = {}
     if spec.role == "redis":
         service["image"] = REDIS_IMAGE
+        service["build"] = {"context": posixpath.join(context, REDIS_DOCKERFILE_DIR)}
     else:
-        service["image"] = IMAGE
-        service["build"] = {"context": ".", "dockerfile": "Dockerfile"}
+        service["image"] = CPU_IMAGE if cpu else IMAGE
+        service["build"] = {"context": context, "dockerfile": "Dockerfile"} | ({"args": CPU_BUILD_ARGS} if cpu else {})
     if spec.entrypoint:
         service["entrypoint"] = _Inline([_compose_text(word) for word in spec.entrypoint])
     service["command"] = _Inline([_compose_text(word) for word in spec.argv])
@@ -180,6 +238,8 @@ def _service(spec: ServiceSpec, config_source: str) -> dict[str, Any]:
     if spec.gpu is not None:
         device = {"driver": "nvidia", "device_ids": _Inline([spec.gpu]), "capabilities": _Inline(["gpu"])}
         service["deploy"] = {"resources": {"reservations": {"devices": [device]}}}
+    if memory_limit is not None:
+        service["deploy"] = {"resources": {"limits": {"memory": memory_limit}}}
     service["healthcheck"] = _healthcheck(spec)
     if spec.depends_on:
         service["depends_on"] = {name: {"condition": "service_healthy"} for name in spec.depends_on}
@@ -200,22 +260,37 @@ def _healthcheck(spec: ServiceSpec) -> dict[str, Any]:
     return {"test": _Inline(test), "interval": "10s", "timeout": "5s", "retries": 3, "start_period": start_period}
 
 
+def _relative(path: Path, output: Path) -> str:
+    """path as the compose file at output names it: relative to the file's folder, starting with . (compose
+    reads a bare name as a volume)."""
+    relative = Path(os.path.relpath(path.resolve(), output.resolve().parent)).as_posix()
+    return relative if relative.startswith(".") else f"./{relative}"
+
+
 def render_compose(
-    ranks: int, config_file: Path = DEFAULT_CONFIG, output: Path = DEFAULT_OUTPUT, expert_parallel: int | None = None
+    ranks: int,
+    config_file: Path = DEFAULT_CONFIG,
+    output: Path = DEFAULT_OUTPUT,
+    expert_parallel: int | None = None,
+    cpu: bool = False,
 ) -> str:
-    """The docker-compose.yml text for `ranks` rank workers (one GPU each), configured by config_file, in
-    expert-parallel groups of `expert_parallel` ranks (default: the config's expert_parallel_size)."""
+    """The docker-compose.yml text for `ranks` rank workers (one GPU each; cpu: a CPU node, none), configured by
+    config_file, in expert-parallel groups of `expert_parallel` ranks (default: the config's
+    expert_parallel_size)."""
     config = compose_config(config_file)
-    source = Path(os.path.relpath(config_file.resolve(), output.resolve().parent)).as_posix()
-    source = source if source.startswith(".") else f"./{source}"  # compose reads a bare name as a volume
-    specs = compose_topology(config, ranks, expert_parallel)
-    document = compose_document(specs, config, source)
+    source = _relative(config_file, output)
+    specs = compose_topology(config, ranks, expert_parallel, cpu)
+    document = compose_document(specs, config, source, _relative(CHECKOUT, output), cpu)
     text = yaml.dump(document, Dumper=_Dumper, sort_keys=False, width=1000, default_flow_style=False)
     comments = dict(SECTION_COMMENTS)
+    if cpu:
+        comments["services"] = CPU_SERVICES_COMMENT
     group_size = config.expert_parallel_size if expert_parallel is None else expert_parallel
     if group_size > 1:
         comments["services"] += EXPERT_PARALLEL_COMMENT.format(size=group_size, port=COMPOSE_RENDEZVOUS_PORT)
     for section, comment in comments.items():
         text = text.replace(f"\n{section}:\n", f"\n{comment}{section}:\n", 1)
-    flags = f"--ranks {ranks}" + (f" --expert-parallel {group_size}" if group_size != 1 else "")
-    return HEADER.format(flags=flags, config=source.removeprefix("./")) + text
+    flags = ("--cpu " if cpu else "") + f"--ranks {ranks}"
+    flags += f" --expert-parallel {group_size}" if group_size != 1 else ""
+    images = CPU_IMAGES if cpu else GPU_IMAGES
+    return HEADER.format(flags=flags, config=source.removeprefix("./"), images=images) + text

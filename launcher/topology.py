@@ -78,6 +78,7 @@ class StackPlan:
     python: str = "python"
     state_dir: Path = Path(".kvserve/run")
     gpu_ids: Sequence[str] = ()  # local: the GPUs to pin ranks to, one each; empty = CPU
+    compose_gpus: bool = True  # compose: rank i reserves GPU i (a GPU node); False = a CPU node, no GPU
     rank_startup_s: float = RANK_STARTUP_S
 
 
@@ -177,7 +178,10 @@ def build_topology(
             f"{ranks} rank workers do not split into expert-parallel groups of {group_size}: the group size must "
             f"divide the number of ranks (--ranks {ranks} --expert-parallel {group_size})"
         )
-    gpu_ids = tuple(str(rank) for rank in range(ranks)) if plan.mode == "compose" else tuple(plan.gpu_ids)
+    if plan.mode == "compose":
+        gpu_ids = tuple(str(rank) for rank in range(ranks)) if plan.compose_gpus else ()
+    else:
+        gpu_ids = tuple(plan.gpu_ids)
     if gpu_ids and len(gpu_ids) < ranks:
         raise ValueError(f"{ranks} rank workers need {ranks} GPUs, one each; {len(gpu_ids)} visible: {list(gpu_ids)}")
     stack = _Stack(config, plan, ranks, gpu_ids, group_size, _configured_ports(config, ranks))
@@ -238,7 +242,7 @@ def _kvstore(stack: _Stack) -> ServiceSpec:
     config = stack.config
     host, port = stack.internal_host, stack.port(config.kvstore_port)
     environment = stack.environment()
-    if not stack.compose and not stack.gpu_ids and config.num_kv_blocks is None:
+    if not stack.gpu_ids and config.num_kv_blocks is None:
         # The kvstore sizes its arena from the RAM available when it starts, before the ranks exist: on the
         # CPU their KV pools (kv_cache_memory_gb in all) come out of the same RAM, so it must leave that too.
         environment["KVSERVE_L1_HEADROOM_GB"] = f"{config.l1_headroom_gb + config.kv_cache_memory_gb:g}"

@@ -34,7 +34,7 @@ RANKS ?= 1
 # test-compose: a Docker daemon of its own (as root) with its data root (the images, their build cache) in here.
 COMPOSE_DIR ?= build/compose
 
-.PHONY: setup up test test-kernels test-compose lint format protos check-protos clean
+.PHONY: setup up test test-kernels test-compose lint format protos check-protos config-doc clean
 
 setup: $(STAMP)
 
@@ -110,6 +110,11 @@ check-protos: setup
 		$(PROTOS) && \
 	diff -r --exclude=__init__.py --exclude='*.proto' --exclude=__pycache__ "$$tmp/protos" protos && \
 	echo "protos: generated code matches the .proto files"
+
+# docs/configuration.md's reference, rendered from contracts/config.py (tests/contracts/test_config_doc.py fails when
+# it is stale); the hand-written preface above its marker is kept.
+config-doc: setup
+	$(BIN)/python -m contracts.config_doc --write docs/configuration.md
 
 clean:
 	rm -rf $(VENV) $(CLAUDE_CODE_DIR) .pytest_cache .ruff_cache build *.egg-info docker/pip/wheels

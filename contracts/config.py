@@ -23,10 +23,21 @@ class KvServeConfig(BaseSettings):
     # --- model ---
     model: str = Field("", description="HF directory, .gguf file or config.json (dummy); empty = embedded SmolLM2")
     served_model_name: str = Field("", description="name clients use; empty = derived from the model")
-    load_format: Literal["auto", "hf", "gguf", "dummy"] = "auto"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    seed: int = 0
+    load_format: Literal["auto", "hf", "gguf", "dummy"] = Field(
+        "auto",
+        description="how model is read: auto (a directory: hf, a .gguf file: gguf, a .json file: dummy), hf "
+        "(safetensors directory), gguf, dummy (random weights in a config.json's shape)",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="the model's dtype; auto = bfloat16 on CUDA, float32 on the CPU"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto = CUDA where torch sees a GPU, else the CPU; cuda without a GPU is an error"
+    )
+    seed: int = Field(
+        0,
+        description="random weights' seed (load_format dummy); part of the weights digest in the block-hash namespace",
+    )
     random_weights: Literal["normal", "uniform"] = Field(
         "normal",
         description="load_format dummy's draw: normal(0, 0.02) with norms 1, or uniform(-1e-3, 1e-3) for every "
@@ -36,13 +47,29 @@ class KvServeConfig(BaseSettings):
     allow_long_context: bool = Field(False, description="allow max_model_len beyond the trained window")
 
     # --- engine ---
-    block_size: int = Field(16, gt=0)
-    max_num_seqs: int = Field(64, gt=0)
-    max_num_batched_tokens: int = Field(4096, gt=0)
-    gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
+    block_size: int = Field(
+        16, gt=0, description="tokens per KV block: the unit of the pool, the prefix cache, block hashes and L1 copies"
+    )
+    max_num_seqs: int = Field(
+        64, gt=0, description="sequences a rank runs at once; decode graphs are recorded for batch sizes up to it"
+    )
+    max_num_batched_tokens: int = Field(
+        4096, gt=0, description="tokens one engine step takes at most (a prefill chunk's size); at least 16"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="share of the GPU's memory a rank may use: the KV pool gets what the weights, the longest "
+        "step's activation peak and the decode graphs leave; ranks sharing a GPU (kvserve up --gpus 0,0) split it",
+    )
     kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
     num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
-    prefix_cache: bool = True
+    prefix_cache: bool = Field(
+        True,
+        description="L0: finished prompts keep their KV blocks on the GPU (LRU) for later requests; false: every "
+        "request prefills its whole prompt, and L1 is off too",
+    )
     cuda_graphs: bool = Field(
         True, description="replay decode steps from CUDA graphs, one per batch-size bucket, recorded at start-up"
     )
@@ -67,9 +94,19 @@ class KvServeConfig(BaseSettings):
         "a bf16 pool's bytes per token, so twice the tokens; read by the sdpa path and the Triton kernels "
         "(attention_backend auto takes those on CUDA), not by fa4 or FlashInfer",
     )
-    l1_cache: bool = True
-    l1_host_gb: float = Field(32.0, ge=0.0)
-    request_timeout_secs: float = Field(600.0, gt=0.0)
+    l1_cache: bool = Field(True, description="use the kvstore's L1 host cache; false: L0 only")
+    l1_host_gb: float = Field(
+        32.0,
+        ge=0.0,
+        description="the L1 arena's size, lowered to MemAvailable minus l1_headroom_gb and to the free space of "
+        "l1_arena_dir (the kvstore logs why); 0 = no L1",
+    )
+    request_timeout_secs: float = Field(
+        600.0,
+        gt=0.0,
+        description="a request's deadline at the rank; past it the request ends alone (500 / event: error), not "
+        "retried elsewhere",
+    )
 
     max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
     scheduling_policy: Literal["fifo", "warm_first"] = Field(
@@ -154,18 +191,20 @@ class KvServeConfig(BaseSettings):
         "(refreshed there, or copied if L1 lost them), so L1 keeps what L0 lets go; unset: twice the blocks the "
         "longest step takes (at least 1024); 0: write-through only",
     )
-    kvstore_host: str = "127.0.0.1"
-    kvstore_port: int = Field(50141, ge=0, le=65535)
+    kvstore_host: str = Field("127.0.0.1", description="where the kvstore listens")
+    kvstore_port: int = Field(50141, ge=0, le=65535, description="0: kvserve up picks a free port")
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")
 
     # --- router ---
-    router_host: str = "127.0.0.1"
-    router_port: int = Field(50140, ge=0, le=65535)
+    router_host: str = Field("127.0.0.1", description="where the router listens")
+    router_port: int = Field(50140, ge=0, le=65535, description="0: kvserve up picks a free port")
     router: str = Field("", description="host:port of the router; empty = static rank list (rank_workers)")
     redis_url: str = Field("redis://127.0.0.1:6379/0", description="the router's durable state")
     redis_password_file: str = Field("", description="file holding Redis's password (requirepass); empty = none")
     session_ttl_secs: float = Field(3600.0, gt=0.0, description="a session forgets its rank after this idle time")
-    heartbeat_interval_secs: float = Field(1.0, gt=0.0)
+    heartbeat_interval_secs: float = Field(
+        1.0, gt=0.0, description="how often each rank reports its load to the router"
+    )
     rank_down_after_secs: float = Field(
         3.0, gt=0.0, description="no heartbeat for this long (3 missed at the default interval): the rank is down"
     )
@@ -183,8 +222,13 @@ class KvServeConfig(BaseSettings):
     )
 
     # --- rank worker ---
-    rank_worker_host: str = "127.0.0.1"
-    rank_worker_port: int = Field(50151, ge=0, le=65535)
+    rank_worker_host: str = Field("127.0.0.1", description="where a rank worker listens")
+    rank_worker_port: int = Field(
+        50151,
+        ge=0,
+        le=65535,
+        description="the first rank's port; kvserve up gives the others the next ones (0: free ports)",
+    )
     rank_id: str = Field("", description="this rank's name; empty = rank-<port>")
     rank_advertise_address: str = Field("", description="host:port others use to reach this rank; empty = host:port")
     rank_max_step_secs: float = Field(
@@ -224,11 +268,15 @@ class KvServeConfig(BaseSettings):
     )
 
     # --- gateway ---
-    gateway_host: str = "127.0.0.1"
-    gateway_port: int = Field(8080, ge=0, le=65535)
+    gateway_host: str = Field(
+        "127.0.0.1", description="where the gateway listens; beyond loopback only with api_keys_file"
+    )
+    gateway_port: int = Field(8080, ge=0, le=65535, description="0: kvserve up picks a free port")
     deployment_slug: str = Field("", description="another accepted model name, e.g. the deployment's name")
     api_keys_file: str = Field("", description="hashed API keys; empty = no auth, allowed on loopback only")
-    max_request_bytes: int = Field(32 * 1024 * 1024, gt=0)
+    max_request_bytes: int = Field(
+        32 * 1024 * 1024, gt=0, description="request bodies larger than this get 413, refused without being read whole"
+    )
     body_budget_bytes: int = Field(
         32 * 1024 * 1024,
         gt=0,

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-SECRET_COMMANDS = {  # how each of the compose file's secrets is made (README: compose)
+SECRET_COMMANDS = {  # how each of the compose file's secrets is made (docs/compose.md)
     "kvserve_internal_secret": "kvserve secret create --file {path}",
     "kvserve_redis_password": "kvserve secret create --file {path}",
     "kvserve_api_keys": "kvserve keys create --name ops --file {path}",

@@ -54,7 +54,7 @@ class ComposeStack:
 
     def prepare(self, port: int) -> None:
         """A fresh project: the CPU config with the gateway on `port` (the one published), an API key, the internal
-        secret and Redis's password, as the README says (0600), owned by the containers' user."""
+        secret and Redis's password, as docs/compose.md says (0600), owned by the containers' user."""
         shutil.rmtree(self.directory, ignore_errors=True)
         self.directory.mkdir(parents=True)
         (self.directory / "models").mkdir()

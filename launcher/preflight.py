@@ -4,15 +4,15 @@ starts, each with what to do about it: GPUs reserved that this host does not hav
 
 from __future__ import annotations
 
-import shutil
 import socket
 import stat
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
+
+from launcher.gpus import listed_gpus
 
 SECRET_COMMANDS = {  # how each of the compose file's secrets is made (docs/compose.md)
     "kvserve_internal_secret": "kvserve secret create --file {path}",
@@ -32,19 +32,7 @@ class Problem:
 
 def host_gpus() -> list[str] | None:
     """The GPU indexes nvidia-smi lists, or None where there is no nvidia-smi (no NVIDIA driver)."""
-    if shutil.which("nvidia-smi") is None:
-        return None
-    try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=True,
-        ).stdout
-    except (subprocess.SubprocessError, OSError):
-        return None
-    return [line.strip() for line in out.splitlines() if line.strip()]
+    return listed_gpus()
 
 
 def port_taken(port: int, host: str = "0.0.0.0") -> bool:

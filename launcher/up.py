@@ -17,7 +17,6 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import time
 import urllib.request
@@ -37,6 +36,7 @@ from launcher.claude_code_env import (
     claude_command,
     paste_instructions,
 )
+from launcher.gpus import listed_gpus
 from launcher.stack_secrets import prepare_local_secrets, write_private
 from launcher.state_dir import LOGS, PREVIOUS_LOGS, prepare_state_dir
 from launcher.supervisor import ServiceFailedError, Supervisor
@@ -84,19 +84,8 @@ def visible_gpu_ids(config: KvServeConfig) -> list[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return [device.strip() for device in visible.split(",") if device.strip() and device.strip() != "-1"]
-    if shutil.which("nvidia-smi") is None:
-        return []
-    try:
-        listed = subprocess.run(
-            ["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return []  # a driver that does not answer: the ranks run on the CPU (and say so in their logs)
-    return [line.strip() for line in listed.splitlines() if line.strip()]
+    # no nvidia-smi, or a driver that does not answer: the ranks run on the CPU (and say so in their logs)
+    return listed_gpus() or []
 
 
 def plan_stack(options: UpOptions, config: KvServeConfig) -> list[ServiceSpec]:

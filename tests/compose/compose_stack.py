@@ -79,10 +79,12 @@ class ComposeStack:
     def compose(self, *args: str, timeout_s: float = 120, check: bool = True) -> str:
         return run(["docker", "compose", "-f", str(self.compose_file), *args], timeout_s, check, self.directory)
 
-    def up(self, timeout_s: float = 600) -> float:
-        """`kvserve preflight` (nothing in the way: GPUs, secrets, the port), then docker compose up -d, waiting until
-        every service is healthy; returns the seconds it took."""
-        kvserve("preflight", "--file", str(self.compose_file))
+    def up(self, timeout_s: float = 600, preflight: bool = False) -> float:
+        """docker compose up -d, waiting until every service is healthy; returns the seconds it took. preflight:
+        `kvserve preflight` first (nothing in the way: GPUs, secrets, the port), as before a first start (not
+        while the stack runs: its own gateway holds the port)."""
+        if preflight:
+            kvserve("preflight", "--file", str(self.compose_file))
         started = time.monotonic()
         self.compose("up", "-d", "--wait", "--wait-timeout", str(int(timeout_s)), timeout_s=timeout_s + 60)
         return time.monotonic() - started

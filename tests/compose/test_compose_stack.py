@@ -50,7 +50,7 @@ def stack() -> Iterator[ComposeStack]:
     running.prepare(free_port())
     running.render(ranks=1)
     try:
-        took = running.up()
+        took = running.up(preflight=True)
         print(f"\ndocker compose up, one rank: every service healthy after {took:.0f} s")
         yield running
     finally:

@@ -6,20 +6,15 @@ from __future__ import annotations
 import faulthandler
 import multiprocessing
 import pickle
-import socket
 import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from service_processes import free_port  # claimed: no other test process is given the rendezvous port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _child(fn: Callable[..., Any], rank: int, size: int, port: int, args: tuple, out: Any) -> None:

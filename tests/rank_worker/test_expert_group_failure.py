@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ep_processes import free_port
+from service_processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 1.5

@@ -3,10 +3,12 @@
 #   bash bench/agents_h200.sh main      # warm_first steps of N agents (STEPS=8,16,32)
 #   bash bench/agents_h200.sh ab        # at N_AB agents, staggered: the cache off, then FIFO, then warm_first
 # The whole stack comes up with `kvserve up` (redis-server, kvstore, router, one rank worker, gateway) from
-# bench/configs/agents-h200.yaml; results go to $OUT (default bench/results/raw).
+# bench/configs/agents-h200.yaml; results go to $OUT (default bench/results/<date>-<machine>-agents/raw/<phase>,
+# the run folder that bench/agents_results.py reads).
 set -euo pipefail
 PHASE=${1:?phase: main or ab}
-OUT=${OUT:-bench/results/raw}
+source "$(dirname "$0")/run_folder.sh"
+OUT=${OUT:-$(run_folder agents)/raw/$PHASE}
 mkdir -p "$OUT"
 trap 'cp -r /tmp/kvserve-run/logs "$OUT/logs-exit" 2>/dev/null || true' EXIT
 source "$(dirname "$0")/stack_lib.sh"

@@ -1,5 +1,6 @@
-"""Assemble bench/results/agents-h200.json from the raw files of the H200 runs (bench/agents_h200.sh), and draw
-the charts. Three runs, each on its own commit (the GPU copy's git HEAD is stale, so they are given here):
+"""Assemble the agent benchmark's agents.json from the raw files of its H200 runs (bench/agents_h200.sh), and draw
+the charts beside it, in the run folder (bench/results/2026-11-29-h200-agents/: raw/ and sim/ in it). Three runs,
+each on its own commit (the GPU copy's git HEAD is stale, so they are given here):
 
   main/       `agents_h200.sh main`, STEPS=8,16 TURNS=20 MAX_OUT=64: the steps against the bar. Its JSON did not
               come back from the GPU machine (a call returns a limited number of files); the load generator's
@@ -133,10 +134,10 @@ def load(path: Path) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--raw", default="bench/results/agents-h200-raw")
+    parser.add_argument("--raw", default="bench/results/2026-11-29-h200-agents/raw", help="the run folder's raw/")
     parser.add_argument("--engine-check", default="simulator/results/engine-check-h200.json")
-    parser.add_argument("--sim", default="bench/results/agents-h200-sim", help="kvserve bench simulate JSONs")
-    parser.add_argument("--out", default="bench/results/agents-h200.json")
+    parser.add_argument("--sim", default="", help="kvserve bench simulate JSONs (default: sim/ beside --raw)")
+    parser.add_argument("--out", default="", help="default: agents.json beside --raw")
     parser.add_argument("--main-commit", required=True)
     parser.add_argument("--readrate-commit", required=True)
     parser.add_argument("--gateway-fix-commit", required=True)
@@ -152,11 +153,11 @@ def main() -> None:
     steps += [step_row(s, 6, "gateway-fix") for s in heavy]
     engine_check = load(Path(args.engine_check))
     engine_ab = {row["policy"]: row for row in engine_check["rows"] if row["scenario"] == "cold-bursts"}
-    sim = Path(args.sim)
+    sim = Path(args.sim) if args.sim else raw.parent / "sim"
     predicted = load(sim / "predict-20-turns.json")
     calibration = {
         "how": "kvserve bench simulate --config bench/configs/agents-h200.yaml --calibrate <measured JSON>: the real "
-        "scheduler, cache and routing on a simulated clock, step times fitted to bench/results/engine-h200.json "
+        "scheduler, cache and routing on a simulated clock, step times fitted to simulator/results/engine-h200.json "
         "and simulator/results/decode-h200.json (re-measured with the decode graphs and kernel); ratio = "
         "predicted / measured",
         "steps": load(sim / "calibrate-main.json")["calibration"]["steps"]
@@ -211,15 +212,16 @@ def main() -> None:
         "simulator_calibration": calibration,
     }
     result["read_rate_ratio"] = result["read_rate"]["ratio"]
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    out = Path(args.out) if args.out else raw.parent / "agents.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
     try:
         from loadgen.charts import draw_charts
         from loadgen.report import Thresholds
 
         charts = draw_charts(
             steps,
-            str(Path(args.out).with_suffix("")),
+            str(out.with_suffix("")),
             Thresholds.from_record(main_steps["thresholds"]),
             title="llama-8b shape, one H200, Claude Code traces:",
         )

@@ -6,9 +6,10 @@ worker serves with (build_engine), timed after torch.cuda.synchronize. Prints a 
 `measures` holds the side-by-side set of bench/peer_plan.py under the keys bench/peer_vllm.py writes for vLLM;
 `prefill`, `decode` and `ttft` are the rows the simulator's step-time fit reads (simulator/step_time.py).
 
-    python bench/engine.py --shape llama-8b --out bench/results/engine-h200.json      # on the H200
-    python bench/engine.py --shape llama-8b --dtype float32 --only-match --merge-into bench/results/engine-h200.json
-    python bench/engine.py --shape tiny --quick                                        # smoke run on a CPU
+    RUN=bench/results/$(date -u +%F)-h200-engine                                 # a run folder: bench/results/README.md
+    python bench/engine.py --shape llama-8b --out $RUN/engine.json                # on the H200
+    python bench/engine.py --shape llama-8b --dtype float32 --only-match --merge-into $RUN/engine.json
+    python bench/engine.py --shape tiny --quick                                   # smoke run on a CPU
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ class Bench:
                     first = time.perf_counter() - start
                 tokens.extend(out.new_token_ids)
                 if out.finished and out.stats:
-                    cached = out.stats.cached_tokens
+                    cached = out.stats.l0_cached_tokens
         assert first is not None
         return first, tokens, cached
 
@@ -106,7 +107,7 @@ class Bench:
             for out in self.engine.step():
                 tokens[out.request_id].extend(out.new_token_ids)
                 if out.finished and out.stats:
-                    cached[out.request_id] = out.stats.cached_tokens
+                    cached[out.request_id] = out.stats.l0_cached_tokens
         sync()
         seconds = time.perf_counter() - start
         self.last_outputs = [tokens[rid] for rid in ids]

@@ -8,7 +8,7 @@ in the pool and in the arena (scattered: every block a copy of its own, as a lon
 contiguous runs (one copy per run) are reported beside them. The recompute is the engine's own prefill of
 the same number of tokens, random weights, timed to the first token.
 
-    python bench/l1.py --out bench/results/l1-h200.json        # on the H200
+    python bench/l1.py --out simulator/results/l1-h200.json    # on the H200: the simulator's L1 restore bandwidth
     python bench/l1.py --quick                                 # smoke run on a CPU
 """
 

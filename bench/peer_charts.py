@@ -1,4 +1,4 @@
-"""PNG charts of bench/results/peer-h200.json (bench/peer_results.py): the engine-level speed ratio per measure
+"""PNG charts of a side-by-side run's peer.json (bench/peer_results.py): the engine-level speed ratio per measure
 against the 0.95 target, and both sides' TTFT p95 and per-agent tok/s p50 per agent count against the bar.
 
 matplotlib is imported here only, when drawing (the GPU image has it; the tables need only rich).

@@ -13,7 +13,8 @@
 # "all steps done". Both sides get the same load: STEPS agents x TURNS turns of the Claude Code traces
 # (.whl/traces), context scale 0.1, MAX_OUT output tokens, 3 s think time, one load generator call per step,
 # the same seed per agent count. Results: $OUT/<phase>.tar.gz (everything so far on this machine) and the
-# engine JSONs; bench/peer_results.py assembles them.
+# engine JSONs (default OUT: bench/results/<date>-<machine>-peer-<shape>/raw, PEER_TAG appended);
+# bench/peer_results.py assembles them into the run folder's peer.json.
 # Calls, back to back (a machine idle for 30 s is given back, and with it /tmp):
 #   carry [".peer/chunk00"] .. [".peer/chunk06"]: bash bench/peer_h200.sh chunk
 #   carry [".peer/chunk07"]:                      bash bench/peer_h200.sh chunk vllm-engine
@@ -38,9 +39,9 @@
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8
 # agents. The simulator puts a 24-turn step at ~285 s (4 agents) and ~385 s (8) on our side
-# (bench/results/simulate-dsv2-lite-h200/plan-24-turns.json): one step a call, hence STEP_EST and STEP_MAX.
+# (bench/results/2026-12-04-cpu-simulate-dsv2-lite/plan-24-turns.json): one step a call, hence STEP_EST and
+# STEP_MAX.
 set -uo pipefail
-OUT=${OUT:-bench/results/peer-h200-raw/local}
 DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
 PACK_MARGIN=${PACK_MARGIN:-25} # left at the end for packing the results
 STEPS=${STEPS:-16,32,48,64}
@@ -81,6 +82,8 @@ TAG=${PEER_TAG:+-$PEER_TAG}
 STATE=${PEER_STATE:-/tmp/peer-state$TAG}  # what this machine has done: outlives a call, not the machine
 WORK=${PEER_WORK:-/tmp/peer-out$TAG}       # every raw result of this machine, packed into each phase's tarball
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+source "$(dirname "$0")/run_folder.sh"
+OUT=${OUT:-$(run_folder "peer-${SHAPE%-chat}")/raw$TAG}
 mkdir -p "$OUT" "$STATE" "$WORK"
 export PYTHONUNBUFFERED=1
 

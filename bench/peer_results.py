@@ -1,13 +1,13 @@
-"""Assemble bench/results/peer-h200.json, kvserve side by side with vLLM 0.25 on one H200, from the raw files of
-bench/peer_h200.sh (copied as they came back into bench/results/peer-h200-raw/: its tarballs and JSONs, in any
-folders), print the tables and draw the charts.
+"""Assemble a side-by-side run's peer.json, kvserve beside vLLM 0.25 on one GPU, from the raw files of
+bench/peer_h200.sh (copied as they came back into the run folder's raw/: its tarballs and JSONs, in any folders),
+print the tables and draw the charts beside it. A run folder is bench/results/<date>-<machine>-peer-<shape>/.
 
 Engine level: per measure of bench/peer_plan.py both sides' seconds and ratio = vLLM seconds / kvserve seconds
 (a speed ratio: above 1 kvserve is faster), against the target of 0.95. Agent level: per agent count both sides'
 TTFT p50/p95, per-agent tok/s p50/p10, per-request tok/s p10 (when the load generator wrote it), cache hit and
 the verdict against the pass bar, the largest passing count of each side and their ratio (kvserve over vLLM).
 
-    python bench/peer_results.py --commit 1a2b3c4
+    python bench/peer_results.py --raw bench/results/2026-12-03-h200-peer-llama-8b/raw --commit 1a2b3c4
 """
 
 from __future__ import annotations
@@ -438,15 +438,16 @@ def print_tables(result: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--raw", default=str(ROOT / "bench" / "results" / "peer-h200-raw"))
-    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "peer-h200.json"))
+    parser.add_argument("--raw", required=True, help="the run folder's raw files (bench/peer_h200.sh's OUT)")
+    parser.add_argument("--out", default="", help="default: peer.json in the run folder, beside --raw")
     parser.add_argument("--commit", default="", help="kvserve commit measured (the GPU copy's git HEAD can be stale)")
     parser.add_argument("--no-charts", action="store_true")
     parser.add_argument("--target", type=float, default=TARGET, help="engine ratio each measure must reach")
     parser.add_argument(
         "--vllm-reference",
         default="",
-        help="vLLM numbers measured outside this device session (a JSON like bench/results/vllm-reference-*.json), "
+        help="vLLM numbers measured outside this device session (a JSON like "
+        "bench/results/2026-12-01-h200-peer-llama-8b/vllm-reference.json), "
         "reported beside ours under vllm_reference when vLLM did not run here",
     )
     parser.add_argument(
@@ -500,7 +501,7 @@ def main() -> None:
                 f"  {row['measure']:<28} ours {_fmt(row['ours_s'], '.4f')}  vLLM {_fmt(row['vllm_reference_s'], '.4f')}"
                 f"  ratio {_fmt(row['ratio'], '.2f')}"
             )
-    out = Path(args.out)
+    out = Path(args.out) if args.out else raw.parent / "peer.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print_tables(result)

@@ -5,10 +5,11 @@
 #   bash bench/ranks_h200.sh kill    # RANKS ranks, N_KILL agents; rank-worker-KILL_RANK is SIGKILLed after
 #                                    # KILL_AFTER s; the launcher restarts it and it registers again
 # Results (loadgen JSON, gateway/router/rank logs, killed_at.txt) go to $OUT as one tarball per phase, for
-# bench/ranks_results.py.
+# bench/ranks_results.py (default OUT: bench/results/<date>-<machine>-ranks/raw, the run folder's raw files).
 set -euo pipefail
 PHASE=${1:?phase: one, many or kill}
-OUT=${OUT:-bench/results/raw}
+source "$(dirname "$0")/run_folder.sh"
+OUT=${OUT:-$(run_folder ranks)/raw}
 WORK=/tmp/ranks-$PHASE
 rm -rf "$WORK"; mkdir -p "$WORK" "$OUT"
 FINAL_OUT=$OUT; OUT=$WORK  # stack_lib writes into $OUT; the tarball goes to the real one

@@ -3,9 +3,11 @@ generator's steps, where the ranks ran, load per rank and stickiness from the ga
 recovery of a rank killed mid-run; then the largest passing agent count of each placement against one rank's
 (scaling_vs_one_rank when the ranks had a GPU each).
 
-    python bench/ranks_results.py --raw DIR --out bench/results/four-gpus-h200.json
+    python bench/ranks_results.py --raw DIR [--chart FILE.png]
 DIR holds ranks-<phase>[-<label>].tgz files (phase: one, many or kill); runs of one phase and placement (one
-rank; or the same GPU list) are taken together for their largest passing N.
+rank; or the same GPU list) are taken together for their largest passing N. DIR is a run folder's raw/
+(bench/ranks_h200.sh's OUT, e.g. bench/results/2026-11-29-h200-ranks/raw); the JSON goes beside it, to the run
+folder's ranks.json, unless --out names another file.
 """
 
 from __future__ import annotations
@@ -138,7 +140,7 @@ def draw_chart(runs: dict[str, dict[str, Any]], path: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--raw", required=True)
-    parser.add_argument("--out", required=True)
+    parser.add_argument("--out", default="", help="default: ranks.json in the run folder, beside --raw")
     parser.add_argument("--chart", default="", help="also draw tok/s per placement into this PNG (matplotlib)")
     parser.add_argument("--note", default="", help="what was and was not run, kept in the JSON")
     args = parser.parse_args()
@@ -161,11 +163,12 @@ def main() -> None:
         "placements": by_placement,
         "runs": runs,
     }
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    out = Path(args.out) if args.out else Path(args.raw).parent / "ranks.json"
+    out.write_text(json.dumps(result, indent=2) + "\n")
     if args.chart:
         draw_chart(runs, Path(args.chart))
     print(json.dumps({"scaling_vs_one_rank": result["scaling_vs_one_rank"], "placements": by_placement}, indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

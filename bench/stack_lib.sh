@@ -1,4 +1,5 @@
-# Shared by the GPU benchmark scripts (bench/agents_h200.sh, bench/ranks_h200.sh); source it after setting OUT.
+# Shared by the GPU benchmark scripts (bench/agents_h200.sh, bench/ranks_h200.sh, bench/peer_h200.sh); source it
+# after setting OUT.
 # The GPU machine cannot install packages: wheels, a redis-server build and the traces travel in .whl/.
 if [ -d .whl ] && [ "${USE_WHEELS:-1}" = 1 ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl >/dev/null 2>&1

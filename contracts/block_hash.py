@@ -13,7 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import xxhash
 
-BlockHash = bytes  # 16 bytes
+BLOCK_HASH_BYTES = 16  # xxh3_128: every tier checks this length on what it receives
+BlockHash = bytes  # BLOCK_HASH_BYTES long
 
 
 def hash_namespace(

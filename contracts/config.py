@@ -10,11 +10,144 @@ import os
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 # The decode step budget where decode_step_budget_ms is unset and the rank runs on CUDA (see the key).
 GPU_DECODE_STEP_BUDGET_MS = 50.0
+
+
+class SchedulingConfig(BaseModel):
+    """Which requests each engine step of a rank runs: one section of the config, handed as it is to the rank's
+    scheduler (and the simulator's); the router reads its warm_prefix_fraction and l1_restore_cost, the units
+    of the load ranks report. Config files and KVSERVE_* variables write its keys flat (max_cold_prefills: 2,
+    KVSERVE_MAX_COLD_PREFILLS=2), or under scheduling:."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    scheduling_policy: Literal["fifo", "warm_first"] = Field(
+        "warm_first", description="admission order: arrival order, or warm (mostly cached) requests first"
+    )
+    warm_prefix_fraction: float = Field(
+        0.5, ge=0.0, le=1.0, description="warm_first: a request is warm when its cached prefix covers this much"
+    )
+    max_cold_prefills: int = Field(0, ge=0, description="warm_first: cold requests in prefill at once; 0 = no cap")
+    cold_max_wait_secs: float = Field(
+        30.0,
+        ge=0.0,
+        description="warm_first: a cold request or prefill that has gone this long without a token is starved: "
+        "admitted with the warm ones, and a minimum chunk of its own every step from then on",
+    )
+    # 50 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
+    # beside them; on the H200 a 4K-token chunk held every decoder for 150-470 ms. Off on the CPU by default:
+    # there a decode step alone takes longer than 50 ms (SmolLM2-135M: ~160 ms), so the budget would only cut
+    # every prefill beside a decoder to min_prefill_chunk_tokens and multiply time to first token.
+    decode_step_budget_ms: float | None = Field(
+        None,
+        ge=0.0,
+        description="while sequences decode, a step's prefill is cut so its predicted time stays within this; "
+        f"0 = off (prefill takes max_num_batched_tokens); unset: {GPU_DECODE_STEP_BUDGET_MS:g} on CUDA, off on the CPU",
+    )
+    # Progress for prefill even when the decodes alone fill the budget. 1024, not less: a small chunk over a
+    # long cached prefix pays for the whole prefix each time and fills few multiprocessors (H200, llama-8b,
+    # beside 64 decoders: 256 new tokens over 16K cached cost 21 ms, 1024 cost 49 ms: 82 against 48 us a
+    # token). Under the agent load (48 agents) TTFT p95 went from 9.7 to 6.2 s at the same decode speed.
+    min_prefill_chunk_tokens: int = Field(
+        1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
+    )
+    # Over a long context that floor alone can take several budgets (DeepSeek-V2-Lite, H200: 80-270 ms steps
+    # beside 4 agents' decoders at 250-400K tokens). Off until the agent benchmark has measured it.
+    decode_payback: bool = Field(
+        False,
+        description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "
+        "decode-only steps (no prefill, no admission) until they average the budget again",
+    )
+
+    # FA4 reads a whole cold prompt's K/V as its own contiguous rows (TMA loads) but chunks after the first
+    # through the pool's 16-token pages (cp.async): the attention of a cold 100K prompt, one llama-8b layer on
+    # the H200, 128.1 ms in one piece against 144.8 in chunks.
+    solo_prefill_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="a prompt with nothing cached, admitted when nothing else runs on the rank, is prefilled in "
+        "one step up to this many tokens (past max_num_batched_tokens; the MLP still runs that many rows at a "
+        "time); 0 = chunks of max_num_batched_tokens; unset: the attention backend's choice (fa4: 131072, "
+        "others: 0)",
+    )
+    l1_restore_cost: float = Field(
+        0.05,
+        ge=0.0,
+        le=1.0,
+        description="cost of restoring a token from L1 relative to prefill: the router's score, and the load a "
+        "rank reports in its unit",
+    )
+
+    @property
+    def warm_first(self) -> bool:
+        return self.scheduling_policy == "warm_first"
+
+    def step_budget_ms(self, cuda: bool = True) -> float:
+        """decode_step_budget_ms, or where unset GPU_DECODE_STEP_BUDGET_MS on CUDA and off (0) on the CPU."""
+        if self.decode_step_budget_ms is not None:
+            return self.decode_step_budget_ms
+        return GPU_DECODE_STEP_BUDGET_MS if cuda else 0.0
+
+
+# The config's sections: field name -> the model of its keys, which may also be written flat (_lift_sections).
+SECTIONS: dict[str, type[BaseModel]] = {"scheduling": SchedulingConfig}
+
+
+def _lift_sections(values: dict[str, Any]) -> dict[str, Any]:
+    """values with every flat key of a section (max_cold_prefills: 2) moved under it (scheduling:); a key given
+    both ways is refused."""
+    lifted = dict(values)
+    for section, model in SECTIONS.items():
+        flat = {key: lifted.pop(key) for key in model.model_fields if key in lifted}
+        if not flat:
+            continue
+        given = lifted.get(section)
+        if isinstance(given, BaseModel):
+            nested = given.model_dump(exclude_unset=True)
+        else:
+            nested = dict(given) if isinstance(given, dict) else {}
+        if both := sorted(flat.keys() & nested.keys()):
+            raise ValueError(f"{', '.join(both)} given both flat and under {section}:")
+        lifted[section] = {**nested, **flat}
+    return lifted
+
+
+class _LiftedSource(PydanticBaseSettingsSource):
+    """A settings source whose flat section keys are lifted before the sources merge, so that each key's
+    precedence (arguments, environment, file) holds whichever way a source writes it."""
+
+    def __init__(self, source: PydanticBaseSettingsSource) -> None:
+        super().__init__(source.settings_cls)
+        self.source = source
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False  # __call__ reads the whole source
+
+    def __call__(self) -> dict[str, Any]:
+        return _lift_sections(self.source())
+
+
+class _FlatSectionEnv(PydanticBaseSettingsSource):
+    """KVSERVE_MAX_COLD_PREFILLS and the like: a section's keys read from the environment by their flat names
+    (the environment source reads top-level fields only), case-insensitively as that source does."""
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        prefix = str(self.config.get("env_prefix", "")).lower()
+        environ = {name.lower(): value for name, value in os.environ.items()}
+        found: dict[str, Any] = {}
+        for section, model in SECTIONS.items():
+            keys = {key: environ[prefix + key] for key in model.model_fields if prefix + key in environ}
+            if keys:
+                found[section] = keys
+        return found
 
 
 class KvServeConfig(BaseSettings):
@@ -77,7 +210,7 @@ class KvServeConfig(BaseSettings):
         True,
         description="schedule and launch each step before reading the previous one's tokens (those it needs are "
         "taken on the device), so the host's work between steps overlaps the GPU's; decode-only and mixed steps "
-        "alike (H200, llama-8b: 5-8% less time per decode step, bench/results/host-gaps-h200)",
+        "alike (H200, llama-8b: 5-8% less time per decode step)",
     )
     attention_backend: Literal["auto", "triton", "fa4", "flashinfer", "sdpa"] = Field(
         "auto",
@@ -109,69 +242,25 @@ class KvServeConfig(BaseSettings):
     )
 
     max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
-    scheduling_policy: Literal["fifo", "warm_first"] = Field(
-        "warm_first", description="admission order: arrival order, or warm (mostly cached) requests first"
-    )
-    warm_prefix_fraction: float = Field(
-        0.5, ge=0.0, le=1.0, description="warm_first: a request is warm when its cached prefix covers this much"
-    )
-    max_cold_prefills: int = Field(0, ge=0, description="warm_first: cold requests in prefill at once; 0 = no cap")
-    cold_max_wait_secs: float = Field(
-        30.0,
-        ge=0.0,
-        description="warm_first: a cold request or prefill that has gone this long without a token is starved: "
-        "admitted with the warm ones, and a minimum chunk of its own every step from then on",
-    )
-    # 50 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
-    # beside them; on the H200 a 4K-token chunk held every decoder for 150-470 ms. Off on the CPU by default:
-    # there a decode step alone takes longer than 50 ms (SmolLM2-135M: ~160 ms), so the budget would only cut
-    # every prefill beside a decoder to min_prefill_chunk_tokens and multiply time to first token.
-    decode_step_budget_ms: float | None = Field(
-        None,
-        ge=0.0,
-        description="while sequences decode, a step's prefill is cut so its predicted time stays within this; "
-        f"0 = off (prefill takes max_num_batched_tokens); unset: {GPU_DECODE_STEP_BUDGET_MS:g} on CUDA, off on the CPU",
-    )
-    # Progress for prefill even when the decodes alone fill the budget. 1024, not less: a small chunk over a
-    # long cached prefix pays for the whole prefix each time and fills few multiprocessors (H200, llama-8b,
-    # beside 64 decoders: 256 new tokens over 16K cached cost 21 ms, 1024 cost 49 ms: 82 against 48 us a
-    # token; bench/results/mixed-steps-h200.json). Under the agent load (48 agents) TTFT p95 went from 9.7 to
-    # 6.2 s at the same decode speed (bench/results/agents-variants-h200/).
-    min_prefill_chunk_tokens: int = Field(
-        1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
-    )
-    # Over a long context that floor alone can take several budgets (DeepSeek-V2-Lite, H200: 80-270 ms steps
-    # beside 4 agents' decoders at 250-400K tokens). Off until the agent benchmark has measured it.
-    decode_payback: bool = Field(
-        False,
-        description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "
-        "decode-only steps (no prefill, no admission) until they average the budget again",
-    )
-
-    # FA4 reads a whole cold prompt's K/V as its own contiguous rows (TMA loads) but chunks after the first
-    # through the pool's 16-token pages (cp.async): the attention of a cold 100K prompt, one llama-8b layer on
-    # the H200, 128.1 ms in one piece against 144.8 in chunks (bench/results/fa4-long-probe-h200.json).
-    solo_prefill_tokens: int | None = Field(
-        None,
-        ge=0,
-        description="a prompt with nothing cached, admitted when nothing else runs on the rank, is prefilled in "
-        "one step up to this many tokens (past max_num_batched_tokens; the MLP still runs that many rows at a "
-        "time); 0 = chunks of max_num_batched_tokens; unset: the attention backend's choice (fa4: 131072, "
-        "others: 0)",
-    )
-
     # The rank worker's engine thread shares the GIL with its gRPC threads, which turn every token into a
     # stream message. When it comes back from the GPU (or any call that lets the GIL go) and a gRPC thread
     # holds the GIL, CPython makes it wait up to the switch interval (5 ms by default) before forcing a
     # hand-over; under the agent load on the H200 a decode step took ~3 ms longer in the serving process than
     # on the GPU (the step log's GPU time). bench/probes/gil_wait.py reproduces that regime on the CPU (64
     # streams, a 12 ms GIL-free "GPU" step): 5.8-7.3 ms of host time per step at 5 ms, 3.8-4.3 at 0.5 ms,
-    # 3.7-4.0 at 0.2 (bench/results/gil-wait-cpu.json). None leaves Python's interval.
+    # 3.7-4.0 at 0.2. None leaves Python's interval.
     gil_switch_interval_ms: float | None = Field(
         0.5,
         gt=0.0,
         le=100.0,
         description="rank worker: sys.setswitchinterval for its process, in ms (None: Python's own, 5 ms)",
+    )
+
+    # --- scheduling (which requests each engine step runs) ---
+    scheduling: SchedulingConfig = Field(
+        default_factory=SchedulingConfig,
+        description="the keys of the table below, written flat (max_cold_prefills: 2, KVSERVE_MAX_COLD_PREFILLS=2) "
+        "or under scheduling:",
     )
 
     # --- L1 (kvstore) ---
@@ -208,13 +297,10 @@ class KvServeConfig(BaseSettings):
     rank_down_after_secs: float = Field(
         3.0, gt=0.0, description="no heartbeat for this long (3 missed at the default interval): the rank is down"
     )
-    l1_restore_cost: float = Field(
-        0.05, ge=0.0, le=1.0, description="router score: cost of restoring a token from L1 relative to prefill"
-    )
     # Counted as ranks report it: uncached tokens still to prefill (L1 hits at l1_restore_cost), ~1 s of llama-8b
     # prefill on an H200 at 32K. When ranks counted whole prompts, 256K was needed to keep warm turns home; in
     # uncached tokens no simulated session left at 64K or more, and 32K cut TTFT p95 at the same cache hit
-    # (kvserve bench simulate, 2 ranks x 48 agents: 1.28 -> 1.12 s; bench/results/load-uncached-sim/).
+    # (kvserve bench simulate, 2 ranks x 48 agents: 1.28 -> 1.12 s).
     overload_prefill_tokens: int = Field(
         32768,
         gt=0,
@@ -316,6 +402,12 @@ class KvServeConfig(BaseSettings):
     )
     default_top_p: float | None = Field(None, gt=0.0, le=1.0, description="for requests that send none")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_section_keys(cls, data: Any) -> Any:
+        # Built without the settings sources (model_validate): flat keys are lifted here.
+        return _lift_sections(data) if isinstance(data, dict) else data
+
     @field_validator("max_num_batched_tokens")
     @classmethod
     def _batched_tokens_at_least_one_block(cls, value: int) -> int:
@@ -332,11 +424,11 @@ class KvServeConfig(BaseSettings):
         dotenv_settings: PydanticBaseSettingsSource,
         file_secret_settings: PydanticBaseSettingsSource,
     ) -> tuple[PydanticBaseSettingsSource, ...]:
-        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings, _FlatSectionEnv(settings_cls)]
         config_file = os.environ.get("KVSERVE_CONFIG", "")
         if config_file:
             sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=config_file))
-        return tuple(sources)
+        return tuple(_LiftedSource(source) for source in sources)
 
 
 def load_config(config_file: str | Path | None = None, **overrides: Any) -> KvServeConfig:

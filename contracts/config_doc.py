@@ -1,8 +1,9 @@
 """The configuration reference (docs/configuration.md) rendered from KvServeConfig, so it cannot drift.
 
 Every field with its type, constraints, default and description, grouped by the `# --- section ---` comments of
-contracts/config.py. docs/configuration.md keeps a hand-written preface above MARKER; everything from the marker on
-is this module's output, and tests/contracts/test_config_doc.py fails when the file differs from it.
+contracts/config.py; a section model's keys (config.SECTIONS) in a table below its field. docs/configuration.md
+keeps a hand-written preface above MARKER; everything from the marker on is this module's output, and
+tests/contracts/test_config_doc.py fails when the file differs from it.
 
     python -m contracts.config_doc                                   # the generated part, on stdout
     python -m contracts.config_doc --write docs/configuration.md     # replace the part below the marker
@@ -25,7 +26,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from contracts import config as config_module
-from contracts.config import KvServeConfig
+from contracts.config import SECTIONS, KvServeConfig
 
 MARKER = "<!-- Generated below by `python -m contracts.config_doc --write docs/configuration.md`: do not edit. -->"
 DOC_PATH = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"
@@ -115,15 +116,25 @@ def render_reference() -> str:
         out += ["", f"### {heading[0].upper()}{heading[1:]}", ""]
         if note:
             out += [f"{note[0].upper()}{note[1:].removesuffix(')')}.", ""]
-        out += ["| key | type | default | what |", "| --- | --- | --- | --- |"]
+        out += _table([(name, fields[name]) for name in names])
         for name in names:
-            field = fields[name]
-            kind = _type_text(field.annotation)
+            if name in SECTIONS:  # its keys, in a table of their own
+                out += ["", *_table(list(SECTIONS[name].model_fields.items()))]
+    return "\n".join(out) + "\n"
+
+
+def _table(fields: list[tuple[str, FieldInfo]]) -> list[str]:
+    rows = ["| key | type | default | what |", "| --- | --- | --- | --- |"]
+    for name, field in fields:
+        if name in SECTIONS:
+            kind, default = "section", ""
+        else:
+            kind, default = _type_text(field.annotation), _default_text(field)
             if constraints := _constraints_text(field):
                 kind += f" ({constraints})"
-            description = field.description or ""
-            out.append(f"| `{name}` | {_cell(kind)} | {_cell(_default_text(field))} | {_cell(description)} |")
-    return "\n".join(out) + "\n"
+        description = field.description or ""
+        rows.append(f"| `{name}` | {_cell(kind)} | {_cell(default)} | {_cell(description)} |")
+    return rows
 
 
 def split_at_marker(text: str) -> tuple[str, str]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import collections
 import hmac
-import ipaddress
 import logging
 import os
 import secrets
@@ -27,6 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import grpc
+
+from contracts.address import is_loopback
 
 if TYPE_CHECKING:
     from contracts.config import KvServeConfig
@@ -100,15 +101,6 @@ def create_secret_file(path: str | Path) -> bool:
     with os.fdopen(descriptor, "w") as file:
         file.write(secrets.token_urlsafe(32) + "\n")  # 256 bits, URL-safe: fits metadata, Redis, URLs
     return True
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
-    except ValueError:
-        return False
 
 
 # --- the process's secret: set once at start, used by every internal channel it opens ---

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import enum
+import logging
 from dataclasses import dataclass
 
 from protos import kv_events_pb2 as events_pb
+
+log = logging.getLogger("kv_events")
 
 
 class KvEventKind(enum.Enum):
@@ -50,3 +53,16 @@ def batch_message(batch: KvEventBatch) -> events_pb.KvEventBatch:
             for event in batch.events
         ],
     )
+
+
+def batch_of_message(message: events_pb.KvEventBatch) -> KvEventBatch:
+    """The batch of a wire message, for a subscriber; an event of a kind this version does not know is skipped
+    (and logged): it changes nothing the subscriber tracks."""
+    events = []
+    for event in message.events:
+        kind = kind_of_wire(event.kind)
+        if kind is None:
+            log.warning("ignoring a KV event of unknown kind %d", event.kind)
+            continue
+        events.append(KvEvent(kind, tuple(event.block_hashes)))
+    return KvEventBatch(message.sequence, tuple(events))

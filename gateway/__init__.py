@@ -1,1 +1,2 @@
-"""The HTTP gateway (Anthropic Messages, OpenAI Chat Completions): a later issue."""
+"""The HTTP gateway (Anthropic Messages, OpenAI Chat Completions); its rooms: http/, api/, flow, ranks/, prompt/,
+parsing/, observability/."""

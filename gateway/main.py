@@ -10,8 +10,8 @@ import uvicorn
 
 from contracts import internal_auth
 from contracts.config import load_config
-from gateway.auth import AuthConfigError
-from gateway.header_deadline import header_deadline_protocol
+from gateway.http.auth import AuthConfigError
+from gateway.http.header_deadline import header_deadline_protocol
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = load_config(args.config, **overrides)
 
-    from gateway.app import create_app
+    from gateway.http.app import create_app
 
     try:
         internal_auth.configure(config)  # what its calls to the router and the ranks carry

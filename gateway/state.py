@@ -6,16 +6,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable
 
 from contracts.config import KvServeConfig
-from gateway.auth import auth_mode, open_local_warning
-from gateway.generation import Generation
-from gateway.live_keys import LiveKeyStore
-from gateway.metrics import GatewayMetrics
-from gateway.prompt_format import PromptFormat
-from gateway.rank_choice import RankChooser, RouterRanks, StaticRanks
-from gateway.rank_client import RankClient
-from gateway.served_model import ServedModel
+from gateway.http.auth import auth_mode, open_local_warning
+from gateway.http.live_keys import LiveKeyStore
+from gateway.observability.metrics import GatewayMetrics
+from gateway.prompt.prompt_format import PromptFormat
+from gateway.prompt.served_model import ServedModel
+from gateway.ranks.generation import Generation
+from gateway.ranks.rank_choice import RankChooser, RouterRanks, StaticRanks
+from gateway.ranks.rank_client import RankClient
 
 log = logging.getLogger(__name__)
 
@@ -26,9 +27,10 @@ def rank_targets(config: KvServeConfig) -> list[str]:
 
 
 class GatewayState:
-    def __init__(self, config: KvServeConfig) -> None:
+    def __init__(self, config: KvServeConfig, apis: Iterable[str] = ()) -> None:
+        """`apis`: the names the APIs registered, each a label of the metrics."""
         self.config = config
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(apis)
         self.metrics.waiting_for_rank.set_function(
             lambda: self.generation.waiting_for_rank if self.generation is not None else 0
         )

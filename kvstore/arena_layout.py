@@ -23,7 +23,10 @@ class LayoutMismatchError(ValueError):
 
 
 @dataclass(frozen=True)
-class ArenaLayout:
+class SlotLayout:
+    """How this kvstore cuts its arena into slots, and whose blocks they hold (a rank learns it, with the
+    arena's id and path, as rank_worker.l1.arena.ArenaLayout)."""
+
     slot_bytes: int
     hash_namespace: bytes
     num_slots: int
@@ -31,7 +34,7 @@ class ArenaLayout:
 
 def plan_layout(
     arena_bytes: int, slot_bytes: int, hash_namespace: bytes, max_slots: int = MAX_SLOTS
-) -> tuple[ArenaLayout, str]:
+) -> tuple[SlotLayout, str]:
     """The layout the first Attach fixes, and a note when slots are capped at max_slots (else empty).
     Raises LayoutMismatchError when not even one slot fits."""
     check_attach_fields(slot_bytes, hash_namespace)
@@ -42,10 +45,10 @@ def plan_layout(
     if num_slots > max_slots:
         note = f"{num_slots} slots of {slot_bytes} bytes fit; using the first {max_slots}"
         num_slots = max_slots
-    return ArenaLayout(slot_bytes=slot_bytes, hash_namespace=hash_namespace, num_slots=num_slots), note
+    return SlotLayout(slot_bytes=slot_bytes, hash_namespace=hash_namespace, num_slots=num_slots), note
 
 
-def check_layout(layout: ArenaLayout, slot_bytes: int, hash_namespace: bytes) -> None:
+def check_layout(layout: SlotLayout, slot_bytes: int, hash_namespace: bytes) -> None:
     """Raise LayoutMismatchError unless a rank with these blocks may use the arena laid out as `layout`."""
     check_attach_fields(slot_bytes, hash_namespace)
     if slot_bytes != layout.slot_bytes:

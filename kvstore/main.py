@@ -22,7 +22,7 @@ from contracts import service_main
 from contracts.config import KvServeConfig
 from contracts.internal_auth import InternalAuthError
 from kvstore.arena import Arena, ArenaError, create_arena, ensure_arena_dir, remove_stale_arenas
-from kvstore.l1_tier import ArenaInfo, L1Tier
+from kvstore.l1_store import ArenaInfo, L1Store
 from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
 from kvstore.servicer import KvStoreServicer
 from protos import kvstore_pb2, kvstore_pb2_grpc
@@ -68,12 +68,12 @@ def prepare_arena(config: KvServeConfig) -> PreparedArena:
     return PreparedArena(arena, budget, reason)
 
 
-async def sweep_pins(tier: L1Tier, interval_s: float) -> None:
+async def sweep_pins(store: L1Store, interval_s: float) -> None:
     """Drop pins of copiers that died or forgot to release, every interval_s."""
     while True:
         await asyncio.sleep(interval_s)
         try:
-            dropped = tier.expire_pins()
+            dropped = store.expire_pins()
         except Exception:  # a bug here must not end the sweeping for the rest of the process's life
             log.exception("sweeping expired pins failed")
             continue
@@ -131,9 +131,9 @@ async def serve(config: KvServeConfig) -> int:
     prepared: PreparedArena = creating.result()
     arena = prepared.arena
     try:
-        tier = L1Tier(ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes), config.l1_pin_ttl_secs)
-        servicer.open(tier, prepared.budget.requested_bytes, prepared.reason)
-        sweeper = asyncio.ensure_future(sweep_pins(tier, sweep_interval_s(config.l1_pin_ttl_secs)))
+        store = L1Store(ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes), config.l1_pin_ttl_secs)
+        servicer.open(store, prepared.budget.requested_bytes, prepared.reason)
+        sweeper = asyncio.ensure_future(sweep_pins(store, sweep_interval_s(config.l1_pin_ttl_secs)))
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -149,7 +149,7 @@ async def serve(config: KvServeConfig) -> int:
         log.info("stopping")
         sweeper.cancel()
         await health_servicer.enter_graceful_shutdown()
-        tier.feed.close()  # KvEvents streams end cleanly instead of being cancelled
+        store.feed.close()  # KvEvents streams end cleanly instead of being cancelled
         await server.stop(SHUTDOWN_GRACE_S)
     finally:
         arena.remove()

@@ -1,4 +1,4 @@
-"""The KvStore gRPC service: wire messages in and out of the L1 tier, errors onto status codes.
+"""The KvStore gRPC service: wire messages in and out of the L1 store, errors onto status codes.
 
 INVALID_ARGUMENT: a malformed request or slots the caller may not commit/release (fix the caller).
 FAILED_PRECONDITION: a stale arena_id, a rank that has not attached, or blocks that do not fit the
@@ -13,10 +13,10 @@ from typing import TypeVar
 
 import grpc
 
+from contracts.kv_event_feed import KvEventsEndedError
 from contracts.kv_events import batch_message
 from kvstore.arena_layout import InvalidAttachError, LayoutMismatchError
-from kvstore.kv_event_feed import FeedClosedError
-from kvstore.l1_tier import InvalidRequestError, L1Tier, StaleArenaError
+from kvstore.l1_store import InvalidRequestError, L1Store, StaleArenaError
 from kvstore.slot_index import SlotRequestError, UnknownRankError
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
@@ -38,61 +38,61 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
 
 class KvStoreServicer(pb_grpc.KvStoreServicer):
     def __init__(self) -> None:
-        self._tier: L1Tier | None = None
+        self._store: L1Store | None = None
         self._budget_requested_bytes = 0
         self._budget_reason = ""
 
-    def open(self, tier: L1Tier, budget_requested_bytes: int, budget_reason: str) -> None:
-        """Start serving `tier` (its arena exists); the budget fields are reported by Stats."""
-        self._tier = tier
+    def open(self, store: L1Store, budget_requested_bytes: int, budget_reason: str) -> None:
+        """Start serving `store` (its arena exists); the budget fields are reported by Stats."""
+        self._store = store
         self._budget_requested_bytes = budget_requested_bytes
         self._budget_reason = budget_reason
 
     async def Attach(self, request: pb.AttachRequest, context: grpc.aio.ServicerContext) -> pb.AttachResponse:
-        tier = await self._ready(context)
+        store = await self._ready(context)
         layout = await _call(
             context,
-            lambda: tier.attach(request.rank_id, request.incarnation, request.slot_bytes, request.hash_namespace),
+            lambda: store.attach(request.rank_id, request.incarnation, request.slot_bytes, request.hash_namespace),
         )
         return pb.AttachResponse(
-            arena_id=tier.arena.arena_id,
-            arena_path=tier.arena.path,
-            arena_bytes=tier.arena.size_bytes,
+            arena_id=store.arena.arena_id,
+            arena_path=store.arena.path,
+            arena_bytes=store.arena.size_bytes,
             slot_bytes=layout.slot_bytes,
             num_slots=layout.num_slots,
         )
 
     async def Allocate(self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext) -> pb.AllocateResponse:
-        tier = await self._ready(context)
-        slots = await _call(context, lambda: tier.allocate(request.rank_id, request.arena_id, request.block_hashes))
+        store = await self._ready(context)
+        slots = await _call(context, lambda: store.allocate(request.rank_id, request.arena_id, request.block_hashes))
         return pb.AllocateResponse(slots=slots)
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
-        tier = await self._ready(context)
-        await _call(context, lambda: tier.commit(request.rank_id, request.arena_id, request.slots))
+        store = await self._ready(context)
+        await _call(context, lambda: store.commit(request.rank_id, request.arena_id, request.slots))
         return pb.CommitResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
-        tier = await self._ready(context)
-        slots = await _call(context, lambda: tier.lookup(request.rank_id, request.arena_id, request.block_hashes))
+        store = await self._ready(context)
+        slots = await _call(context, lambda: store.lookup(request.rank_id, request.arena_id, request.block_hashes))
         return pb.LookupResponse(slots=slots)
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
-        tier = await self._ready(context)
-        await _call(context, lambda: tier.release(request.rank_id, request.arena_id, request.slots))
+        store = await self._ready(context)
+        await _call(context, lambda: store.release(request.rank_id, request.arena_id, request.slots))
         return pb.ReleaseResponse()
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
-        tier = await self._ready(context)
+        store = await self._ready(context)
         reply = pb.StatsResponse(
-            arena_id=tier.arena.arena_id,
-            arena_bytes=tier.arena.size_bytes,
+            arena_id=store.arena.arena_id,
+            arena_bytes=store.arena.size_bytes,
             budget_requested_bytes=self._budget_requested_bytes,
             budget_reason=self._budget_reason,
         )
-        stats = tier.stats()
-        if stats is not None and tier.layout is not None:
-            reply.slot_bytes = tier.layout.slot_bytes
+        stats = store.stats()
+        if stats is not None and store.layout is not None:
+            reply.slot_bytes = store.layout.slot_bytes
             reply.num_slots = stats.num_slots
             reply.free_slots = stats.free_slots
             reply.stored_slots = stats.stored_slots
@@ -107,27 +107,27 @@ class KvStoreServicer(pb_grpc.KvStoreServicer):
     async def KvEvents(
         self, request: events_pb.KvEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[events_pb.KvEventBatch]:
-        tier = await self._ready(context)
-        subscription = tier.feed.subscribe()
+        store = await self._ready(context)
+        subscription = store.feed.subscribe()
         try:
             while True:
                 try:
                     batch = await subscription.get()
-                except FeedClosedError:
+                except KvEventsEndedError:
                     return
                 yield batch_message(batch)
         finally:
             subscription.close()
 
-    async def _ready(self, context: grpc.aio.ServicerContext) -> L1Tier:
-        if self._tier is None:
+    async def _ready(self, context: grpc.aio.ServicerContext) -> L1Store:
+        if self._store is None:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "the kvstore is still creating its arena")
-        assert self._tier is not None
-        return self._tier
+        assert self._store is not None
+        return self._store
 
 
 async def _call(context: grpc.aio.ServicerContext, action: Callable[[], T]) -> T:
-    """Run `action`; a refusal of the tier becomes the matching status with the tier's message."""
+    """Run `action`; a refusal of the store becomes the matching status with the store's message."""
     try:
         return action()
     except Exception as exc:

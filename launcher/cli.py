@@ -9,7 +9,7 @@ from pathlib import Path
 
 import grpc
 
-from gateway.prompt.chat_template import ChatTemplateError
+from gateway.http.errors import ChatTemplateError
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,8 +15,8 @@ from tokenizers import Tokenizer
 
 from contracts import internal_auth
 from contracts.config import KvServeConfig
-from gateway.detokenizer import IncrementalDetokenizer
 from gateway.prompt.chat_template import render_chat
+from gateway.prompt.detokenizer import IncrementalDetokenizer
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 
@@ -52,7 +52,7 @@ def stats_line(finished: pb.Finished) -> str:
     rate = (stats.output_tokens - 1) / decode_s if stats.output_tokens > 1 and decode_s > 0 else 0.0
     reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
     return (
-        f"[prompt {stats.prompt_tokens} tokens ({stats.cached_tokens} cached), output {stats.output_tokens} tokens, "
+        f"[prompt {stats.prompt_tokens} tokens ({stats.l0_cached_tokens} cached), output {stats.output_tokens} tokens, "
         f"queue {stats.queue_wait_s * 1000:.0f} ms, prefill {stats.prefill_s * 1000:.0f} ms, "
         f"decode {rate:.1f} tok/s, finish: {reason}]"
     )

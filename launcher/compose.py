@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from contracts.address import split_host_port
 from contracts.config import KvServeConfig, load_config
 from contracts.expert_parallel import COMPOSE_RENDEZVOUS_PORT
 from launcher.topology import (
@@ -51,7 +52,7 @@ CPU_BUILD_ARGS = {
     "FLASHINFER_JIT_CACHE_INDEX": "",
 }
 # A CPU node's memory limits (MiB) beyond the KV pool and the L1 arena, from what the embedded model's services
-# used under `make test-compose` (docker stats, 2026-12-05), with room to spare.
+# used under `make test-compose` (docker stats), with room to spare.
 CPU_MEMORY_MIB = {"redis": 256, "kvstore": 512, "router": 256, "rank-worker": 2048, "gateway": 512}
 INTERNAL_NETWORK = "internal"
 EDGE_NETWORK = "edge"
@@ -251,7 +252,7 @@ def _healthcheck(spec: ServiceSpec) -> dict[str, Any]:
     check = spec.health
     if check.kind == "redis":
         # The redis image has redis-cli, not our probe; REDISCLI_AUTH keeps the password out of its argv.
-        port = check.target.rpartition(":")[2]
+        port = split_host_port(check.target)[1]
         auth = f'REDISCLI_AUTH="$(cat {compose_secret_path(REDIS_PASSWORD)})" '
         test = ["CMD-SHELL", _compose_text(f"{auth}redis-cli -p {port} ping | grep -q PONG")]
     else:

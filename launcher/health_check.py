@@ -4,8 +4,8 @@ gRPC health checks (grpc.health.v1) need no internal secret: they are the one in
 with a password is probed with AUTH from its password file.
 
 docker compose runs it as the healthcheck of our containers (the slim image has no curl or grpc_health_probe);
-`kvserve up` calls probe() in its wait loop. Only the standard library, grpcio and grpcio-health-checking,
-so it works in the runtime image without the test extras.
+`kvserve up` calls probe() in its wait loop. Only the standard library, grpcio, grpcio-health-checking and
+contracts.address (standard library only), so it works in the runtime image without the test extras.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from contracts.address import split_host_port
 
 ProbeKind = Literal["grpc", "http", "redis"]
 PROBE_KINDS: tuple[ProbeKind, ...] = ("grpc", "http", "redis")
@@ -71,7 +73,7 @@ def _resp_command(*words: bytes) -> bytes:
 
 
 def _probe_redis(target: str, timeout_s: float, password_file: str = "") -> str | None:
-    host, _, port = target.rpartition(":")
+    host, port = split_host_port(target)
     commands = [_resp_command(b"PING")]
     if password_file:
         try:
@@ -80,7 +82,7 @@ def _probe_redis(target: str, timeout_s: float, password_file: str = "") -> str 
             return f"cannot read the redis password file ({exc.strerror or exc})"
         commands.insert(0, _resp_command(b"AUTH", password))
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as sock:
+        with socket.create_connection((host, port), timeout=timeout_s) as sock:
             sock.sendall(b"".join(commands))
             replies = b""
             while replies.count(b"\r\n") < len(commands):

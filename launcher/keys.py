@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 from typing import TextIO
 
-from gateway.auth import ALL_MODELS, METRICS_SCOPE, KeyFileError, KeyStore, create_key, revoke_key
+from gateway.http.auth import ALL_MODELS, METRICS_SCOPE, KeyFileError, KeyStore, create_key, revoke_key
 
 DEFAULT_KEYS_FILE = "kvserve-keys.json"
 

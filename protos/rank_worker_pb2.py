@@ -25,37 +25,37 @@ _sym_db = _symbol_database.Default()
 from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/rank_worker.proto\x12\x16kvserve.rank_worker.v1\x1a\x16protos/kv_events.proto\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.kvserve.rank_worker.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1b\n\x13prompt_block_hashes\x18\x05 \x03(\x0c\x12\x1c\n\x14\x62lock_hash_namespace\x18\x06 \x01(\x0c\"\xbd\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\x12\x18\n\x10l1_cached_tokens\x18\x08 \x01(\x05\"f\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rcached_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x03 \x01(\x01\x12\x18\n\x10l1_cached_tokens\x18\x04 \x01(\x05\"\x94\x01\n\x08\x46inished\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.kvserve.rank_worker.v1.FinishReason\x12\x34\n\x05stats\x18\x02 \x01(\x0b\x32%.kvserve.rank_worker.v1.GenerateStats\x12\x15\n\rstop_token_id\x18\x03 \x01(\x05\":\n\x08Progress\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x08\"\xbc\x01\n\x10GenerateResponse\x12\x34\n\x06tokens\x18\x01 \x01(\x0b\x32\".kvserve.rank_worker.v1.TokenChunkH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvserve.rank_worker.v1.FinishedH\x00\x12\x34\n\x08progress\x18\x03 \x01(\x0b\x32 .kvserve.rank_worker.v1.ProgressH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xc5\x03\n\rStatsResponse\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x0c \x01(\x03\x12\x0f\n\x07rank_id\x18\r \x01(\t\x12\x13\n\x0bl1_attached\x18\x0e \x01(\x08\x12\x1a\n\x12l1_restored_tokens\x18\x0f \x01(\x03\x12\x1b\n\x13l1_offloaded_blocks\x18\x10 \x01(\x03\x12\x1b\n\x13l1_copies_in_flight\x18\x11 \x01(\x05\x12#\n\x1bwaiting_warm_prefill_tokens\x18\x12 \x01(\x03\"\x12\n\x10ModelInfoRequest\"\xe1\x02\n\x11ModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1b\n\x13trained_context_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x07 \x01(\x0c\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08\x12\x12\n\nmodel_type\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x02\n\nRankWorker\x12_\n\x08Generate\x12\'.kvserve.rank_worker.v1.GenerateRequest\x1a(.kvserve.rank_worker.v1.GenerateResponse0\x01\x12T\n\x05Stats\x12$.kvserve.rank_worker.v1.StatsRequest\x1a%.kvserve.rank_worker.v1.StatsResponse\x12W\n\x08KvEvents\x12%.kvserve.kv_events.v1.KvEventsRequest\x1a\".kvserve.kv_events.v1.KvEventBatch0\x01\x12`\n\tModelInfo\x12(.kvserve.rank_worker.v1.ModelInfoRequest\x1a).kvserve.rank_worker.v1.ModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18protos/rank_worker.proto\x12\x16kvserve.rank_worker.v1\x1a\x16protos/kv_events.proto\"\x9f\x01\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x12\n\nmax_tokens\x18\x06 \x01(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x42\x07\n\x05_seed\"\xc8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x38\n\x08sampling\x18\x03 \x01(\x0b\x32&.kvserve.rank_worker.v1.SamplingParams\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x1b\n\x13prompt_block_hashes\x18\x05 \x03(\x0c\x12\x1c\n\x14\x62lock_hash_namespace\x18\x06 \x01(\x0c\"\xc0\x01\n\rGenerateStats\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x18\n\x10l0_cached_tokens\x18\x02 \x01(\x05\x12\x15\n\routput_tokens\x18\x03 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12\x0f\n\x07total_s\x18\x06 \x01(\x01\x12\x13\n\x0bpreemptions\x18\x07 \x01(\x05\x12\x18\n\x10l1_cached_tokens\x18\x08 \x01(\x05\"i\n\nTokenChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x18\n\x10l0_cached_tokens\x18\x02 \x01(\x05\x12\x14\n\x0cqueue_wait_s\x18\x03 \x01(\x01\x12\x18\n\x10l1_cached_tokens\x18\x04 \x01(\x05\"\x94\x01\n\x08\x46inished\x12;\n\rfinish_reason\x18\x01 \x01(\x0e\x32$.kvserve.rank_worker.v1.FinishReason\x12\x34\n\x05stats\x18\x02 \x01(\x0b\x32%.kvserve.rank_worker.v1.GenerateStats\x12\x15\n\rstop_token_id\x18\x03 \x01(\x05\":\n\x08Progress\x12\x1e\n\x16\x63omputed_prompt_tokens\x18\x01 \x01(\x05\x12\x0e\n\x06queued\x18\x02 \x01(\x08\"\xbc\x01\n\x10GenerateResponse\x12\x34\n\x06tokens\x18\x01 \x01(\x0b\x32\".kvserve.rank_worker.v1.TokenChunkH\x00\x12\x34\n\x08\x66inished\x18\x02 \x01(\x0b\x32 .kvserve.rank_worker.v1.FinishedH\x00\x12\x34\n\x08progress\x18\x03 \x01(\x0b\x32 .kvserve.rank_worker.v1.ProgressH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"\xc5\x03\n\rStatsResponse\x12\x14\n\x0ctotal_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x15\n\rcached_blocks\x18\x03 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x04 \x01(\x05\x12\x0f\n\x07running\x18\x05 \x01(\x05\x12\x0f\n\x07waiting\x18\x06 \x01(\x05\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x03\x12\x19\n\x11\x66inished_requests\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x12\n\nblock_size\x18\x0b \x01(\x05\x12\x1e\n\x16waiting_prefill_tokens\x18\x0c \x01(\x03\x12\x0f\n\x07rank_id\x18\r \x01(\t\x12\x13\n\x0bl1_attached\x18\x0e \x01(\x08\x12\x1a\n\x12l1_restored_tokens\x18\x0f \x01(\x03\x12\x1b\n\x13l1_offloaded_blocks\x18\x10 \x01(\x03\x12\x1b\n\x13l1_copies_in_flight\x18\x11 \x01(\x05\x12#\n\x1bwaiting_warm_prefill_tokens\x18\x12 \x01(\x03\"\x12\n\x10ModelInfoRequest\"\xe1\x02\n\x11ModelInfoResponse\x12\x19\n\x11served_model_name\x18\x01 \x01(\t\x12\x10\n\x08model_id\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x05\x12\x1b\n\x13trained_context_len\x18\x05 \x01(\x05\x12\x12\n\nblock_size\x18\x06 \x01(\x05\x12\x16\n\x0ehash_namespace\x18\x07 \x01(\x0c\x12\x16\n\x0etokenizer_json\x18\x08 \x01(\t\x12\x15\n\rchat_template\x18\t \x01(\t\x12\x14\n\x0c\x62os_token_id\x18\n \x01(\x05\x12\x15\n\reos_token_ids\x18\x0b \x03(\x05\x12\x11\n\tbos_token\x18\x0c \x01(\t\x12\x11\n\teos_token\x18\r \x01(\t\x12\x15\n\radd_bos_token\x18\x0e \x01(\x08\x12\x12\n\nmodel_type\x18\x0f \x01(\t*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xfe\x02\n\nRankWorker\x12_\n\x08Generate\x12\'.kvserve.rank_worker.v1.GenerateRequest\x1a(.kvserve.rank_worker.v1.GenerateResponse0\x01\x12T\n\x05Stats\x12$.kvserve.rank_worker.v1.StatsRequest\x1a%.kvserve.rank_worker.v1.StatsResponse\x12W\n\x08KvEvents\x12%.kvserve.kv_events.v1.KvEventsRequest\x1a\".kvserve.kv_events.v1.KvEventBatch0\x01\x12`\n\tModelInfo\x12(.kvserve.rank_worker.v1.ModelInfoRequest\x1a).kvserve.rank_worker.v1.ModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'protos.rank_worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1987
-  _globals['_FINISHREASON']._serialized_end=2107
+  _globals['_FINISHREASON']._serialized_start=1993
+  _globals['_FINISHREASON']._serialized_end=2113
   _globals['_SAMPLINGPARAMS']._serialized_start=77
   _globals['_SAMPLINGPARAMS']._serialized_end=236
   _globals['_GENERATEREQUEST']._serialized_start=239
   _globals['_GENERATEREQUEST']._serialized_end=439
   _globals['_GENERATESTATS']._serialized_start=442
-  _globals['_GENERATESTATS']._serialized_end=631
-  _globals['_TOKENCHUNK']._serialized_start=633
-  _globals['_TOKENCHUNK']._serialized_end=735
-  _globals['_FINISHED']._serialized_start=738
-  _globals['_FINISHED']._serialized_end=886
-  _globals['_PROGRESS']._serialized_start=888
-  _globals['_PROGRESS']._serialized_end=946
-  _globals['_GENERATERESPONSE']._serialized_start=949
-  _globals['_GENERATERESPONSE']._serialized_end=1137
-  _globals['_STATSREQUEST']._serialized_start=1139
-  _globals['_STATSREQUEST']._serialized_end=1153
-  _globals['_STATSRESPONSE']._serialized_start=1156
-  _globals['_STATSRESPONSE']._serialized_end=1609
-  _globals['_MODELINFOREQUEST']._serialized_start=1611
-  _globals['_MODELINFOREQUEST']._serialized_end=1629
-  _globals['_MODELINFORESPONSE']._serialized_start=1632
-  _globals['_MODELINFORESPONSE']._serialized_end=1985
-  _globals['_RANKWORKER']._serialized_start=2110
-  _globals['_RANKWORKER']._serialized_end=2492
+  _globals['_GENERATESTATS']._serialized_end=634
+  _globals['_TOKENCHUNK']._serialized_start=636
+  _globals['_TOKENCHUNK']._serialized_end=741
+  _globals['_FINISHED']._serialized_start=744
+  _globals['_FINISHED']._serialized_end=892
+  _globals['_PROGRESS']._serialized_start=894
+  _globals['_PROGRESS']._serialized_end=952
+  _globals['_GENERATERESPONSE']._serialized_start=955
+  _globals['_GENERATERESPONSE']._serialized_end=1143
+  _globals['_STATSREQUEST']._serialized_start=1145
+  _globals['_STATSREQUEST']._serialized_end=1159
+  _globals['_STATSRESPONSE']._serialized_start=1162
+  _globals['_STATSRESPONSE']._serialized_end=1615
+  _globals['_MODELINFOREQUEST']._serialized_start=1617
+  _globals['_MODELINFOREQUEST']._serialized_end=1635
+  _globals['_MODELINFORESPONSE']._serialized_start=1638
+  _globals['_MODELINFORESPONSE']._serialized_end=1991
+  _globals['_RANKWORKER']._serialized_start=2116
+  _globals['_RANKWORKER']._serialized_end=2498
 # @@protoc_insertion_point(module_scope)

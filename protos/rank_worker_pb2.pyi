@@ -54,9 +54,9 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., session_id: _Optional[str] = ..., prompt_block_hashes: _Optional[_Iterable[bytes]] = ..., block_hash_namespace: _Optional[bytes] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions", "l1_cached_tokens")
+    __slots__ = ("prompt_tokens", "l0_cached_tokens", "output_tokens", "queue_wait_s", "prefill_s", "total_s", "preemptions", "l1_cached_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L0_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
@@ -64,26 +64,26 @@ class GenerateStats(_message.Message):
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
-    cached_tokens: int
+    l0_cached_tokens: int
     output_tokens: int
     queue_wait_s: float
     prefill_s: float
     total_s: float
     preemptions: int
     l1_cached_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, prompt_tokens: _Optional[int] = ..., l0_cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., total_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class TokenChunk(_message.Message):
-    __slots__ = ("token_ids", "cached_tokens", "queue_wait_s", "l1_cached_tokens")
+    __slots__ = ("token_ids", "l0_cached_tokens", "queue_wait_s", "l1_cached_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L0_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    cached_tokens: int
+    l0_cached_tokens: int
     queue_wait_s: float
     l1_cached_tokens: int
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., cached_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., l0_cached_tokens: _Optional[int] = ..., queue_wait_s: _Optional[float] = ..., l1_cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("finish_reason", "stats", "stop_token_id")

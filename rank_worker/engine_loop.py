@@ -15,10 +15,9 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
+from contracts.kv_event_feed import DEFAULT_MAX_BATCHES, KvEventSubscription, snapshot_events
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -33,7 +32,6 @@ from rank_worker.step_timing import StepTiming, StepTimingSummary
 
 log = logging.getLogger(__name__)
 
-DEFAULT_KV_EVENT_QUEUE = 10_000
 # How often the per-request progress the Generate streams report is refreshed (on the engine thread).
 PROGRESS_REFRESH_S = 0.5
 SHUTDOWN_DRAIN_S = 3.0  # the longest a stopping loop steps to let in-flight work land (L1 calls: 1 s deadline)
@@ -105,54 +103,6 @@ def _put_all(items: list[tuple[RequestStream, RequestOutput]]) -> None:
     """On the consumers' event loop: one step's outputs into their streams' queues."""
     for stream, output in items:
         stream._queue.put_nowait(output)
-
-
-class KvEventSubscription:
-    """A bounded queue of KV event batches for one consumer; a consumer that falls behind loses batches
-    (and sees the gap in sequence numbers) rather than growing the worker's memory without bound."""
-
-    def __init__(self, owner: EngineLoop, loop: asyncio.AbstractEventLoop, max_batches: int) -> None:
-        self.dropped_batches = 0
-        self._owner = owner
-        self._loop = loop
-        self._queue: asyncio.Queue[KvEventBatch | None] = asyncio.Queue(max_batches)
-        self._next_sequence = 1  # engine thread only
-
-    def _publish(self, events: tuple[KvEvent, ...]) -> None:
-        """Engine thread."""
-        batch = KvEventBatch(self._next_sequence, events)
-        self._next_sequence += 1
-        self._call(self._offer, batch)
-
-    def _end(self) -> None:
-        """Engine thread: the loop stopped."""
-        self._call(self._offer_end)
-
-    def _call(self, callback: Callable[..., object], *args: object) -> None:
-        with contextlib.suppress(RuntimeError):  # the consumer's loop is closed
-            self._loop.call_soon_threadsafe(callback, *args)
-
-    def _offer(self, batch: KvEventBatch) -> None:
-        if self._queue.full():
-            self.dropped_batches += 1
-        else:
-            self._queue.put_nowait(batch)
-
-    def _offer_end(self) -> None:
-        if self._queue.full():
-            self._queue.get_nowait()  # the end marker must get through; the consumer sees the gap
-        self._queue.put_nowait(None)
-
-    async def get(self) -> KvEventBatch:
-        """The next batch; raises EngineLoopStoppedError once the loop has stopped."""
-        batch = await self._queue.get()
-        if batch is None:
-            self._queue.put_nowait(None)  # keep raising on later calls
-            raise EngineLoopStoppedError("engine loop stopped")
-        return batch
-
-    def close(self) -> None:
-        self._owner._unsubscribe(self)
 
 
 class EngineLoop:
@@ -248,12 +198,13 @@ class EngineLoop:
             return len(self._streams)
 
     def subscribe_kv_events(
-        self, loop: asyncio.AbstractEventLoop | None = None, max_batches: int = DEFAULT_KV_EVENT_QUEUE
+        self, loop: asyncio.AbstractEventLoop | None = None, max_batches: int = DEFAULT_MAX_BATCHES
     ) -> KvEventSubscription:
-        subscription = KvEventSubscription(self, loop or asyncio.get_running_loop(), max_batches)
+        """KV events delivered into `loop` (default: the running event loop): the cache's snapshot, then deltas."""
+        subscription = KvEventSubscription(max_batches, self._unsubscribe, loop or asyncio.get_running_loop())
         with self._cond:
             if self._stopping or self._kv_events_ended:
-                subscription._end()
+                subscription.end()
             else:
                 self._joining.append(subscription)
                 self._cond.notify()
@@ -278,7 +229,7 @@ class EngineLoop:
             self._subscribers = []
             self._joining = []
         for subscription in ended:
-            subscription._end()
+            subscription.end()
 
     def _unsubscribe(self, subscription: KvEventSubscription) -> None:
         with self._cond:
@@ -438,16 +389,13 @@ class EngineLoop:
             self._subscribers.extend(joining)
         if events:
             for subscription in subscribers:
-                subscription._publish(events)
+                subscription.publish(events)
         if joining:
-            # A late subscriber (a restarted router) learns the whole cache first: forget what you knew of
-            # this rank, then everything it holds now; later batches are deltas from that state.
-            snapshot = (
-                KvEvent(KvEventKind.ALL_CLEARED),
-                KvEvent(KvEventKind.STORED, tuple(self._engine.cached_block_hashes())),
-            )
+            # A late subscriber (a restarted router) learns the whole cache first; later batches are deltas
+            # from that state.
+            snapshot = snapshot_events(self._engine.cached_block_hashes())
             for subscription in joining:
-                subscription._publish(snapshot)
+                subscription.publish(snapshot)
 
     def _fail_requests(self, request_ids: list[str], cause: RequestsFailedError) -> bool:
         """Abort and fail just these requests; False if none of them was in the engine."""
@@ -521,4 +469,4 @@ class EngineLoop:
             log.exception("engine failed while stopping")
             self._fail_in_engine(EngineLoopStoppedError("the rank worker is shutting down"))
         for subscription in subscribers:
-            subscription._end()
+            subscription.end()

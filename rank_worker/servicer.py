@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from contracts.kv_event_feed import KvEventsEndedError
 from contracts.kv_events import batch_message
 from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
@@ -82,7 +83,7 @@ def finished_line(request_id: str, finished: pb.Finished) -> str:
     reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
     return (
         f"finished request={request_id} reason={reason} prompt_tokens={stats.prompt_tokens} "
-        f"cached_tokens={stats.cached_tokens} l1_cached_tokens={stats.l1_cached_tokens} "
+        f"l0_cached_tokens={stats.l0_cached_tokens} l1_cached_tokens={stats.l1_cached_tokens} "
         f"output_tokens={stats.output_tokens} queue_ms={stats.queue_wait_s * 1000:.1f} "
         f"prefill_ms={stats.prefill_s * 1000:.1f} total_ms={stats.total_s * 1000:.1f} preemptions={stats.preemptions}"
     )
@@ -198,7 +199,7 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
             while True:
                 try:
                     batch = await subscription.get()
-                except EngineLoopStoppedError:
+                except KvEventsEndedError:
                     return
                 yield batch_message(batch)
         finally:
@@ -233,7 +234,7 @@ async def response_messages(
         if token_ids:
             chunk = pb.TokenChunk(token_ids=token_ids)
             if not sent_first and outputs[0].stats is not None:
-                chunk.cached_tokens = outputs[0].stats.cached_tokens
+                chunk.l0_cached_tokens = outputs[0].stats.l0_cached_tokens
                 chunk.l1_cached_tokens = outputs[0].stats.l1_cached_tokens
                 chunk.queue_wait_s = outputs[0].stats.queue_wait_s
             sent_first = True

@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpc
 
 from contracts import internal_auth
-from contracts.kv_events import KvEvent, kind_of_wire
+from contracts.kv_events import KvEvent, batch_of_message
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2_grpc, rank_worker_pb2_grpc
 from router.rank_registry import RankIdentity
@@ -39,18 +39,6 @@ KVSTORE_CHANNEL_OPTIONS = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES
 
 
 OpenStream = Callable[[grpc.aio.Channel], AsyncIterator[events_pb.KvEventBatch]]
-
-
-def batch_events(batch: events_pb.KvEventBatch) -> list[KvEvent]:
-    """The index's events for a wire batch; events of an unknown kind are skipped."""
-    events = []
-    for event in batch.events:
-        kind = kind_of_wire(event.kind)
-        if kind is None:
-            log.warning("ignoring a KV event of unknown kind %d", event.kind)
-            continue
-        events.append(KvEvent(kind, tuple(event.block_hashes)))
-    return events
 
 
 class EventFeeds:
@@ -138,7 +126,7 @@ class _Feed:
         open_stream: OpenStream,
         *,
         on_reset: Callable[[], None],
-        on_events: Callable[[list[KvEvent]], None],
+        on_events: Callable[[Sequence[KvEvent]], None],
         on_broken: Callable[[], None],
         on_lost: Callable[[str], None] | None,
         lost_after_s: float,
@@ -188,7 +176,7 @@ class _Feed:
                 async for batch in self._open_stream(channel):
                     if batch.sequence != expected:
                         return f"sequence gap: expected {expected}, got {batch.sequence}"
-                    events = batch_events(batch)
+                    events = batch_of_message(batch).events
                     if expected == 1:
                         # The snapshot follows (ALL_CLEARED first by contract; cleared here in any case).
                         self._on_reset()

@@ -49,9 +49,9 @@ def config_from_args(args: argparse.Namespace) -> KvServeConfig:
 
 def build_state(config: KvServeConfig) -> RouterState:
     policy = RoutePolicy(
-        l1_restore_cost=config.l1_restore_cost,
+        l1_restore_cost=config.scheduling.l1_restore_cost,
         overload_prefill_tokens=config.overload_prefill_tokens,
-        warm_prefix_fraction=config.warm_prefix_fraction,  # what the ranks' schedulers call warm
+        warm_prefix_fraction=config.scheduling.warm_prefix_fraction,  # what the ranks' schedulers call warm
     )
     return RouterState(policy, config.session_ttl_secs, config.rank_down_after_secs)
 

@@ -27,7 +27,7 @@ RUNNING_SEQUENCE_TOKENS = 256
 # moving a session throws its L0 prefix away, so "slightly better" is not worth it.
 ESCAPE_SCORE_RATIO = 0.5
 # The cached share that makes a request warm: the ranks' scheduling default, from the one config.
-WARM_PREFIX_FRACTION = DEFAULTS.warm_prefix_fraction
+WARM_PREFIX_FRACTION = DEFAULTS.scheduling.warm_prefix_fraction
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,8 @@ class NoRankAvailableError(Exception):
 
 @dataclass(frozen=True)
 class RouteQuery:
+    """A checked router.proto RouteRequest (router/servicer.py converts it; the gateway sends the message)."""
+
     request_id: str
     session_id: str  # empty: no stickiness
     block_hashes: Sequence[bytes]

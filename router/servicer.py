@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import grpc
 
+from contracts.address import split_host_port
+from contracts.block_hash import BLOCK_HASH_BYTES
+from contracts.ids import MAX_ID_CHARS
 from protos import router_pb2 as pb
 from protos import router_pb2_grpc as pb_grpc
 from router.durable_state import DurableState
 from router.rank_registry import ExpertParallelPlace, RankEntry, RankIdentity, RankLoad
 from router.router_state import NoRankAvailableError, RouteQuery, RouterState
 
-MAX_ID_CHARS = 256  # rank, incarnation, request and session ids: they become Redis keys and log fields
-BLOCK_HASH_BYTES = 16
 NO_RANK_ANSWER = (("kvserve-no-rank", "1"),)  # trailing metadata of Route's "no healthy rank left"
 
 
@@ -30,9 +31,10 @@ def _check_id(name: str, value: str, *, required: bool) -> str:
 
 
 def _check_address(address: str) -> str:
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise InvalidMessageError(f"address must be host:port, got {address!r}")
+    try:
+        split_host_port(address)
+    except ValueError:
+        raise InvalidMessageError(f"address must be host:port, got {address!r}") from None
     return _check_id("address", address, required=True)
 
 

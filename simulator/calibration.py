@@ -1,5 +1,5 @@
 """Predicted against measured: the simulator's steps beside the load generator's steps of a real run
-(bench/results/agents-h200.json: steps [{agents, ttft_p50, ttft_p95, tok_s_p50, cache_hit, ...}]), as the
+(`kvserve bench agents` JSON: steps [{agents, ttft_p50, ttft_p95, tok_s_p50, cache_hit, ...}]), as the
 ratio predicted / measured per statistic and step."""
 
 from __future__ import annotations

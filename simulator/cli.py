@@ -6,8 +6,7 @@ simulator/README.md for what is modelled and what is not.
 
     kvserve bench simulate --shape llama-8b --ranks 1 --agents 4,8,16,32 --monthly-price 20000 --json sim.json
     kvserve bench simulate --synthetic 128k --ranks 8 --agents 16,32,64,128 --scheduling fifo
-    kvserve bench simulate --config bench/configs/agents-h200.yaml --calibrate bench/results/agents-h200.json \
-        --json bench/results/simulate-h200.json
+    kvserve bench simulate --config bench/configs/agents-h200.yaml --calibrate agents.json --json calibrate.json
 """
 
 from __future__ import annotations
@@ -23,11 +22,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS, load_config
+from contracts.config import DEFAULTS, SchedulingConfig, load_config
 from loadgen.agent import ThinkTime
 from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
-from rank_worker.engine.scheduler import SchedulingPolicy
 from router.route_score import RoutePolicy
 from simulator.calibration import COMPARED, compare_steps, load_measured
 from simulator.capacity import capacity_summary, simulate_steps
@@ -36,12 +34,11 @@ from simulator.replay import NodeSettings, WorkloadSettings
 from simulator.sim_rank import RankSettings
 from simulator.step_time import fit_report, fit_step_time, load_engine_results
 
-RESULTS_DIR = Path(__file__).resolve().parent.parent / "bench" / "results"
-# The engine benchmark the simulator is calibrated on: the run of b10acc2, whose engine the decode probe
-# (results/decode-h200.json) measured too. bench/results/engine-h200.json now holds a later, faster engine;
-# the simulator moves to it once a decode probe of that engine exists (both fits must describe one engine).
-CALIBRATION_ENGINE_RESULTS = Path(__file__).resolve().parent / "results" / "engine-h200.json"
-PROBE_DIR = Path(__file__).resolve().parent / "results"
+# The GPU measurements the step-time model and the L1 restore cost are fitted to (engine-, decode- and l1-<gpu>.json).
+CALIBRATION_DIR = Path(__file__).resolve().parent / "results"
+# The engine benchmark the simulator is calibrated on: the engine the decode probe measured too. Later engines are
+# faster; the simulator moves to one once a decode probe of it exists (both fits must describe one engine).
+CALIBRATION_ENGINE_RESULTS = CALIBRATION_DIR / "engine-h200.json"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument(
         "--l1-gb", type=float, default=None, help="node host cache (L1) in GB (default: --config's, else 0)"
     )
-    node.add_argument("--l1-gbps", type=float, default=None, help="restore bandwidth (default: bench/results/l1-*)")
+    node.add_argument("--l1-gbps", type=float, default=None, help="restore bandwidth (default: simulator/results/l1-*)")
     node.add_argument("--l1-restore-cost", type=float, default=None, help="router score")
     node.add_argument(
         "--l1-eviction-horizon-blocks",
@@ -83,13 +80,19 @@ def build_parser() -> argparse.ArgumentParser:
     node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
-    policy.add_argument("--scheduling", choices=("warm_first", "fifo"), default=None)
+    policy.add_argument("--scheduling", dest="scheduling_policy", choices=("warm_first", "fifo"), default=None)
     policy.add_argument("--ab", action="store_true", help="run both policies (fifo and warm_first) side by side")
     policy.add_argument("--warm-prefix-fraction", type=float, default=None)
     policy.add_argument("--max-cold-prefills", type=int, default=None)
-    policy.add_argument("--cold-max-wait", type=float, default=None, help="seconds")
+    policy.add_argument("--cold-max-wait", dest="cold_max_wait_secs", type=float, default=None, help="seconds")
     policy.add_argument("--decode-step-budget-ms", type=float, default=None, help="a step with decoders; 0 = off")
-    policy.add_argument("--min-prefill-chunk", type=int, default=None, help="prefill tokens a step always gets")
+    policy.add_argument(
+        "--min-prefill-chunk",
+        dest="min_prefill_chunk_tokens",
+        type=int,
+        default=None,
+        help="prefill tokens a step always gets",
+    )
     policy.add_argument(
         "--decode-payback",
         action=argparse.BooleanOptionalAction,
@@ -146,36 +149,34 @@ def _fill_from_measured(args: argparse.Namespace, measured: dict[str, Any]) -> N
         args.turns = measured.get("turns")
 
 
-# flag -> config key: what a node runs with, from the stack's config unless given on the command line
-_FROM_CONFIG = {
-    "gpu_memory_utilization": "gpu_memory_utilization",
-    "block_size": "block_size",
-    "max_num_seqs": "max_num_seqs",
-    "l1_restore_cost": "l1_restore_cost",
-    "l1_eviction_horizon_blocks": "l1_eviction_horizon_blocks",
-    "overload_prefill_tokens": "overload_prefill_tokens",
-    "scheduling": "scheduling_policy",
-    "warm_prefix_fraction": "warm_prefix_fraction",
-    "max_cold_prefills": "max_cold_prefills",
-    "cold_max_wait": "cold_max_wait_secs",
-    "decode_step_budget_ms": "decode_step_budget_ms",
-    "min_prefill_chunk": "min_prefill_chunk_tokens",
-    "decode_payback": "decode_payback",
-}
+# Config keys a node runs with besides its scheduling section, from the stack's config unless given on the command
+# line (each flag's dest is its key).
+_FROM_CONFIG = (
+    "gpu_memory_utilization",
+    "block_size",
+    "max_num_seqs",
+    "l1_eviction_horizon_blocks",
+    "overload_prefill_tokens",
+)
 
 
-def _fill_from_config(args: argparse.Namespace) -> None:
-    """Node settings from --config (a served stack's YAML) or the config's defaults, unless given here."""
+def _fill_from_config(args: argparse.Namespace) -> SchedulingConfig:
+    """Node settings from --config (a served stack's YAML) or the config's defaults, unless given here; returns
+    the config's scheduling section with the flags given here over it (a flag's dest is its key there)."""
     config = load_config(args.config) if args.config else DEFAULTS
-    for name, key in _FROM_CONFIG.items():
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(config, key))
-    if args.decode_step_budget_ms is None:  # unset in the config too: the simulated rank is a GPU's
-        args.decode_step_budget_ms = GPU_DECODE_STEP_BUDGET_MS
+    for key in _FROM_CONFIG:
+        if getattr(args, key) is None:
+            setattr(args, key, getattr(config, key))
+    given = {key: getattr(args, key) for key in SchedulingConfig.model_fields if getattr(args, key, None) is not None}
+    scheduling = config.scheduling.model_copy(update=given)
+    # The simulated rank is a GPU's, whose budget an unset one is; solo prefills are not simulated.
+    scheduling = scheduling.model_copy(
+        update={"decode_step_budget_ms": scheduling.step_budget_ms(cuda=True), "solo_prefill_tokens": 0}
+    )
     if args.config is None:
         args.shape = args.shape or "llama-8b"
         args.l1_gb = 0.0 if args.l1_gb is None else args.l1_gb
-        return
+        return scheduling
     if args.shape is None:
         args.shape = config.model if config.model.endswith("config.json") else "llama-8b"
     if args.max_num_batched_tokens is None:
@@ -184,6 +185,7 @@ def _fill_from_config(args: argparse.Namespace) -> None:
         args.max_context = config.max_model_len
     if args.l1_gb is None:
         args.l1_gb = config.l1_host_gb if config.l1_cache and config.prefix_cache else 0.0
+    return scheduling
 
 
 def _think(text: str, cap_s: float) -> ThinkTime:
@@ -205,12 +207,12 @@ def _agent_counts(text: str) -> list[int]:
 def _l1_gbps(args: argparse.Namespace, gpu_tag: str) -> float:
     if args.l1_gbps is not None:
         return args.l1_gbps
-    path = RESULTS_DIR / f"l1-{gpu_tag}.json"
+    path = CALIBRATION_DIR / f"l1-{gpu_tag}.json"
     if path.is_file():
         rows = json.loads(path.read_text()).get("restore", [])
         if rows:
             return float(max(rows, key=lambda r: r["bytes"])["GBps"])
-    return 50.0  # the H200's measured scattered restore bandwidth (bench/results/l1-h200.json)
+    return 50.0  # the H200's scattered restore bandwidth (results/l1-h200.json)
 
 
 def main(argv: list[str]) -> int:
@@ -220,7 +222,7 @@ def main(argv: list[str]) -> int:
         measured = load_measured(args.calibrate) if args.calibrate else None
         if measured is not None:
             _fill_from_measured(args, measured)
-        _fill_from_config(args)
+        scheduling = _fill_from_config(args)
         agent_counts = _agent_counts(args.agents or "4,8,16,32")
         think = _think(args.think_time if args.think_time is not None else "3", args.max_think)
         if args.ranks < 1:
@@ -228,7 +230,7 @@ def main(argv: list[str]) -> int:
         facts = shape_facts(args.shape)
         engine_results = load_engine_results(args.engine_results)
         gpu_tag = Path(args.engine_results).stem.removeprefix("engine-")
-        probe_path = args.decode_results or str(PROBE_DIR / f"decode-{gpu_tag}.json")
+        probe_path = args.decode_results or str(CALIBRATION_DIR / f"decode-{gpu_tag}.json")
         # The default file is used when there is one; a named one must be there.
         named = args.decode_results not in (None, "none")
         probe = load_engine_results(probe_path) if named or Path(probe_path).is_file() else None
@@ -271,9 +273,9 @@ def main(argv: list[str]) -> int:
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * args.block_size))
     route = RoutePolicy(
-        l1_restore_cost=args.l1_restore_cost,
+        l1_restore_cost=scheduling.l1_restore_cost,
         overload_prefill_tokens=args.overload_prefill_tokens,
-        warm_prefix_fraction=args.warm_prefix_fraction,
+        warm_prefix_fraction=scheduling.warm_prefix_fraction,
     )
     workload = WorkloadSettings(
         agents=agent_counts[0],
@@ -292,24 +294,15 @@ def main(argv: list[str]) -> int:
         f"({kv_blocks * args.block_size:,} tokens each), L1 {l1_blocks} blocks, context scale {factor:.4g}, "
         f"max context {max_context}"
     )
-    policies = ("fifo", "warm_first") if args.ab else (args.scheduling,)
+    policies = ("fifo", "warm_first") if args.ab else (scheduling.scheduling_policy,)
     runs: dict[str, list[dict[str, Any]]] = {}
     started = time.monotonic()
     for name in policies:
-        policy = SchedulingPolicy(
-            name,
-            args.warm_prefix_fraction,
-            args.max_cold_prefills,
-            args.cold_max_wait,
-            args.l1_restore_cost,
-            args.decode_step_budget_ms,
-            args.min_prefill_chunk,
-            decode_payback=args.decode_payback,
-        )
+        policy = scheduling.model_copy(update={"scheduling_policy": name})
         node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
         runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
         _print_table(f"predicted steps ({name})", runs[name])
-    steps = runs[args.scheduling if args.scheduling in runs else policies[-1]]
+    steps = runs[scheduling.scheduling_policy if scheduling.scheduling_policy in runs else policies[-1]]
     summary = capacity_summary(steps, args.monthly_price)
     _print_summary(summary, args.ranks)
 
@@ -324,15 +317,8 @@ def main(argv: list[str]) -> int:
         "config": args.config,
         "kv_blocks_per_rank": kv_blocks,
         "l1_blocks": l1_blocks,
-        "policy": args.scheduling,
-        "scheduling": {
-            "warm_prefix_fraction": args.warm_prefix_fraction,
-            "max_cold_prefills": args.max_cold_prefills,
-            "cold_max_wait_secs": args.cold_max_wait,
-            "decode_step_budget_ms": args.decode_step_budget_ms,
-            "min_prefill_chunk_tokens": args.min_prefill_chunk,
-            "decode_payback": args.decode_payback,
-        },
+        "policy": scheduling.scheduling_policy,
+        "scheduling": scheduling.model_dump(exclude={"scheduling_policy", "l1_restore_cost"}),  # those: policy, route
         "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
         "route": dataclasses.asdict(route),
         "heartbeat_interval_s": NodeSettings.heartbeat_interval_s,

@@ -76,7 +76,7 @@ def _running(engine: PagedEngine, request_id: str, computed: int, total: int) ->
     )
     assert engine.kv.allocate(seq, total), "the pool is too small for this case"
     seq.num_computed_tokens = computed
-    seq.num_cached_tokens = computed
+    seq.num_l0_cached_tokens = computed
     seq.status = SequenceStatus.RUNNING
     engine.scheduler.running.append(seq)
     return seq

@@ -27,13 +27,13 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contracts.config import SchedulingConfig  # noqa: E402
 from loadgen.agent import ThinkTime  # noqa: E402
 from loadgen.report import step_stats  # noqa: E402
 from loadgen.traces import AgentTrace, TraceTurn, synthetic  # noqa: E402
 from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
-from rank_worker.engine.scheduler import SchedulingPolicy  # noqa: E402
 from rank_worker.engine.sequence import Sequence, SequenceStatus  # noqa: E402
 from simulator.replay import NodeSettings, Replay, WorkloadSettings  # noqa: E402
 from simulator.sim_rank import RankSettings, StepOutcome  # noqa: E402
@@ -95,7 +95,7 @@ class EngineRank:
             seq = self._mine[out.request_id]
             seq.token_ids.extend([0] * len(out.new_token_ids))  # counts only: outputs are never reused
             if out.stats is not None:
-                seq.num_cached_tokens = out.stats.cached_tokens
+                seq.num_l0_cached_tokens = out.stats.l0_cached_tokens
                 seq.num_l1_cached_tokens = out.stats.l1_cached_tokens
             if seq.first_token_time is None:
                 seq.first_token_time = end
@@ -113,19 +113,13 @@ class EngineRank:
 
 def _engine(shape: str, rank: RankSettings, max_len: int) -> PagedEngine:
     model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
-    policy = rank.policy
     settings = EngineSettings(
         num_blocks=rank.num_blocks,
         block_size=rank.block_size,
         max_model_len=max_len,
         max_num_seqs=rank.max_num_seqs,
         max_num_batched_tokens=rank.max_num_batched_tokens,
-        scheduling_policy=policy.name,
-        warm_prefix_fraction=policy.warm_prefix_fraction,
-        max_cold_prefills=policy.max_cold_prefills,
-        cold_max_wait_secs=policy.cold_max_wait_secs,
-        decode_step_budget_ms=policy.decode_step_budget_ms,
-        min_prefill_chunk_tokens=policy.min_prefill_chunk_tokens,
+        scheduling=rank.policy,
     )
     return PagedEngine(model, settings)
 
@@ -165,7 +159,7 @@ def scenarios(quick: bool) -> list[dict[str, Any]]:
 def run_scenario(
     scenario: dict[str, Any], rank: RankSettings, step_time: StepTimeModel, engine: PagedEngine | None
 ) -> dict[str, Any]:
-    policy = SchedulingPolicy(scenario["policy"])
+    policy = SchedulingConfig(scheduling_policy=scenario["policy"])
     node = NodeSettings(1, RankSettings(**{**rank.__dict__, "policy": policy}))
     workload = WorkloadSettings(
         agents=scenario["agents"], turns=scenario["turns"], think=ThinkTime(fixed=scenario["think"])

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Any
 
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+from contracts.model_types import DEEPSEEK, architecture_of
 
 
 def is_mla(config: dict[str, Any]) -> bool:
-    return str(config.get("model_type", "")) in DEEPSEEK_TYPES
+    return architecture_of(str(config.get("model_type", ""))) == DEEPSEEK
 
 
 def _mla_attention_params(config: dict[str, Any]) -> int:

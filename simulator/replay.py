@@ -55,7 +55,7 @@ class NodeSettings:
     l1_blocks: int = 0  # the node's host cache in blocks; 0 = no L1
     route: RoutePolicy = field(
         default_factory=lambda: RoutePolicy(
-            l1_restore_cost=DEFAULTS.l1_restore_cost,
+            l1_restore_cost=DEFAULTS.scheduling.l1_restore_cost,
             overload_prefill_tokens=DEFAULTS.overload_prefill_tokens,
         )
     )
@@ -255,7 +255,7 @@ class Replay:
 
     def _record(self, call: _Call, seq: Sequence, error: str | None = None) -> None:
         answered = error is None and seq.first_token_time is not None
-        cached = (seq.num_cached_tokens or 0) + seq.num_l1_cached_tokens if answered else 0
+        cached = (seq.num_l0_cached_tokens or 0) + seq.num_l1_cached_tokens if answered else 0
         if answered:
             self._l1_tokens += seq.num_l1_cached_tokens
         agent = call.agent

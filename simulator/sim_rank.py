@@ -17,10 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from contracts.config import SchedulingConfig
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.kv_cache_manager import KvCacheManager
-from rank_worker.engine.scheduler import Scheduler, SchedulingPolicy
+from rank_worker.engine.scheduler import Scheduler
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from simulator.host_cache import NodeHostCache, RankHostTier
@@ -34,7 +35,7 @@ class RankSettings:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 32768
     max_model_len: int = 131072
-    policy: SchedulingPolicy = field(default_factory=SchedulingPolicy)
+    policy: SchedulingConfig = field(default_factory=SchedulingConfig)  # the config's section, as a rank's
     kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
     l1_bytes_per_s: float = 50e9
     l1_eviction_horizon_blocks: int | None = None  # None: the engine's default for a full chunk

@@ -17,7 +17,7 @@ the benchmark's cold prefills pin alpha and beta, its warm TTFTs (1K new tokens 
 its warm prefills (8K over 32K, 4K over 100K, where measured) and the probe's 8K chunk over 64K cached pin
 gamma and delta, and the cold 32K/100K TTFTs (chunked) tie them together. The five coefficients are a
 non-negative least-squares fit of all these points, each weighted by 1/measured (relative error). On
-DeepSeek-V2-Lite (bench/results/engine-dsv2-lite-h200.json) delta is 0.3 us a cached token (120 ms a chunk
+DeepSeek-V2-Lite (simulator/results/engine-dsv2-lite-h200.json) delta is 0.3 us a cached token (120 ms a chunk
 over 400K) and without it the worst point was 17% off, with it 7%; on llama-8b 0.25 us with the decode probe's
 8K chunk over 64K (0.03 us from the engine benchmark alone).
 

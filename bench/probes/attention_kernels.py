@@ -2,7 +2,8 @@
 eager ops, on one layer of the llama-8b shape (32 query heads, 8 kv heads, head_dim 128, bf16) over a
 scattered paged pool. Prints a table, writes JSON.
 
-    python bench/probes/attention_kernels.py --out bench/results/attention-kernels-h200.json   # on the H200
+    python bench/probes/attention_kernels.py \
+        --out bench/results/2026-12-01-h200-attention-kernels/attention-kernels.json   # on the H200
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ and a client in another process streaming --streams requests. A step's wall time
 time: the engine's own work plus its waits for the GIL. The switch interval is process-wide: each one is set
 before its own server starts.
 
-    python bench/probes/gil_wait.py --intervals default,1,0.5,0.2 --out bench/results/gil-wait-cpu.json
+    python bench/probes/gil_wait.py --intervals default,1,0.5,0.2 \
+        --out bench/results/2026-12-01-cpu-gil-wait/gil-wait.json
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ rows. Here the model is a stand-in that returns logits at once, the decode graph
 padded-input path as a replay), and what is left is the engine's own Python: its CPU time (not wall time,
 so a shared machine's other work does not count), best of several repeats. Runs on the CPU.
 
-    python bench/probes/host_step.py --out bench/results/host-step-cpu.json
+    python bench/probes/host_step.py --out host-step.json
 """
 
 from __future__ import annotations

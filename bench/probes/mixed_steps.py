@@ -6,8 +6,8 @@ The agent benchmark's rank log showed mixed steps of 45-75 ms carrying 400-1300 
 cold 8K prefill does at ~27 us a token: this probe says whether a mixed step costs decode + chunk, or more,
 and for which chunk shapes (one cold chunk, many small ones, a warm one over a long prefix).
 
-    python bench/probes/mixed_steps.py --out bench/results/mixed-steps-h200.json               # on the H200
-    python bench/probes/mixed_steps.py --shape tiny --quick                                    # smoke run here
+    python bench/probes/mixed_steps.py --out bench/results/2026-12-01-h200-mixed-steps/mixed-steps.json   # on the H200
+    python bench/probes/mixed_steps.py --shape tiny --quick                                        # smoke run here
 """
 
 from __future__ import annotations

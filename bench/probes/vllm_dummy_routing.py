@@ -4,7 +4,7 @@ vLLM draws every parameter uniform in (-1e-3, 1e-3). The residual stream is then
 bf16 logits come out ~1e-5, and vLLM 0.25's grouped top-k (fused_moe/router/grouped_topk_router.py) takes
 torch.softmax of those bf16 logits, which returns bf16: all 64 probabilities round to exactly 2^-6, top-k sees a
 64-way tie, and every token of a batch gets the same 6 experts. Our router scores in float32 and spreads the
-tokens (bench/results/dsv2-decode-h200-moe-kernel: 50 of 64 experts hit at 16 rows). This prints both for a
+tokens (bench/results/2026-12-02-h200-dsv2-decode: 50 of 64 experts hit at 16 rows). This prints both for a
 batch drawn the same way; bench/peer_h200.sh VLLM_ROUTING=uniform_random gives vLLM random routing instead.
 
     python3 bench/probes/vllm_dummy_routing.py

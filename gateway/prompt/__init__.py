@@ -1,1 +1,1 @@
-"""Turning a ChatRequest into the prompt text a model was trained on."""
+"""From a request's conversation to the served model's prompt text and tokens, and the output back to text."""

@@ -10,9 +10,7 @@ from typing import Any, NoReturn
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-
-class ChatTemplateError(ValueError):
-    """The template refused the messages (raise_exception) or could not be rendered."""
+from gateway.http.errors import ChatTemplateError
 
 
 def _raise_exception(message: str) -> NoReturn:

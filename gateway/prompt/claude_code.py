@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.chat import Role
+from gateway.prompt.chat import Role
 
 # "x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=cli; cch=1a2b3;" changes on every
 # request: left in, it makes every prompt differ from its first token and no prefix is ever cached.

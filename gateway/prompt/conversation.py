@@ -7,7 +7,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
+from gateway.prompt.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
 from gateway.prompt.claude_code import split_session_facts
 
 

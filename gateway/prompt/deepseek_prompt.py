@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gateway.chat import ChatMessage, ChatRequest
+from gateway.prompt.chat import ChatMessage, ChatRequest
 from gateway.prompt.conversation import join_sections, system_prompt, tool_choice_line, tools_in_force
 from gateway.prompt.dsml_prompt import dsml_calls, dsml_results, dsml_tools_section
 

@@ -4,7 +4,7 @@ deepseek_prompt's."""
 
 from __future__ import annotations
 
-from gateway.chat import ChatMessage, ToolCall, ToolSpec
+from gateway.prompt.chat import ChatMessage, ToolCall, ToolSpec
 from gateway.prompt.conversation import function_schema, to_json, tool_result_text
 
 DSML = "｜DSML｜"

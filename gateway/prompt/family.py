@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import re
 
-FAMILIES = ("hermes", "deepseek_dsml")
+from contracts.model_types import DEEPSEEK_DSML, HERMES, PROMPT_FAMILIES, prompt_family_of
+
+FAMILIES = PROMPT_FAMILIES
 _DSML = "｜DSML｜"
 _DSML_MODEL = re.compile(r"deepseek.*(v3[._-]?2|v4)", re.IGNORECASE)
-# config.json model_type of the DeepSeek architectures (MLA + MoE): V2 and V2.5, V3 and V3.1 (and R1), V3.2.
-DEEPSEEK_MODEL_TYPES = frozenset({"deepseek_v2", "deepseek_v3", "deepseek_v32"})
 _DEEPSEEK_TEMPLATE_MARKERS = ("<｜Assistant｜>", "'Assistant:")  # V2.5 and later; V2(-Lite)-Chat
 
 
@@ -16,26 +16,27 @@ def family_for(model_id: str, chat_template: str, vocab: set[str] | None = None,
     """ "deepseek_dsml" for the DeepSeek family (DeepSeek's turn markers, DSML tool calls), else "hermes"
     (<tool_call> JSON).
 
-    The architecture the rank reports (model_type) decides first: a DeepSeek checkpoint served from a local
-    path, or with another model's tokenizer (a benchmark shape), names its family nowhere else. Without it,
-    DSML in the template or vocabulary, or a V3.2/V4 model id, says DeepSeek. Hermes is the default: Qwen
-    and SmolLM2 use it, and a model trained on neither follows its instructions in the system prompt more
-    readily than DSML's."""
-    if model_type in DEEPSEEK_MODEL_TYPES:
-        return "deepseek_dsml"
+    The architecture the rank reports (model_type) decides first, where the model types' table
+    (contracts/model_types.py) fixes its family: a DeepSeek checkpoint served from a local path, or with another
+    model's tokenizer (a benchmark shape), names its family nowhere else. Otherwise DSML in the template or
+    vocabulary, or a V3.2/V4 model id, says DeepSeek. Hermes is the default: Qwen and SmolLM2 use it, and a
+    model trained on neither follows its instructions in the system prompt more readily than DSML's."""
+    family = prompt_family_of(model_type)
+    if family is not None:
+        return family
     if _DSML in chat_template or (vocab is not None and any(_DSML in token for token in vocab)):
-        return "deepseek_dsml"
+        return DEEPSEEK_DSML
     if _DSML_MODEL.search(model_id):
-        return "deepseek_dsml"
-    return "hermes"
+        return DEEPSEEK_DSML
+    return HERMES
 
 
-def thinks(model_id: str, chat_template: str, vocab: set[str] | None = None, family: str = "hermes") -> bool:
+def thinks(model_id: str, chat_template: str, vocab: set[str] | None = None, family: str = HERMES) -> bool:
     """Whether the model may open its answers with <think> reasoning (SmolLM2: no; Qwen3, DeepSeek R1, V3.1,
     V3.2: yes)."""
     if "<think>" in chat_template or "enable_thinking" in chat_template:
         return True
-    if family == "deepseek_dsml" and any(marker in chat_template for marker in _DEEPSEEK_TEMPLATE_MARKERS):
+    if family == DEEPSEEK_DSML and any(marker in chat_template for marker in _DEEPSEEK_TEMPLATE_MARKERS):
         return False  # DeepSeek's own template without <think> (V2, V3): V3's vocabulary has it for R1's sake
     return vocab is not None and "<think>" in vocab
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from gateway.chat import ChatMessage, ChatRequest, ToolSpec
+from gateway.prompt.chat import ChatMessage, ChatRequest, ToolSpec
 from gateway.prompt.conversation import (
     call_json,
     function_schema,

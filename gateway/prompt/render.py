@@ -17,8 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from gateway.chat import ChatMessage, ChatRequest
-from gateway.prompt.chat_template import ChatTemplateError, render_chat
+from gateway.http.errors import ChatTemplateError
+from gateway.prompt.chat import ChatMessage, ChatRequest
+from gateway.prompt.chat_template import render_chat
 from gateway.prompt.conversation import (
     function_schema,
     join_sections,
@@ -72,7 +73,7 @@ class ModelTemplate:
 def render_prompt(chat: ChatRequest, template: ModelTemplate) -> str:
     """The prompt text for `chat`, ending with the template's generation prompt.
 
-    Raises gateway.prompt.chat_template.ChatTemplateError when the template refuses the conversation."""
+    Raises gateway.http.errors.ChatTemplateError when the template refuses the conversation."""
     if template.family == "deepseek_dsml":
         markers = markers_for(template.chat_template)
         return deepseek_prompt(chat, markers, thinks=template.thinks, eos_token=template.eos_token)

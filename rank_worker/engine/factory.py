@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from contracts.config import GPU_DECODE_STEP_BUDGET_MS, KvServeConfig
+from contracts.config import KvServeConfig, SchedulingConfig
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, solo_prefill_tokens
@@ -19,13 +19,11 @@ from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.model.attention.kv_quant import check_backend, pool_dtype
 from rank_worker.model.causal_lm import CausalLM
-from rank_worker.model.config import LlamaFamilyConfig, is_deepseek
-from rank_worker.model.deepseek import DeepseekForCausalLM
-from rank_worker.model.deepseek_config import DeepseekConfig
-from rank_worker.model.feature_check import check_supported
-from rank_worker.model.llama import RANDOM_INIT_SCHEMES, LlamaForCausalLM
+from rank_worker.model.llama import RANDOM_INIT_SCHEMES
 from rank_worker.model.moe import MoE
-from rank_worker.model_files.source import ModelSource, SkipTensor, open_model_source
+from rank_worker.model.registry import model_classes
+from rank_worker.model_files.opener import open_model_source
+from rank_worker.model_files.source import ModelSource, SkipTensor
 from rank_worker.model_files.weights_digest import random_weights_digest
 
 log = logging.getLogger(__name__)
@@ -78,29 +76,20 @@ def build_model(
     random_weights: str = "normal",
     shard: ExpertShard = WHOLE,
 ) -> CausalLM:
-    """The model of source's config.json (Llama family or DeepSeek), its features checked before any weight
-    is read (a refusal takes a second), then loaded or given random weights. shard: the routed experts this
-    rank holds in an expert-parallel group; only their tensors are read (random ones: the whole model's rows)."""
-    model: DeepseekForCausalLM | LlamaForCausalLM
-    skip: SkipTensor | None = None
-    if is_deepseek(source.hf_config):
-        deepseek = DeepseekConfig.from_hf(source.hf_config)  # raises UnsupportedModelError naming what is not
-        if not shard.whole:
-            _check_moe(shard, deepseek.n_routed_experts, source.model_id)
-        with _default_dtype(dtype), torch.device(device):
-            model = DeepseekForCausalLM(deepseek, max_positions=max_positions, shard=shard)
-        skip = None if shard.whole else model.skipped_by_shard
-    else:
-        if not shard.whole:
-            _check_moe(shard, 0, source.model_id)  # the Llama family has no routed experts: refused
-        cfg = LlamaFamilyConfig.from_hf(source.hf_config)
-        check_supported(source.hf_config, max_positions)
-        with _default_dtype(dtype), torch.device(device):
-            model = LlamaForCausalLM(cfg, max_positions=max_positions)
+    """The model of source's config.json (its family's classes: model/registry.py), its features checked before
+    any weight is read (a refusal takes a second), then loaded or given random weights. shard: the routed experts
+    this rank holds in an expert-parallel group; only their tensors are read (random ones: the whole model's rows)."""
+    classes = model_classes(source.hf_config)
+    cfg = classes.config.for_serving(source.hf_config, max_positions)  # UnsupportedModelError naming what is not
+    if not shard.whole:
+        _check_moe(shard, cfg.n_routed_experts, source.model_id)
+    with _default_dtype(dtype), torch.device(device):
+        model = classes.model(cfg, max_positions=max_positions, shard=shard)
     if source.load_weights is None:
         log.info("random weights (load_format dummy), seed %d, %s", seed, random_weights)
         model.init_random_weights(seed, random_weights)
     else:
+        skip: SkipTensor | None = None if shard.whole else model.skipped_by_shard
         model.load_hf_weights(source.load_weights(skip))
     log.info("%s", weight_memory(model, shard))
     return model.eval()
@@ -175,7 +164,7 @@ def _profile_peak_bytes(
         num_blocks=1,
         max_model_len=max_model_len,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        solo_prefill_tokens=config.solo_prefill_tokens,
+        scheduling=config.scheduling,
     )
     tokens = max(config.max_num_batched_tokens, solo_prefill_tokens(limits, backend))
     settings = EngineSettings(
@@ -187,7 +176,8 @@ def _profile_peak_bytes(
         cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
         attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
         kv_cache_dtype=config.kv_cache_dtype,
-        solo_prefill_tokens=tokens,  # the engine resolves it to 0 where tokens is max_num_batched_tokens
+        # the engine resolves it to 0 where tokens is max_num_batched_tokens
+        scheduling=SchedulingConfig(solo_prefill_tokens=tokens),
     )
     from rank_worker.engine.interface import EngineRequest, SamplingParams
 
@@ -284,6 +274,7 @@ def build_engine(
         device,
         kv_dtype,
     )
+    budget_ms = decode_step_budget_ms(config, device)
     settings = EngineSettings(
         num_blocks=num_blocks,
         block_size=config.block_size,
@@ -296,30 +287,20 @@ def build_engine(
         model_id=source.model_id,
         weights_digest=digest,
         seed=config.seed,
-        scheduling_policy=config.scheduling_policy,
-        warm_prefix_fraction=config.warm_prefix_fraction,
-        max_cold_prefills=config.max_cold_prefills,
-        cold_max_wait_secs=config.cold_max_wait_secs,
-        l1_restore_cost=config.l1_restore_cost,
-        decode_step_budget_ms=decode_step_budget_ms(config, device),
-        min_prefill_chunk_tokens=config.min_prefill_chunk_tokens,
+        scheduling=config.scheduling.model_copy(update={"decode_step_budget_ms": budget_ms}),
         cuda_graphs=config.cuda_graphs,
         attention_backend=config.attention_backend,
         kv_cache_dtype=config.kv_cache_dtype,
         pipeline_steps=config.pipeline_steps,
         l1_offload_bytes_per_step=int(config.l1_offload_mb_per_step * (1 << 20)),
         l1_eviction_horizon_blocks=config.l1_eviction_horizon_blocks,
-        solo_prefill_tokens=config.solo_prefill_tokens,
-        decode_payback=config.decode_payback,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client, lockstep=lockstep)
 
 
 def decode_step_budget_ms(config: KvServeConfig, device: torch.device) -> float:
     """The configured budget, or where unset GPU_DECODE_STEP_BUDGET_MS on CUDA and off on the CPU."""
-    if config.decode_step_budget_ms is not None:
-        return config.decode_step_budget_ms
-    return GPU_DECODE_STEP_BUDGET_MS if device.type == "cuda" else 0.0
+    return config.scheduling.step_budget_ms(cuda=device.type == "cuda")
 
 
 def _default_served_name(model_id: str) -> str:

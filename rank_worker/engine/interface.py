@@ -11,8 +11,6 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
-
 from contracts.kv_events import KvEvent
 
 
@@ -66,13 +64,13 @@ class EngineRequest:
 @dataclass
 class RequestStats:
     prompt_tokens: int = 0
-    cached_tokens: int = 0
+    l0_cached_tokens: int = 0  # served from the L0 prefix cache (GPU); cached in all: l0 + l1
     output_tokens: int = 0
     queue_wait_s: float = 0.0
     prefill_s: float = 0.0
     total_s: float = 0.0
     preemptions: int = 0
-    l1_cached_tokens: int = 0  # restored from the L1 host cache (not counted in cached_tokens)
+    l1_cached_tokens: int = 0  # restored from the L1 host cache (after the L0 ones, not counted in them)
 
 
 @dataclass
@@ -164,14 +162,6 @@ class Engine(ABC):
 
     @abstractmethod
     def stats(self) -> EngineStats: ...
-
-    @abstractmethod
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        """Copy physical blocks out (all layers of each block, contiguous): [n, block_bytes_shape...]."""
-
-    @abstractmethod
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        """Write blocks exported by export_blocks (same model, same layout) into these physical blocks."""
 
     def request_progress(self, request_id: str) -> tuple[int, bool] | None:
         """(prompt tokens computed, still queued) of a request the engine holds; None if unknown."""

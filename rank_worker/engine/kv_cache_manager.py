@@ -9,13 +9,12 @@ from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from typing import Protocol
 
-from contracts.block_hash import chain_block_hash, lookup_block_count, prefix_block_hashes
+from contracts.block_hash import BLOCK_HASH_BYTES, chain_block_hash, lookup_block_count, prefix_block_hashes
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.host_fetch import HostFetch
 
 log = logging.getLogger(__name__)
-HASH_BYTES = 16  # contracts.block_hash: 128-bit xxh3
 
 
 class HostCacheTier(Protocol):
@@ -56,8 +55,8 @@ class KvCacheManager:
             self._refused("namespace", f"namespace {namespace.hex()} is not this rank's {self.namespace.hex()}")
         elif len(sent) != full_blocks:
             self._refused("count", f"{len(sent)} hashes for a prompt of {full_blocks} full blocks")
-        elif any(len(block_hash) != HASH_BYTES for block_hash in sent):
-            self._refused("size", f"a hash that is not {HASH_BYTES} bytes long")
+        elif any(len(block_hash) != BLOCK_HASH_BYTES for block_hash in sent):
+            self._refused("size", f"a hash that is not {BLOCK_HASH_BYTES} bytes long")
         else:
             return list(sent)  # our own list: the sequence extends it with its output blocks
         return []

@@ -3,7 +3,6 @@ continuous batching around the model (the Llama family or DeepSeek: model/causal
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
@@ -13,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
-from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS
+from contracts.config import SchedulingConfig
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.gpu_timer import span_s
@@ -31,7 +30,7 @@ from rank_worker.engine.interface import (
 )
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import LaunchedStep, ModelRunner, kv_pool_shape
-from rank_worker.engine.scheduler import PolicyName, ScheduledBatch, Scheduler, SchedulingPolicy
+from rank_worker.engine.scheduler import ScheduledBatch, Scheduler
 from rank_worker.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
 from rank_worker.engine.step_inputs import CarriedTokens
@@ -60,44 +59,24 @@ class EngineSettings:
     model_id: str = "model"
     weights_digest: str = ""  # part of the block-hash namespace: another checkpoint never shares its KV
     seed: int = 0
-    scheduling_policy: PolicyName = "warm_first"
-    warm_prefix_fraction: float = 0.5
-    max_cold_prefills: int = 0
-    cold_max_wait_secs: float = 30.0
-    l1_restore_cost: float = 0.05  # the router's, so the load the rank reports is in its unit
-    decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders: prefill cut to fit; 0 = off
-    min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill every step gets under that budget
+    # The config's section as it is (the factory resolves decode_step_budget_ms for the device first; unset here:
+    # a GPU's); its solo_prefill_tokens unset: what the attention backend prefers (solo_prefill_tokens below).
+    scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
-    attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/backend.py)
+    attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/selector.py)
     kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
     pipeline_steps: bool = True  # launch step N+1 before reading step N's tokens (see _launch_successor)
     l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
     # L1Tier: the cache entries L0 evicts next, offered to L1 again (eviction_horizon.py); None: sized to the
     # longest step (eviction_horizon_blocks below); 0: write-through only
     l1_eviction_horizon_blocks: int | None = None
-    # A cold prompt alone on the rank: prefilled in one step up to this many tokens (scheduler.py); None: what the
-    # attention backend prefers (AttentionBackend.solo_prefill_tokens); 0: in max_num_batched_tokens chunks.
-    solo_prefill_tokens: int | None = None
-    decode_payback: bool = False  # scheduler.py: steps past the decode budget paid back by decode-only steps
-
-    @property
-    def scheduling(self) -> SchedulingPolicy:
-        return SchedulingPolicy(
-            self.scheduling_policy,
-            self.warm_prefix_fraction,
-            self.max_cold_prefills,
-            self.cold_max_wait_secs,
-            self.l1_restore_cost,
-            self.decode_step_budget_ms,
-            self.min_prefill_chunk_tokens,
-            decode_payback=self.decode_payback,
-        )
 
 
 def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> int:
     """The scheduler's solo_prefill_tokens: the setting, or where unset the backend's preference; within
     max_model_len, and 0 where it would not pass max_num_batched_tokens (a step takes that much anyway)."""
-    wanted = backend.solo_prefill_tokens if settings.solo_prefill_tokens is None else settings.solo_prefill_tokens
+    setting = settings.scheduling.solo_prefill_tokens
+    wanted = backend.solo_prefill_tokens if setting is None else setting
     solo = min(wanted, settings.max_model_len)
     return solo if solo > settings.max_num_batched_tokens else 0
 
@@ -178,7 +157,7 @@ class PagedEngine(Engine):
                 eviction_horizon_blocks=eviction_horizon_blocks(settings, solo),
             )
         self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
-        policy = dataclasses.replace(settings.scheduling, solo_prefill_tokens=solo)
+        policy = settings.scheduling.model_copy(update={"solo_prefill_tokens": solo})
         self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, policy)
         self.runner = ModelRunner(
             model,
@@ -541,7 +520,7 @@ class PagedEngine(Engine):
         end = seq.finish_time or time.monotonic()
         return RequestStats(
             prompt_tokens=seq.num_prompt_tokens,
-            cached_tokens=seq.num_cached_tokens or 0,
+            l0_cached_tokens=seq.num_l0_cached_tokens or 0,
             l1_cached_tokens=seq.num_l1_cached_tokens,
             output_tokens=seq.num_output_tokens,
             queue_wait_s=(scheduled or end) - seq.arrival_time,
@@ -579,16 +558,6 @@ class PagedEngine(Engine):
             l1_offloaded_blocks=self.l1.offloaded_blocks if self.l1 is not None else 0,
             l1_copies_in_flight=self.l1.copies_in_flight if self.l1 is not None else 0,
         )
-
-    def export_blocks(self, block_ids: list[int]) -> torch.Tensor:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        return self.kv_cache.index_select(0, index)
-
-    def import_blocks(self, block_ids: list[int], data: torch.Tensor) -> None:
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.kv_cache.device)
-        data = data.to(self.kv_cache.device, self.kv_cache.dtype).contiguous()
-        # As bytes: index_copy_ has no float8 kernel on the CPU, and a block is its bytes whatever the dtype.
-        self.kv_cache.view(torch.uint8).index_copy_(0, index, data.view(torch.uint8))
 
     def close(self) -> None:
         if self.l1 is not None:

@@ -38,10 +38,10 @@ prefill takes the whole max_num_batched_tokens, as one long step stalls no one.
 
 Paying back an overrun (decode_payback, off by default): over a long context even min_prefill_chunk_tokens can
 take several budgets (DeepSeek-V2-Lite on the H200: 1-1.5K tokens over 250-400K cached took 80-270 ms a step,
-so 4 agents' decoders got a token per such step, bench/results/peer-dsv2-lite-h200-raw/bf769de). With the
-option on, the time a step carrying prefill beside decoders measured past the budget is owed to the decoders,
-and the next steps decode only (no prefill, no admission) until what they leave of their budget has paid it
-back: the decoders average about one token a budget, the prefill runs a little slower.
+so 4 agents' decoders got a token per such step). With the option on, the time a step carrying prefill beside
+decoders measured past the budget is owed to the decoders, and the next steps decode only (no prefill, no
+admission) until what they leave of their budget has paid it back: the decoders average about one token a budget,
+the prefill runs a little slower.
 
 A solo prefill: a prompt with nothing cached, admitted when nothing else runs on the rank, is taken in one step
 up to solo_prefill_tokens (past max_num_batched_tokens; that step carries nothing else), where the attention
@@ -60,33 +60,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Literal
 
-from contracts.config import DEFAULTS, GPU_DECODE_STEP_BUDGET_MS
+from contracts.config import SchedulingConfig
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepCostModel, StepLoad
 
-PolicyName = Literal["fifo", "warm_first"]
 # How long a computed prefill load is reused (a load signal, heard once a heartbeat).
 LOAD_REFRESH_S = 0.5
-
-
-@dataclass(frozen=True)
-class SchedulingPolicy:
-    name: PolicyName = "warm_first"
-    warm_prefix_fraction: float = 0.5  # a request is warm when its cached prefix covers this much of its prompt
-    max_cold_prefills: int = 0  # cold requests in prefill at once; 0 = no cap
-    cold_max_wait_secs: float = 30.0  # this long without a token: starved (see the module doc)
-    l1_restore_cost: float = DEFAULTS.l1_restore_cost  # load: a token restorable from L1, against a prefilled one
-    decode_step_budget_ms: float = GPU_DECODE_STEP_BUDGET_MS  # a step with decoders; 0 = no cap on prefill
-    min_prefill_chunk_tokens: int = DEFAULTS.min_prefill_chunk_tokens  # prefill a step gets however busy
-    solo_prefill_tokens: int = 0  # a cold prompt alone on the rank: prefilled in one step up to this; 0 = chunks
-    decode_payback: bool = False  # steps that ran past the decode budget are paid back by decode-only steps
-
-    @property
-    def warm_first(self) -> bool:
-        return self.name == "warm_first"
 
 
 @dataclass
@@ -165,14 +146,16 @@ class Scheduler:
         kv: KvCacheManager,
         max_num_seqs: int,
         max_num_batched_tokens: int,
-        policy: SchedulingPolicy | None = None,
+        policy: SchedulingConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         step_cost: StepCostModel | None = None,
     ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.policy = policy or SchedulingPolicy()
+        # The config's scheduling section, with what the engine resolved for its device and attention backend
+        # (decode_step_budget_ms, solo_prefill_tokens); left unset here, a GPU's budget and no solo prefill.
+        self.policy = policy or SchedulingConfig()
         self.clock = clock  # the clock of arrival times (tests and the simulator set their own)
         self.step_cost = step_cost or StepCostModel()  # fed by observe_step with every step the model ran
         self.overrun_s = 0.0  # decode_payback: decoders' time still owed by steps that ran past the budget
@@ -245,7 +228,7 @@ class Scheduler:
             work = seq.num_tokens - in_l0 - in_l1 + round(in_l1 * self.policy.l1_restore_cost)
             total += work
             taken_first = (
-                seq.num_cached_tokens is not None
+                seq.num_l0_cached_tokens is not None
                 or self._starved(seq, now)
                 or in_l0 + in_l1 >= self.policy.warm_prefix_fraction * seq.num_prompt_tokens
             )
@@ -259,26 +242,24 @@ class Scheduler:
             warm += left if not in_cold_prefill or not self.policy.warm_first else 0
         return PrefillLoad(total, warm)
 
-    def cold_prefills(self) -> int:
-        """Running sequences admitted cold whose prefill has not completed yet."""
-        return sum(1 for seq in self.running if seq.num_computed_tokens < seq.cold_until)
-
     def observe_step(self, load: StepLoad, seconds: float) -> None:
         """The model took `seconds` for a step carrying `load` (a batch's load, read before its sequences
         advanced: their computed tokens are the chunks' cached context)."""
         self.step_cost.observe(load, seconds)
-        if self.policy.decode_payback and self.policy.decode_step_budget_ms > 0:
-            self.overrun_s = payback(self.overrun_s, load, seconds, self.policy.decode_step_budget_ms / 1000)
+        budget_ms = self.policy.step_budget_ms()
+        if self.policy.decode_payback and budget_ms > 0:
+            self.overrun_s = payback(self.overrun_s, load, seconds, budget_ms / 1000)
 
     def schedule(self, preempt: bool = True) -> ScheduledBatch:
         """The next step's batch. preempt=False (a step scheduled while its predecessor still runs on the device,
         which writes the running sequences' blocks): a running sequence that gets no blocks is left out of this
         step (batch.skipped) and nobody new is admitted, rather than preempting anyone."""
         step = _Step(budget=self.max_num_batched_tokens, now=self.clock(), preempt=preempt)
-        if self.policy.decode_step_budget_ms > 0:
+        budget_ms = self.policy.step_budget_ms()
+        if budget_ms > 0:
             decoding = [(seq, 1) for seq in self.running if seq.num_uncomputed_tokens == 1]
             if decoding:
-                step.time_budget_s = self.policy.decode_step_budget_ms / 1000
+                step.time_budget_s = budget_ms / 1000
                 step.load = step_load(decoding)
                 step.decode_only = self.overrun_s > 0
                 step.closed = step.decode_only
@@ -378,7 +359,7 @@ class Scheduler:
                 return
             if self.kv.waits_for_host(seq, step.budget):
                 continue  # WAITING_FOR_L1: its blocks are being restored off the engine thread; admitted after
-            fresh = seq.num_cached_tokens is None
+            fresh = seq.num_l0_cached_tokens is None
             cached, restored = self.kv.attach_cached_prefix(seq)
             self.restored_tokens += restored
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
@@ -396,7 +377,7 @@ class Scheduler:
                 step.cold_in_prefill += 1
                 self.cold_admissions += 1
             if fresh:
-                seq.num_cached_tokens = cached
+                seq.num_l0_cached_tokens = cached
                 seq.num_l1_cached_tokens = restored
                 seq.first_scheduled_time = step.now
                 self.prefix_query_tokens += seq.num_prompt_tokens
@@ -410,7 +391,7 @@ class Scheduler:
 
     def _solo_tokens(self, seq: Sequence, step: _Step) -> int:
         """The one-step chunk of a solo prefill for seq (see the module's doc), or 0: not one."""
-        cap = self.policy.solo_prefill_tokens
+        cap = self.policy.solo_prefill_tokens or 0
         alone = not self.running and not step.batch.entries
         if cap <= step.budget or not alone or seq.num_computed_tokens or seq.num_uncomputed_tokens <= step.budget:
             return 0
@@ -454,7 +435,7 @@ class Scheduler:
             cached = self.kv.peek_cached_tokens(seq, enough=int(needed) + 1)
             if cached >= needed:
                 yield seq, False, False
-            elif seq.num_cached_tokens is not None or starved:
+            elif seq.num_l0_cached_tokens is not None or starved:
                 yield seq, True, not starved
             else:
                 later.append((seq, seq.num_tokens - cached))

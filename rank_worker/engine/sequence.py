@@ -37,7 +37,7 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # hashes of the full blocks computed so far
     num_computed_tokens: int = 0  # tokens whose KV is in the pool
-    num_cached_tokens: int | None = None  # L0 prefix hit at first scheduling (None until scheduled)
+    num_l0_cached_tokens: int | None = None  # L0 prefix hit at first scheduling (None until scheduled)
     num_l1_cached_tokens: int = 0  # restored from the L1 host cache at first scheduling
     first_scheduled_time: float | None = None
     last_scheduled_time: float | None = None  # when a step last gave it tokens (the scheduler's clock)
@@ -61,10 +61,6 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
-
-    @property
-    def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
 
     @property
     def num_uncomputed_tokens(self) -> int:

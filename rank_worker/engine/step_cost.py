@@ -89,13 +89,12 @@ class StepCost:
         )
 
 
-# llama-8b in bf16 on one H200 (simulator/results/decode-h200.json, simulator/decode_probe.py, and
-# bench/results/engine-h200.json): decode steps from graphs launch-bound at ~8 ms; 64 rows x 4K 21.5 ms, 128 x 4K
-# 34.8 ms against 4 x 128K 29.1 ms (the same KV: ~45 us a row, ~4e-8 s a KV token); a cold 8K chunk 272 ms and
-# one over 64K cached 1064 ms (2.7e-5 s a token, 1.5e-9 s a unit of attention); a prefill step's overhead ~10 ms
-# (simulator/step_time.py's fit), ~2 ms over the decode floor. A 4K chunk: ~0.13 s; 64 decodes at 4K: ~21 ms.
-# Elsewhere (a CPU, a tiny test model) steps differ by orders of magnitude: the fitted scale takes over at the
-# first measured step, the per-term fit within tens.
+# llama-8b in bf16 on one H200 (the engine benchmark and simulator/decode_probe.py): decode steps from graphs
+# launch-bound at ~8 ms; 64 rows x 4K 21.5 ms, 128 x 4K 34.8 ms against 4 x 128K 29.1 ms (the same KV: ~45 us a
+# row, ~4e-8 s a KV token); a cold 8K chunk 272 ms and one over 64K cached 1064 ms (2.7e-5 s a token, 1.5e-9 s a
+# unit of attention); a prefill step's overhead ~10 ms (simulator/step_time.py's fit), ~2 ms over the decode floor.
+# A 4K chunk: ~0.13 s; 64 decodes at 4K: ~21 ms. Elsewhere (a CPU, a tiny test model) steps differ by orders of
+# magnitude: the fitted scale takes over at the first measured step, the per-term fit within tens.
 PRIOR = StepCost(
     step_s=8e-3,
     prefill_step_s=2e-3,

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from contracts.address import split_host_port
 from contracts.config import KvServeConfig
 from contracts.expert_parallel import EXIT_GROUP_BROKEN
 from rank_worker.expert_parallel.shard import ExpertShard
@@ -51,13 +52,6 @@ class GroupSettings:
     @property
     def shard(self) -> ExpertShard:
         return ExpertShard(self.rank, self.size)
-
-
-def _host_port(address: str) -> tuple[str, int]:
-    host, _, port = address.rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"expert_parallel_rendezvous must be host:port, got {address!r}")
-    return host.strip("[]"), int(port)
 
 
 class ExpertGroup:
@@ -104,7 +98,10 @@ class ExpertGroup:
     ) -> ExpertGroup:
         """Meet the other ranks at the rendezvous (rank 0 hosts the store) and start the watchdog. Blocks until
         every rank has joined or form_timeout_s passes (a TimeoutError names the group)."""
-        host, port = _host_port(settings.rendezvous)
+        try:
+            host, port = split_host_port(settings.rendezvous)
+        except ValueError:
+            raise ValueError(f"expert_parallel_rendezvous must be host:port, got {settings.rendezvous!r}") from None
         started = time.monotonic()
         try:
             store = dist.TCPStore(

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ArenaLayout:
-    """What the kvstore's Attach answers: which arena, where it lives and how it is cut into slots."""
+    """What the kvstore's Attach answers: which arena, where it lives and how it is cut into slots (the
+    kvstore keeps the slots' part as kvstore.arena_layout.SlotLayout)."""
 
     arena_id: str
     path: str

@@ -3,7 +3,7 @@
 Write-through alone makes L1 a copy of what L0 holds, in the order the blocks were written: an arena smaller
 than the pool then holds only blocks L0 also has, and a session's oldest blocks, written first, leave L1
 first, so a session L0 evicts is missing its head there and nothing restores (0 tokens from L1 at 80 agents
-on the H200, 2026-12-03). Offering L1 the entries L0 evicts next, in that order, makes the arena's LRU follow
+on the H200). Offering L1 the entries L0 evicts next, in that order, makes the arena's LRU follow
 L0's evictions: it refreshes those it holds and takes those it lost, so what L0 lets go is what L1 keeps
 longest, and the two tiers add up instead of overlapping.
 """

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 
 from contracts import internal_auth
-from contracts.kv_events import KvEvent, KvEventBatch, kind_of_wire
+from contracts.kv_events import KvEventBatch, batch_of_message
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -154,12 +154,7 @@ class _EventStream(KvEventStream):
     def __iter__(self) -> Iterator[KvEventBatch]:
         try:
             for message in self._call:
-                events = []
-                for event in message.events:
-                    kind = kind_of_wire(event.kind)
-                    if kind is not None:  # a kind this version does not know changes nothing it tracks
-                        events.append(KvEvent(kind, tuple(event.block_hashes)))
-                yield KvEventBatch(message.sequence, tuple(events))
+                yield batch_of_message(message)
         except grpc.RpcError as exc:
             raise L1UnavailableError(f"KvEvents: {_describe(exc)}") from exc
         finally:

@@ -86,8 +86,9 @@ class _QueuedCopy:
 
 
 class L1Tier:
-    """Owns the arena mapping, the copier and the bookkeeping of calls and copies in flight; its methods are
-    for the engine thread (its own threads only post to the mailbox)."""
+    """This rank's side of the node's L1 tier (the kvstore's is kvstore.l1_store.L1Store): owns the arena
+    mapping, the copier and the bookkeeping of calls and copies in flight; its methods are for the engine
+    thread (its own threads only post to the mailbox)."""
 
     def __init__(
         self,

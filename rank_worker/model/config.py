@@ -1,17 +1,12 @@
 """The architecture facts the model code needs, read from a Hugging Face style config.json dict: the Llama
-family here, the DeepSeek family in deepseek_config.py; is_deepseek() tells which one a config.json is."""
+family here, the DeepSeek family in deepseek_config.py; registry.py tells which one a config.json is."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-from rank_worker.model.feature_check import rope_layer_flags
-
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "smollm2", "smollm3")
-# MLA attention over a compressed latent KV, MoE feed-forward (deepseek_config.py, deepseek.py).
-DEEPSEEK_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-SUPPORTED_MODEL_TYPES = LLAMA_MODEL_TYPES + DEEPSEEK_MODEL_TYPES
+from rank_worker.model.feature_check import check_supported, rope_layer_flags
 
 # Types whose `attention_bias` puts a bias on o_proj as well as q/k/v (Qwen2's o_proj never has one; Mistral
 # has no attention biases at all, whatever its config says).
@@ -38,6 +33,7 @@ class LlamaFamilyConfig:
     # Per layer, whether it applies rotary embedding (SmolLM3's NoPE layers do not); () means every layer does.
     rope_layers: tuple[bool, ...] = ()
     output_bias: bool = False  # o_proj carries a bias (attention_bias in Llama, Qwen3, SmolLM3)
+    n_routed_experts: ClassVar[int] = 0  # a dense MLP: nothing for expert parallelism to split
 
     def uses_rope(self, layer_index: int) -> bool:
         return not self.rope_layers or self.rope_layers[layer_index]
@@ -58,12 +54,16 @@ class LlamaFamilyConfig:
         return self.num_layers * (attn + mlp)
 
     @classmethod
+    def for_serving(cls, hf: dict[str, Any], max_positions: int) -> LlamaFamilyConfig:
+        """from_hf, then UnsupportedModelError naming every feature our code would get wrong serving up to
+        max_positions tokens (feature_check.py)."""
+        cfg = cls.from_hf(hf)
+        check_supported(hf, max_positions)
+        return cfg
+
+    @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> LlamaFamilyConfig:
         model_type = str(hf.get("model_type", "llama"))
-        if model_type not in LLAMA_MODEL_TYPES:
-            raise ValueError(
-                f"model_type {model_type!r} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            )
         rope = hf.get("rope_parameters") or {}
         rope_theta = float(hf.get("rope_theta") or rope.get("rope_theta") or 10000.0)
         rope_scaling = hf.get("rope_scaling")
@@ -93,8 +93,3 @@ class LlamaFamilyConfig:
             # GGUF files say it per tensor (attention_output_bias); HF configs through attention_bias.
             output_bias=bool(hf.get("attention_output_bias", attention_bias and model_type in _OUTPUT_BIAS_TYPES)),
         )
-
-
-def is_deepseek(hf: dict[str, Any]) -> bool:
-    """Whether this config.json describes a DeepSeek-V2/V3 (MLA + MoE) model rather than a Llama-family one."""
-    return str(hf.get("model_type", "llama")) in DEEPSEEK_MODEL_TYPES

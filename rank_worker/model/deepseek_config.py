@@ -85,6 +85,11 @@ class DeepseekConfig:
         return sum(attn + (moe if self.is_moe_layer(i) else dense) for i in range(self.num_layers))
 
     @classmethod
+    def for_serving(cls, hf: dict[str, Any], max_positions: int) -> DeepseekConfig:
+        """from_hf: none of what it refuses depends on the served length (no sliding window)."""
+        return cls.from_hf(hf)
+
+    @classmethod
     def from_hf(cls, hf: dict[str, Any]) -> DeepseekConfig:
         """Parse a normalized config.json; raises UnsupportedModelError naming what our code cannot serve."""
         problems = unsupported_deepseek_features(hf)

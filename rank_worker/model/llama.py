@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.model import fused_ops, residual_stream
-from rank_worker.model.attention.backend import AttentionBackend, BackendName, choose_backend
+from rank_worker.model.attention.backend import AttentionBackend, BackendName
 from rank_worker.model.attention.sdpa_backend import SdpaAttention, write_kv
+from rank_worker.model.attention.selector import choose_backend
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.forward_batch import ForwardBatch
 from rank_worker.model.rotary import RotaryEmbedding
@@ -185,7 +187,9 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: LlamaFamilyConfig, max_positions: int) -> None:
+    def __init__(self, cfg: LlamaFamilyConfig, max_positions: int, shard: ExpertShard = WHOLE) -> None:
+        """shard: always WHOLE (a dense MLP has no routed experts to split); taken as every family's model takes it
+        (registry.py)."""
         super().__init__()
         self.cfg = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, max_positions)

@@ -3,9 +3,8 @@
 - route: greedy top-k routing (TopkRouter's greedy method: softmax or sigmoid scores of the float32 gate,
   the k best, optionally renormalised and scaled) in two launches (the gate GEMM split over the hidden size, then
   the scores and the pick); in eager PyTorch a cast, the gate GEMM, the scores and the top-k were four launches a
-  layer (~25 us at 16 rows on the H200,
-  bench/results/dsv2-decode-h200-moe-kernel/decode-profile-b16-uniform.log). It also writes the shared
-  experts' slots (MoE runs them as experts every token takes at weight 1), so nothing is concatenated after.
+  layer (~25 us at 16 rows on the H200). It also writes the shared experts' slots (MoE runs them as experts every
+  token takes at weight 1), so nothing is concatenated after.
 
 - align: the (token, slot) pairs sorted by expert, stably, as the grouped GEMMs take them: for each sorted row
   the token it reads, each pair's row, and the runs' ends. One program, O(pairs x experts); in eager PyTorch
@@ -17,7 +16,7 @@
   and a cast).
 
 A V2-Lite decode step of one token spent more time launching MoE's small ops than reading its experts' weights
-(bench/results/peer-dsv2-lite-h200.json: 7.5 ms against vLLM's 3.5). Large batches (prefill chunks: a
+(twice vLLM's step time). Large batches (prefill chunks: a
 single-program align would loop over 100K+ pairs) keep the PyTorch sort; ALIGN_MAX_PAIRS is where.
 """
 
@@ -111,7 +110,7 @@ if triton is not None:
     ):
         """One (token block, hidden slice of STEPS x BLOCK_H, expert block) of x . gate^T in float32, into the
         slice's own part of partial[slice, token, expert]: the gate's read is spread over the whole grid (one program
-        reading all of V2-Lite's 512 KB, as route did until 2026-12-05, took 86 us a layer on the H200)."""
+        reading all of V2-Lite's 512 KB took 86 us a layer on the H200)."""
         rows = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok = rows < tokens
         experts = tl.program_id(2) * BLOCK_E + tl.arange(0, BLOCK_E)

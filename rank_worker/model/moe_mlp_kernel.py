@@ -2,13 +2,13 @@
 moe_kernels.align: gate/up with SiLU x up in its epilogue, then down.
 
 A decode step of a MoE model is a weight read: at 16 rows of V2-Lite ~51 of the 64 experts are hit, ~880 MB a
-layer. torch._grouped_mm's CUTLASS kernels took 165 us per call there (H200, bench/results/dsv2-decode-h200-
-fb8b2fa: ~60% of the bandwidth), tuned for rows by the hundred. Here a program takes BLOCK_M rows of one expert
-(a partial block at each expert's end, none for an expert not hit) and BLOCK_N of its output columns, and
-streams that slice of the expert's weights once: the grid is (blocks, column tiles), its first size bounded by
-the pair count alone (cdiv(pairs, BLOCK_M) + min(experts, pairs)), so one CUDA graph per batch size serves any
-routing. Which block is whose is found in the kernel from align's run ends (a prefix sum over the experts), and
-the gate/up kernel gathers each row's token from x itself: no padded index lists, no index_select pass.
+layer. torch._grouped_mm's CUTLASS kernels reached ~60% of the H200's bandwidth there, tuned for rows by the
+hundred. Here a program takes BLOCK_M rows of one expert (a partial block at each expert's end, none for an expert
+not hit) and BLOCK_N of its output columns, and streams that slice of the expert's weights once: the grid is
+(blocks, column tiles), its first size bounded by the pair count alone (cdiv(pairs, BLOCK_M) + min(experts, pairs)),
+so one CUDA graph per batch size serves any routing. Which block is whose is found in the kernel from align's run
+ends (a prefix sum over the experts), and the gate/up kernel gathers each row's token from x itself: no padded index
+lists, no index_select pass.
 
 Rounding as the unfused path: gate and up rounded to the model's dtype, SiLU rounded, then the product.
 """
@@ -20,7 +20,7 @@ import torch
 from rank_worker.model.fused_ops import triton
 
 # Launch shape, per kernel: rows per program (tl.dot's smallest M), output columns, the reduction step, warps
-# and pipeline depth. Chosen on the H200 by bench/probes/moe_probe.py (bench/results/dsv2-decode-h200-moe-kernel):
+# and pipeline depth. Chosen on the H200 by bench/probes/moe_probe.py:
 # up to 128 tokens of V2-Lite with uniform routing these were within 2% of the sweep's best (81-85% of HBM
 # bandwidth); past ~1,000 pairs (a row block of 16 reads an expert's weights twice or more) 32-row programs
 # were 10-20% faster with uniform routing and ~40% with every token on the same experts.

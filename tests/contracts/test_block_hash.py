@@ -4,6 +4,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from contracts.block_hash import (
+    BLOCK_HASH_BYTES,
     chain_block_hash,
     hash_namespace,
     lookup_block_hashes,
@@ -17,7 +18,7 @@ NS = hash_namespace("model-a", tokenizer_fingerprint("{}"), 4)
 @given(st.lists(st.integers(0, 200_000), max_size=60), st.lists(st.integers(0, 200_000), max_size=60))
 def test_equal_hashes_mean_equal_prefixes(a: list[int], b: list[int]) -> None:
     ha, hb = prefix_block_hashes(NS, a, 4), prefix_block_hashes(NS, b, 4)
-    assert len(ha) == len(a) // 4 and all(len(h) == 16 for h in ha)
+    assert len(ha) == len(a) // 4 and all(len(h) == BLOCK_HASH_BYTES for h in ha)
     for i, (x, y) in enumerate(zip(ha, hb, strict=False)):
         assert (x == y) == (a[: 4 * (i + 1)] == b[: 4 * (i + 1)])
 

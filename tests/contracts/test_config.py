@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from contracts.config import load_config
+from contracts.config import KvServeConfig, load_config
 
 
 def test_file_then_environment_then_arguments(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -25,3 +25,25 @@ def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path, monkeypatch: py
         load_config(gpu_memory_utilization=1.5)
     with pytest.raises(FileNotFoundError):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_the_scheduling_section_takes_flat_and_nested_keys_in_the_usual_precedence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config_file = tmp_path / "kvserve.yaml"
+    config_file.write_text("max_cold_prefills: 3\nscheduling_policy: fifo\nscheduling:\n  warm_prefix_fraction: 0.7\n")
+    monkeypatch.setenv("KVSERVE_CONFIG", str(config_file))
+    monkeypatch.setenv("KVSERVE_MAX_COLD_PREFILLS", "5")
+    monkeypatch.setenv("KVSERVE_DECODE_PAYBACK", "true")
+    config = load_config(cold_max_wait_secs=7.0)
+    scheduling = config.scheduling
+    assert (scheduling.scheduling_policy, scheduling.warm_prefix_fraction) == ("fifo", 0.7)  # the file's
+    assert (scheduling.max_cold_prefills, scheduling.decode_payback) == (5, True)  # the environment's
+    assert scheduling.cold_max_wait_secs == 7.0  # the argument's
+    assert load_config(max_cold_prefills=1).scheduling.max_cold_prefills == 1
+    assert KvServeConfig.model_validate({"min_prefill_chunk_tokens": 64}).scheduling.min_prefill_chunk_tokens == 64
+    monkeypatch.delenv("KVSERVE_CONFIG")
+    with pytest.raises(ValueError, match="given both flat and under scheduling"):
+        load_config(max_cold_prefills=1, scheduling={"max_cold_prefills": 2})
+    with pytest.raises(ValidationError):
+        load_config(max_cold_prefills=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from contracts.config import KvServeConfig
+from contracts.config import SECTIONS, KvServeConfig
 from contracts.config_doc import DOC_PATH, MARKER, field_sections, main, render_reference, split_at_marker
 
 REPO = Path(__file__).resolve().parents[2]
@@ -27,6 +27,13 @@ def test_every_field_is_rendered_once_in_a_section() -> None:
     reference = render_reference()
     for name in KvServeConfig.model_fields:
         assert reference.count(f"| `{name}` |") == 1, name
+
+
+def test_every_key_of_a_section_is_rendered_once() -> None:
+    reference = render_reference()
+    for section in SECTIONS.values():
+        for name in section.model_fields:
+            assert reference.count(f"| `{name}` |") == 1, name
 
 
 def test_write_keeps_the_preface_and_check_sees_staleness(tmp_path: Path) -> None:

@@ -21,7 +21,7 @@ from whole_stack import Stack, finished_per_rank, served_by, stream_message, who
 from contracts.config import DEFAULTS
 
 STALL_S = 3.0  # the gateway's rank_stall_secs here: a few seconds without a token or progress = hung
-ROUTER_TIMEOUT_S = 2.0  # gateway/rank_choice.ROUTE_TIMEOUT_S
+ROUTER_TIMEOUT_S = 2.0  # gateway/ranks/rank_choice.ROUTE_TIMEOUT_S
 STORY = [{"role": "user", "content": "Write a long story about a cache."}]
 
 
@@ -141,16 +141,28 @@ def test_a_requests_own_deadline_keeps_the_rank_in_routing(stack: Stack, tmp_pat
 
         watcher = threading.Thread(target=watch)
         watcher.start()
+        router_log_start = stack.log_size("router")
         try:
             body = {"max_tokens": 1500, "temperature": 0, "ignore_eos": True, "messages": STORY}
             names, _, last = _stream(f"http://127.0.0.1:{port}", body)
-            time.sleep(1.5)  # a failure report would have reached the router by now
+            stack.wait_until(
+                "the rank done with the request",
+                lambda: all(not (s.running or s.waiting) for s in map(stack.rank_stats, stack.rank_names())),
+            )
+            after = finished_per_rank(stack)
+            # A marker through the same gateway: its route goes to the router on the channel a failure report
+            # would have taken, after it. Once the router has routed the marker, such a report has been handled.
+            marker = f"deadline-marker-{time.monotonic_ns()}"
+            hi = {"max_tokens": 1, "temperature": 0, "messages": [{"role": "user", "content": "Hi."}]}
+            assert _post(f"http://127.0.0.1:{port}", hi, marker).status_code == 200
+            stack.route_fields(marker, router_log_start)
         finally:
             stop_watching.set()
             watcher.join()
         assert names[-1] == "error" and last["error"]["type"] == "api_error"
         assert seen_down == [], "the gateway's own deadline marked a healthy rank down"
-        after = finished_per_rank(stack)
+        router_log = stack["router"].log_path.read_bytes()[router_log_start:].decode(errors="replace")
+        assert " marked down: " not in router_log, "the gateway's own deadline reported a healthy rank failed"
         assert len(served_by(before, after)) == 1, "the request was retried on the other rank"
 
 

@@ -1,8 +1,12 @@
 """The whole stack (redis-server, kvstore, router, two rank workers, gateway) routing real sessions:
-stickiness and L0 hits, load balance for new sessions, and L1 restores of sessions L0 evicted."""
+stickiness and L0 hits, load balance for new sessions, L1 restores of sessions L0 evicted, a new session sent to
+the rank whose L0 holds its prefix, and the router's view of L1 (what the kvstore holds counts in the route,
+nothing once the kvstore is killed). tests/router/test_router_component.py and test_router_l1_component.py check
+the router alone, the test standing in for the ranks."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import pytest
@@ -97,3 +101,90 @@ def test_an_evicted_session_is_restored_from_l1_with_the_same_output(stack: Stac
     cold_reply, cold_usage = chat_turn(stack.url, "bravo", messages, max_tokens=16)
     assert cold_usage["cache_read_input_tokens"] < 0.2 * prompt, cold_usage
     assert restored_reply == cold_reply
+
+
+@contextlib.contextmanager
+def kept_busy(stack: Stack, rank: str) -> Iterator[None]:
+    """Long generations straight to `rank` (ignore_eos keeps them running) while the block runs, once the
+    router sees them as its load; cancelled at the end."""
+    request = pb.GenerateRequest(
+        prompt_token_ids=list(range(100, 160)),
+        sampling=pb.SamplingParams(temperature=0, max_tokens=300, ignore_eos=True),
+    )
+    with internal_auth.channel(stack[rank].address) as channel:
+        calls = [pb_grpc.RankWorkerStub(channel).Generate(request, timeout=300) for _ in range(3)]
+        try:
+            stack.wait_until(
+                f"the router seeing {rank} busy",
+                lambda: any(r.rank_id == rank and r.load.running == len(calls) for r in stack.router_ranks().ranks),
+            )
+            yield
+        finally:
+            for call in calls:
+                call.cancel()
+
+
+def test_a_new_session_goes_to_the_rank_whose_l0_holds_its_prefix(stack: Stack) -> None:
+    """The router's prefix match, end to end: a new session opening with a long prefix that another session
+    left in one rank's L0 goes to that rank, with both ranks idle, for each of the two ranks."""
+    for home in stack.rank_names():
+        other = next(name for name in stack.rank_names() if name != home)
+        owner, follower = f"prefix-owner-{home}", f"prefix-follower-{home}"
+        context = session_context(owner, 240)
+        stack.wait_no_load_at_router()
+        since = stack.log_size("router")
+        with kept_busy(stack, other):  # so the owner's new session goes to `home`, the less loaded rank
+            chat_turn(stack.url, owner, [{"role": "user", "content": context}], max_tokens=2)
+        assert stack.route_fields(owner, since)["rank"] == home
+        stack.wait_no_load_at_router()  # no load left to steer the follower: only what each rank holds
+
+        since = stack.log_size("router")
+        before = finished_per_rank(stack)
+        content = context + " Now a different question: what comes next?"
+        _, usage = chat_turn(stack.url, follower, [{"role": "user", "content": content}], max_tokens=2)
+        route = stack.route_fields(follower, since)
+        prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+        assert route["rank"] == home, (home, route)
+        assert int(route["l0"]) >= 0.8 * prompt, (route, usage)  # the router expected the prefix in L0 there
+        assert served_by(before, finished_per_rank(stack)) == [home]
+        assert usage["cache_read_input_tokens"] >= 0.8 * prompt, usage  # and the rank found it there
+
+
+def test_the_router_routes_by_what_l1_holds_and_forgets_it_with_the_kvstore(stack: Stack) -> None:
+    """The router's view of L1, end to end: blocks the ranks wrote to the kvstore reach the router's index
+    (expected L1 tokens in the route of a prompt no L0 holds any more) and the rank restores them; a killed
+    kvstore empties the router's L1, and a prompt that was in it routes with none expected."""
+    stack.wait_l1_attached()  # an earlier test may have restarted the kvstore
+    contexts = {name: session_context(name, 240) for name in ("l1-alpha", "l1-beta")}
+    for name, context in contexts.items():
+        chat_turn(stack.url, name, [{"role": "user", "content": context}], max_tokens=2)
+    evict_l0(stack, seed=11)  # both contexts out of both L0 pools; they stay in L1
+    stack.wait_until(
+        "the router's L1 index caught up with the kvstore",
+        lambda: (
+            all(stack.rank_stats(name).l1_copies_in_flight == 0 for name in stack.rank_names())
+            and stack.router_ranks().l1_blocks == stack.kvstore_stats().stored_slots > 0
+        ),
+    )
+
+    since = stack.log_size("router")
+    l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
+    content = contexts["l1-alpha"] + " What comes next?"
+    _, usage = chat_turn(stack.url, "l1-alpha-again", [{"role": "user", "content": content}], max_tokens=2)
+    route = stack.route_fields("l1-alpha-again", since)
+    prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+    assert int(route["l1"]) >= 0.5 * prompt, (route, usage)
+    assert cached_tokens_metric(stack.url)["l1"] - l1_before >= 0.5 * prompt, usage  # restored from L1
+
+    stack["kvstore"].kill()
+    try:
+        stack.wait_until("the router's L1 emptied", lambda: stack.router_ranks().l1_blocks == 0, timeout_s=30)
+        since = stack.log_size("router")
+        content = contexts["l1-beta"] + " What comes next?"
+        _, usage = chat_turn(stack.url, "l1-beta-again", [{"role": "user", "content": content}], max_tokens=2)
+        route = stack.route_fields("l1-beta-again", since)
+        assert route["l1"] == "0", route  # in L1 until the kill, in no L0 since the eviction
+        assert usage["cache_read_input_tokens"] < 0.5 * (usage["input_tokens"] + usage["cache_read_input_tokens"])
+    finally:
+        stack["kvstore"].start()
+        stack.wait_l1_attached()  # as the other tests expect it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -115,6 +116,61 @@ class Stack:
             lambda: sum(r.healthy for r in self.router_ranks().ranks) == count,
             timeout_s,
         )
+
+    def wait_no_load_at_router(self, timeout_s: float = 60) -> None:
+        """Every rank idle at the router with (next to) no prefill load counted: a 2-token prompt straight
+        to each, then a heartbeat from each after it, until the router sees nothing running or waiting anywhere
+        and no more prefill load than those 2 tokens. (A rank reports the prefill load it last measured, at most
+        every 0.5 s and only while it steps: an idle rank keeps reporting its last request's, however large,
+        until it steps again.)"""
+        touch_tokens = 2
+
+        def no_load() -> bool:
+            touch_ranks(self, tokens=touch_tokens)
+            touched = time.monotonic()
+            self.wait_until(
+                "a heartbeat from every rank after a prompt sent to it",
+                lambda: all(time.monotonic() - r.last_heartbeat_age_s > touched for r in self.router_ranks().ranks),
+                timeout_s=10,
+            )
+            return all(
+                r.load.running == 0 and r.load.waiting == 0 and r.load.waiting_prefill_tokens <= touch_tokens
+                for r in self.router_ranks().ranks
+            )
+
+        self.wait_until("no load at the router", no_load, timeout_s)
+
+    def wait_l1_attached(self, timeout_s: float = 90) -> None:
+        """Every live rank attached to the kvstore's arena and writing to it. A rank notices a new arena (a
+        restarted kvstore) on its next use of L1: a short prompt to each, until all have attached."""
+
+        def attached() -> bool:
+            touch_ranks(self)
+            ranks = [name for name in self.rank_names() if self[name].alive()]
+            return self.kvstore_stats().stored_slots > 0 and all(self.rank_stats(name).l1_attached for name in ranks)
+
+        self.wait_until("every rank attached to the kvstore's arena and writing to it", attached, timeout_s)
+
+    def route_fields(self, session: str, since: int, timeout_s: float = 30) -> dict[str, str]:
+        """The fields of the router's route line (rank, reason, prompt, l0, l1, ...) for the first request of
+        `session` it routed after byte offset `since` of its log, waited for: the line is written as the
+        router answers, and the file may lag the answer."""
+        log_path = self.services["router"].log_path
+        line = re.compile(rf"\broute request=\S+ session={re.escape(session)} .*")
+        deadline = time.monotonic() + timeout_s
+        while True:
+            with log_path.open("rb") as log:
+                log.seek(since)
+                text = log.read().decode(errors="replace")
+            match = line.search(text)
+            if match:
+                return dict(re.findall(r"(\w+)=(\S+)", match.group(0)))
+            assert time.monotonic() < deadline, f"no route line for session {session!r} in: {text[-3000:]}"
+            time.sleep(0.1)
+
+    def log_size(self, name: str) -> int:
+        """Where the service's log ends now: what a later read starts from."""
+        return self.services[name].log_path.stat().st_size
 
 
 def _grpc_ready(port: int) -> Callable[[subprocess.Popen[bytes]], None]:

@@ -8,13 +8,13 @@ import logging
 import pytest
 
 from contracts.config import KvServeConfig
-from gateway.accounting import pending_record, record_end, record_failure
-from gateway.chat import ChatRequest
-from gateway.generation import OpenGeneration, PreparedRequest
-from gateway.rank_choice import RankChoice
-from gateway.rank_client import RankStream
-from gateway.request_flow import ApiError
-from gateway.request_log import RequestRecord
+from gateway.http.errors import ApiError
+from gateway.observability.accounting import pending_record, record_end, record_failure
+from gateway.observability.request_log import RequestRecord
+from gateway.prompt.chat import ChatRequest
+from gateway.ranks.generation import OpenGeneration, PreparedRequest
+from gateway.ranks.rank_choice import RankChoice
+from gateway.ranks.rank_client import RankStream
 from gateway.state import GatewayState
 
 
@@ -32,12 +32,12 @@ def cut_generation(delivered: int, switched: bool) -> OpenGeneration:
     went on on a second rank before it was cut."""
     prepared = PreparedRequest(ChatRequest(messages=[]), "prompt", list(range(100)), max_tokens=50, request_id="msg_x")
     # The rank's counts, as in its TokenChunk: 64 tokens from L0, and 32 after them restored from L1.
-    first = RankStream("127.0.0.1:1", call=None, tokens_sent=3, cached_tokens=64, l1_cached_tokens=32)  # type: ignore[arg-type]
+    first = RankStream("127.0.0.1:1", call=None, tokens_sent=3, l0_cached_tokens=64, l1_cached_tokens=32)  # type: ignore[arg-type]
     first.queue_wait_s = 0.25
     opened = OpenGeneration(None, prepared, first, RankChoice("rank-0", "127.0.0.1:1"))  # type: ignore[arg-type]
     opened.cache_stream = first
     if switched:
-        opened.stream = RankStream("127.0.0.1:2", call=None, tokens_sent=2, cached_tokens=99)  # type: ignore[arg-type]
+        opened.stream = RankStream("127.0.0.1:2", call=None, tokens_sent=2, l0_cached_tokens=99)  # type: ignore[arg-type]
         opened.choice, opened.rank_switches = RankChoice("rank-1", "127.0.0.1:2"), 1
     opened.delivered = list(range(delivered))
     return opened

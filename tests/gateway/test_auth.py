@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 from service_processes import service_env
 
+from contracts.address import is_loopback
 from contracts.config import KvServeConfig
-from gateway.auth import (
+from gateway.http.auth import (
     AuthConfigError,
     AuthError,
     KeyFileError,
@@ -21,11 +22,10 @@ from gateway.auth import (
     auth_mode,
     create_key,
     hash_secret,
-    is_loopback,
     open_local_warning,
     revoke_key,
 )
-from gateway.live_keys import LiveKeyStore
+from gateway.http.live_keys import LiveKeyStore
 
 ROOT = Path(__file__).resolve().parents[2]
 

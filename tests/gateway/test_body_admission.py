@@ -14,11 +14,11 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
 from contracts.config import KvServeConfig
-from gateway.app import create_app, error_response
-from gateway.body_admission import BodyAdmissionMiddleware, release_body
-from gateway.body_budget import BodyBudget
-from gateway.body_parse import LARGE_BODY_BYTES, parse_request_body
-from gateway.request_flow import ApiError
+from gateway.http.app import create_app, error_response
+from gateway.http.body_admission import BodyAdmissionMiddleware, release_body
+from gateway.http.body_budget import BodyBudget
+from gateway.http.body_parse import LARGE_BODY_BYTES, parse_request_body
+from gateway.http.errors import ApiError
 
 MIN_BYTES = 100  # bodies from this size take a share (the gateway's is INLINE_BODY_BYTES)
 

@@ -9,7 +9,8 @@ from typing import Any
 
 import pytest
 
-from gateway.body_budget import BodyBudget, BudgetRefused
+from gateway.http.body_budget import BodyBudget
+from gateway.http.errors import BudgetRefused
 
 
 def run(test: Callable[[], Awaitable[Any]]) -> Any:

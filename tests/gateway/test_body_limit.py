@@ -12,7 +12,8 @@ import pytest
 from fastapi import FastAPI, Request
 from pydantic import BaseModel
 
-from gateway.body_limit import BodyLimitMiddleware, too_large_error
+from gateway.http.app import APIS
+from gateway.http.body_limit import BodyLimitMiddleware, too_large_error
 
 LIMIT = 1000
 
@@ -42,7 +43,7 @@ def tiny_app() -> tuple[FastAPI, list[str]]:
         handled.append("chat")
         return {"received": len(body)}
 
-    app.add_middleware(BodyLimitMiddleware, max_bytes=LIMIT)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=LIMIT, apis=APIS)
     return app, handled
 
 
@@ -160,9 +161,9 @@ def test_a_declared_length_is_refused_before_the_app_runs() -> None:
 
 
 def test_error_shapes_by_path() -> None:
-    assert too_large_error("/v1/messages", 5)["error"]["type"] == "request_too_large"
-    assert too_large_error("/v1/messages/count_tokens", 5)["type"] == "error"
-    assert too_large_error("/v1/chat/completions", 5)["error"]["code"] == "request_too_large"
+    assert too_large_error(APIS, "/v1/messages", 5)["error"]["type"] == "request_too_large"
+    assert too_large_error(APIS, "/v1/messages/count_tokens", 5)["type"] == "error"
+    assert too_large_error(APIS, "/v1/chat/completions", 5)["error"]["code"] == "request_too_large"
 
 
 def test_other_scopes_pass_through() -> None:
@@ -171,7 +172,7 @@ def test_other_scopes_pass_through() -> None:
     async def inner(scope: Any, receive: Any, send: Any) -> None:
         seen.append(scope["type"])
 
-    asyncio.run(BodyLimitMiddleware(inner, max_bytes=1)({"type": "lifespan"}, None, None))  # type: ignore[arg-type]
+    asyncio.run(BodyLimitMiddleware(inner, max_bytes=1, apis=APIS)({"type": "lifespan"}, None, None))  # type: ignore[arg-type]
     assert seen == ["lifespan"]
     with pytest.raises(ValueError):
-        BodyLimitMiddleware(inner, max_bytes=0)
+        BodyLimitMiddleware(inner, max_bytes=0, apis=APIS)

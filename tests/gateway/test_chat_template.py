@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.prompt.chat_template import ChatTemplateError, render_chat
+from gateway.http.errors import ChatTemplateError
+from gateway.prompt.chat_template import render_chat
 
 CHATML = (
     "{% for message in messages %}"

@@ -13,11 +13,11 @@ import pytest
 from test_prompt_render import QWEN3
 from tokenizers import Tokenizer
 
-from gateway.anthropic_api.convert import to_chat
-from gateway.anthropic_api.schema import MessagesRequest
+from gateway.api.anthropic.convert import to_chat
+from gateway.api.anthropic.schema import MessagesRequest
 from gateway.prompt.claude_code import map_role, split_session_facts, strip_attribution, strip_attribution_blocks
 from gateway.prompt.render import ModelTemplate, render_prompt
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 HEADER = "x-anthropic-billing-header: cc_version=2.1.332.abc; cc_entrypoint=cli; cch=1a2b3;"
 PROMPT = "You are Claude Code, Anthropic's official CLI for Claude.\n\nYou are an interactive CLI tool."

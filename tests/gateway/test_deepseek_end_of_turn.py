@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from gateway.prompt.deepseek_prompt import EOS
+from gateway.prompt.prompt_format import PromptFormat, end_of_turn_texts
 from gateway.prompt.render import ModelTemplate
-from gateway.prompt_format import PromptFormat, end_of_turn_texts
 
 DEEPSEEK = ModelTemplate(chat_template="", family="deepseek_dsml")
 HERMES = ModelTemplate(chat_template="", family="hermes")

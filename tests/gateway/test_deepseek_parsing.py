@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from gateway.anthropic_api.respond import MessageBuilder
-from gateway.generation import Finish, Usage
-from gateway.openai_api.respond import CompletionBuilder
+from gateway.api.anthropic.respond import MessageBuilder
+from gateway.api.openai.respond import CompletionBuilder
 from gateway.parsing.pipeline import make_output_parser
+from gateway.ranks.generation import Finish, Usage
 
 SESSION = json.loads((Path(__file__).parent / "data" / "deepseek" / "claude_code_session.json").read_text())
 D = "｜DSML｜"

@@ -21,19 +21,19 @@ from typing import Any
 import pytest
 from tokenizers import Tokenizer
 
-from gateway.anthropic_api.convert import to_chat
-from gateway.anthropic_api.respond import MessageBuilder
-from gateway.anthropic_api.schema import MessagesRequest
-from gateway.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
-from gateway.generation import Finish, Usage
+from gateway.api.anthropic.convert import to_chat
+from gateway.api.anthropic.respond import MessageBuilder
+from gateway.api.anthropic.schema import MessagesRequest
 from gateway.parsing.pipeline import make_output_parser
+from gateway.prompt.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
 from gateway.prompt.deepseek_prompt import PLAIN_V2_MARKERS, SPECIAL_MARKERS, deepseek_prompt, markers_for
 from gateway.prompt.family import prompt_opens_reasoning
-from gateway.prompt_format import PromptFormat
-from gateway.served_model import ServedModel
+from gateway.prompt.prompt_format import PromptFormat
+from gateway.prompt.served_model import ServedModel
+from gateway.ranks.generation import Finish, Usage
 from protos import rank_worker_pb2 as pb
 from rank_worker.engine.interface import ModelInfo, TokenizerBundle
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 from rank_worker.servicer import model_info_message
 
 DATA = Path(__file__).parent / "data" / "deepseek"

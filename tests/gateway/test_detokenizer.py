@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from gateway.prompt.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 
 @pytest.fixture(scope="module")

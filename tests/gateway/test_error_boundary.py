@@ -14,14 +14,12 @@ from fastapi.testclient import TestClient
 from starlette.requests import ClientDisconnect
 
 from contracts.config import KvServeConfig
-from gateway.accounting import record_failure
-from gateway.app import create_app
-from gateway.generation import StreamBroken, Unavailable
-from gateway.openai_api.convert import to_chat
-from gateway.openai_api.schema import ChatCompletionRequest
-from gateway.prompt_size import PromptTooLong
-from gateway.request_flow import ApiError, api_error_for
-from gateway.request_log import RequestRecord
+from gateway.api.openai.convert import to_chat
+from gateway.api.openai.schema import ChatCompletionRequest
+from gateway.http.app import create_app
+from gateway.http.errors import ApiError, PromptTooLong, StreamBroken, Unavailable, api_error_for
+from gateway.observability.accounting import record_failure
+from gateway.observability.request_log import RequestRecord
 
 INTERNAL = "dial 10.20.30.40:50151 failed: secret-detail"
 

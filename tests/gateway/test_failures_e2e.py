@@ -22,7 +22,7 @@ import pytest
 from service_processes import free_port, gateway_stack, start_gateway, start_rank_worker
 
 from contracts import internal_auth
-from gateway.auth import create_key
+from gateway.http.auth import create_key
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 

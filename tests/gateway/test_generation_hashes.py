@@ -14,16 +14,17 @@ import pytest
 from service_processes import free_port, start_rank_worker
 from starlette.requests import Request
 
-import gateway.prompt_hashes as prompt_hashes
+import gateway.ranks.prompt_hashes as prompt_hashes
 from contracts.block_hash import lookup_block_hashes, prefix_block_hashes
-from gateway.chat import ChatMessage, ChatRequest
-from gateway.chat_endpoint import prepare_off_loop
-from gateway.generation import Finish, Generation
-from gateway.prompt_format import PromptFormat
-from gateway.rank_choice import RankChoice, RouteQuery, StaticRanks
-from gateway.rank_client import RankClient, RankStream
-from gateway.served_model import ServedModel
+from gateway.flow import prepare_off_loop
+from gateway.prompt.chat import ChatMessage, ChatRequest
+from gateway.prompt.prompt_format import PromptFormat
+from gateway.prompt.served_model import ServedModel
+from gateway.ranks.generation import Finish, Generation
+from gateway.ranks.rank_choice import RankChoice, StaticRanks
+from gateway.ranks.rank_client import RankClient, RankStream
 from protos import rank_worker_pb2 as pb
+from protos import router_pb2 as router_pb
 
 
 @pytest.fixture(scope="module")
@@ -39,9 +40,9 @@ class SeenRanks(StaticRanks):
 
     def __init__(self, addresses: list[str]) -> None:
         super().__init__(addresses)
-        self.queries: list[RouteQuery] = []
+        self.queries: list[router_pb.RouteRequest] = []
 
-    async def choose(self, query: RouteQuery, avoid: set[str]) -> RankChoice | None:
+    async def choose(self, query: router_pb.RouteRequest, avoid: set[str]) -> RankChoice | None:
         self.queries.append(query)
         return await super().choose(query, avoid)
 

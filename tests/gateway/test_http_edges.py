@@ -10,8 +10,8 @@ import pytest
 from fastapi.testclient import TestClient
 
 from contracts.config import KvServeConfig
-from gateway.app import create_app
-from gateway.auth import create_key
+from gateway.http.app import create_app
+from gateway.http.auth import create_key
 
 DOCS = ("/docs", "/redoc", "/openapi.json")
 

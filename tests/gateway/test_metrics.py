@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gateway.metrics import TTFT_BUCKETS_S, GatewayMetrics
+from gateway.http.app import APIS
+from gateway.observability.metrics import TTFT_BUCKETS_S, GatewayMetrics
+
+API_NAMES = APIS.names  # the labels the app's APIs registered
 
 
 def samples(metrics: GatewayMetrics) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -23,7 +26,7 @@ def value(metrics: GatewayMetrics, name: str, **labels: str) -> float:
 
 
 def test_every_series_is_exported_before_the_first_request() -> None:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(API_NAMES)
     text = metrics.render()[0].decode()
     for name in (
         "kvserve_gateway_requests_total",
@@ -40,7 +43,7 @@ def test_every_series_is_exported_before_the_first_request() -> None:
 
 
 def test_observations_show_up_in_the_exposition() -> None:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(API_NAMES)
     metrics.observe_request(
         "anthropic", 200, ttft_s=0.3, prompt_tokens=1000, cached_tokens={"l0": 800, "l1": 100}, output_tokens=50
     )
@@ -75,7 +78,7 @@ def test_ttft_buckets_span_10_ms_to_2_minutes() -> None:
 
 
 def test_in_flight_gauge_follows_the_block_even_on_errors() -> None:
-    metrics = GatewayMetrics()
+    metrics = GatewayMetrics(API_NAMES)
     with metrics.track_in_flight("openai"), metrics.track_in_flight("openai"):
         assert value(metrics, "kvserve_gateway_requests_in_flight", api="openai") == 2
         assert value(metrics, "kvserve_gateway_requests_in_flight", api="anthropic") == 0
@@ -86,7 +89,7 @@ def test_in_flight_gauge_follows_the_block_even_on_errors() -> None:
 
 
 def test_instances_do_not_share_a_registry() -> None:
-    first, second = GatewayMetrics(), GatewayMetrics()  # the global registry would refuse the second
+    first, second = GatewayMetrics(API_NAMES), GatewayMetrics(API_NAMES)  # the global registry would refuse the second
     first.observe_request("openai", 200, output_tokens=3)
     assert value(first, "kvserve_gateway_output_tokens_total", api="openai") == 3
     assert value(second, "kvserve_gateway_output_tokens_total", api="openai") == 0

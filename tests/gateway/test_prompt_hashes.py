@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from contracts.block_hash import hash_namespace, lookup_block_hashes, prefix_block_hashes
-from gateway.prompt_hashes import prompt_block_hashes, route_block_hashes
+from gateway.ranks.prompt_hashes import prompt_block_hashes, route_block_hashes
 from protos import rank_worker_pb2 as pb
 
 BLOCK = 16

@@ -9,12 +9,12 @@ import json
 
 import pytest
 
-from gateway.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
+from gateway.http.errors import ChatTemplateError
 from gateway.parsing.events import OutputEvent, ToolCallArgumentsDelta, ToolCallStart
 from gateway.parsing.pipeline import make_output_parser
-from gateway.prompt.chat_template import ChatTemplateError
+from gateway.prompt.chat import ChatMessage, ChatRequest, ToolCall, ToolChoice, ToolSpec
 from gateway.prompt.render import ModelTemplate, family_for, prompt_opens_reasoning, render_prompt, thinks
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 D = "｜DSML｜"
 

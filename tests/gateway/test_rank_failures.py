@@ -6,9 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from gateway.rank_choice import router_away_error
-from gateway.rank_client import rank_at_fault
-from gateway.session_key import MAX_SESSION_ID_CHARS, routing_session_id
+from contracts.ids import MAX_ID_CHARS
+from gateway.ranks.rank_choice import router_away_error
+from gateway.ranks.rank_client import rank_at_fault
+from gateway.ranks.session_key import routing_session_id
 
 Code = grpc.StatusCode
 
@@ -31,16 +32,14 @@ def test_a_router_that_answered_is_not_away() -> None:
     assert not router_away_error(_error(Code.INVALID_ARGUMENT))  # it refused this query
 
 
-@pytest.mark.parametrize("session", ["", "abc-123", "s" * MAX_SESSION_ID_CHARS, "é ü 日本"])
+@pytest.mark.parametrize("session", ["", "abc-123", "s" * MAX_ID_CHARS, "é ü 日本"])
 def test_session_ids_the_router_takes_pass_unchanged(session: str) -> None:
     assert routing_session_id(session) == session
 
 
-@pytest.mark.parametrize(
-    "session", ["s" * (MAX_SESSION_ID_CHARS + 1), "a\x01b", "line\nbreak", "\ud800", "x" * 100_000]
-)
+@pytest.mark.parametrize("session", ["s" * (MAX_ID_CHARS + 1), "a\x01b", "line\nbreak", "\ud800", "x" * 100_000])
 def test_other_session_ids_become_a_stable_printable_digest(session: str) -> None:
     digest = routing_session_id(session)
-    assert digest != session and digest.isprintable() and len(digest) <= MAX_SESSION_ID_CHARS
+    assert digest != session and digest.isprintable() and len(digest) <= MAX_ID_CHARS
     assert routing_session_id(session) == digest  # stickiness: the same id, the same digest
     assert routing_session_id(session + "!") != digest

@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
-from gateway.chat import ChatRequest
-from gateway.generation import MAX_RANK_SWITCHES, Generation, Ping, PreparedRequest, StreamBroken, Unavailable
-from gateway.rank_choice import StaticRanks
-from gateway.rank_client import RankRefused, RankStream
-from gateway.rank_recovery import RankRevivals
-from gateway.request_flow import api_error_for
+from gateway.http.errors import StreamBroken, Unavailable, api_error_for
+from gateway.prompt.chat import ChatRequest
+from gateway.ranks.generation import MAX_RANK_SWITCHES, Generation, Ping, PreparedRequest
+from gateway.ranks.rank_choice import StaticRanks
+from gateway.ranks.rank_client import RankRefused, RankStream
+from gateway.ranks.rank_recovery import RankRevivals
 from protos import rank_worker_pb2 as pb
 
 RANK = "127.0.0.1:1"
@@ -134,7 +134,9 @@ def test_a_new_request_with_no_rank_up_waits_then_gets_todays_503() -> None:
     async def scenario() -> tuple[float, list[int], int, object, int]:
         began = time.monotonic()
         task = asyncio.create_task(read_chunks(gen, prepared()))
-        await asyncio.sleep(0.3)
+        while gen.waiting_for_rank == 0 and not task.done():  # until it waits for a rank (or has ended)
+            assert time.monotonic() - began < 5, "the request neither waited for a rank nor ended"
+            await asyncio.sleep(0.01)
         waiting = gen.waiting_for_rank
         tokens, pings, (error, _) = await task
         return time.monotonic() - began, tokens, pings, error, waiting

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from gateway.request_log import RequestRecord, format_prompt_line, format_request_line, log_request
+from gateway.observability.request_log import RequestRecord, format_prompt_line, format_request_line, log_request
 
 PAIR = re.compile(r'(?P<key>\w+)=(?P<value>"(?:[^"\\]|\\.)*"|[^\s"]+) ?')
 SECRET_PROMPT = "please refactor my private module named zebra_quartz"

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from contracts import internal_auth
+from contracts.block_hash import BLOCK_HASH_BYTES
 from protos import kv_events_pb2 as events_pb
 from protos import kvstore_pb2 as pb
 from protos import kvstore_pb2_grpc as pb_grpc
@@ -33,7 +34,7 @@ TIMEOUT_S = 10
 
 
 def h(n: int) -> bytes:
-    return n.to_bytes(16, "big")
+    return n.to_bytes(BLOCK_HASH_BYTES, "big")
 
 
 def kvstore_settings(arena_dir: Path) -> dict[str, str]:
@@ -173,7 +174,7 @@ def test_bad_input_is_refused_and_the_service_keeps_serving(stub: pb_grpc.KvStor
         invalid,
         stub.Allocate,
         pb.AllocateRequest(rank_id="rank-a", arena_id=arena_id, block_hashes=[b"short"]),
-        match="16 bytes",
+        match=f"{BLOCK_HASH_BYTES} bytes",
     )
     expect_error(
         invalid, stub.Lookup, pb.LookupRequest(rank_id="rank-a", arena_id=arena_id, block_hashes=[h(1) + b"x"])

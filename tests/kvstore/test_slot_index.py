@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from contracts.block_hash import BLOCK_HASH_BYTES
 from contracts.kv_events import KvEvent, KvEventKind
 from kvstore.slot_index import (
     PinOwner,
@@ -23,7 +24,7 @@ class FakeClock:
 
 
 def h(n: int) -> bytes:
-    return n.to_bytes(16, "big")
+    return n.to_bytes(BLOCK_HASH_BYTES, "big")
 
 
 def make_index(num_slots: int = 4, ttl: float = 60.0) -> tuple[SlotIndex, FakeClock]:

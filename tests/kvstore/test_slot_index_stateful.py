@@ -13,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from contracts.block_hash import BLOCK_HASH_BYTES
 from kvstore.slot_index import SlotIndex, SlotRequestError, SlotState
 
 NUM_SLOTS = 5
@@ -24,7 +25,7 @@ hash_ids = st.integers(0, 11)
 
 
 def h(n: int) -> bytes:
-    return n.to_bytes(16, "big")
+    return n.to_bytes(BLOCK_HASH_BYTES, "big")
 
 
 class SlotIndexMachine(RuleBasedStateMachine):

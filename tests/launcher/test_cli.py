@@ -23,8 +23,8 @@ from service_processes import ANY_PORTS, free_port, running_process, service_env
 from tokenizers import Tokenizer
 
 from contracts import internal_auth
-from gateway.auth import KeyStore
-from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from gateway.http.auth import KeyStore
+from gateway.prompt.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from launcher.claude_code_env import claude_code_environment
 from launcher.complete import CompletionArgs, complete, prompt_token_ids
 from launcher.health_check import HealthCheck, probe

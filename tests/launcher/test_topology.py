@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from contracts.address import split_host_port
 from contracts.config import KvServeConfig
 from launcher.topology import INTERNAL_SECRET, REDIS_PASSWORD, ServiceSpec, StackPlan, build_topology, start_tiers
 
@@ -258,10 +259,10 @@ def test_expert_parallel_groups_locally_meet_at_a_port_of_their_own() -> None:
     assert [rank.group for rank in ranks] == ["ep-0", "ep-0", "ep-2", "ep-2"]
     rendezvous = [rank.environment["KVSERVE_EXPERT_PARALLEL_RENDEZVOUS"] for rank in ranks]
     assert rendezvous[0] == rendezvous[1] and rendezvous[2] == rendezvous[3] and rendezvous[0] != rendezvous[2]
-    hosts, ports = zip(*(address.rsplit(":", 1) for address in rendezvous[::2]), strict=True)
+    hosts, ports = zip(*(split_host_port(address) for address in rendezvous[::2]), strict=True)
     assert set(hosts) == {"127.0.0.1"}
     taken = {spec.port for spec in specs}
-    assert not taken & {int(port) for port in ports}, "a rendezvous port is another service's"
+    assert not taken & set(ports), "a rendezvous port is another service's"
     assert all(not spec.group for spec in specs if spec.role != "rank-worker")
     # the rest of a rank's wiring is as without groups
     plain = rank_specs(build_topology(config(), 4, plan))

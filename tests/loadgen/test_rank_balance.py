@@ -3,7 +3,7 @@ killed rank's sessions."""
 
 from __future__ import annotations
 
-from gateway.request_log import RequestRecord, format_request_line
+from gateway.observability.request_log import RequestRecord, format_request_line
 from loadgen.rank_balance import failover, parse_request_lines, rank_load, stickiness
 
 

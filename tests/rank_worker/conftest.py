@@ -7,7 +7,7 @@ from rank_worker.engine.factory import build_model, resolve_dtype
 from rank_worker.engine.interface import TokenizerBundle
 from rank_worker.model.causal_lm import CausalLM
 from rank_worker.model.llama import LlamaForCausalLM
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 
 @pytest.fixture(scope="session")

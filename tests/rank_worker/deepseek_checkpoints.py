@@ -13,7 +13,7 @@ from engine_fixtures import embolden_weights, write_word_tokenizer
 from rank_worker.engine.factory import build_model
 from rank_worker.engine.interface import TokenizerBundle
 from rank_worker.model.causal_lm import CausalLM
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 VOCAB = 96
 # MLA (a 32-value latent) and MoE (8 routed experts in 2 groups, top-2, one shared), the first layer dense:

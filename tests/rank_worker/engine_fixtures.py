@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
+from contracts.config import SchedulingConfig
 from rank_worker.engine.interface import EngineRequest, RequestOutput, SamplingParams, TokenizerBundle
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.model.llama import LlamaForCausalLM
@@ -23,10 +25,16 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
     (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": f"w{vocab_size - 1}"}))
 
 
+def engine_settings(**values: Any) -> EngineSettings:
+    """EngineSettings from flat keys, as a config file writes them: the scheduling section's go into it."""
+    section = {key: values.pop(key) for key in list(values) if key in SchedulingConfig.model_fields}
+    return EngineSettings(**values, scheduling=SchedulingConfig(**section))
+
+
 def make_engine(model: LlamaForCausalLM, tokenizer: TokenizerBundle | None = None, **overrides: object) -> PagedEngine:
     values: dict[str, object] = {"num_blocks": 128, "block_size": 16, "max_model_len": 2048}
     values.update(overrides)
-    return PagedEngine(model, EngineSettings(**values), tokenizer)  # type: ignore[arg-type]
+    return PagedEngine(model, engine_settings(**values), tokenizer)
 
 
 def run_to_completion(engine: PagedEngine, max_steps: int = 100_000) -> dict[str, RequestOutput]:

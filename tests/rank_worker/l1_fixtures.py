@@ -10,9 +10,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from engine_fixtures import engine_settings
 
 from rank_worker.engine.interface import TokenizerBundle
-from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
+from rank_worker.engine.paged_engine import PagedEngine
 from rank_worker.model.config import LlamaFamilyConfig
 from rank_worker.model.llama import LlamaForCausalLM
 
@@ -68,7 +69,7 @@ def l1_engine(
     link = KvStoreLink(f"127.0.0.1:{kvstore_port}", f"rank-test-{kvstore_port}", uuid.uuid4().hex)
     return PagedEngine(
         model,
-        EngineSettings(**values),  # type: ignore[arg-type]
+        engine_settings(**values),
         tokenizer,
         l1_client=link,
         l1_retry_interval_s=retry_interval_s,

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rank_worker.model.attention import fa4_backend, flashinfer_backend
-from rank_worker.model.attention.backend import choose_backend
 from rank_worker.model.attention.sdpa_backend import SdpaAttention
+from rank_worker.model.attention.selector import choose_backend
 
 CPU = torch.device("cpu")
 

@@ -20,7 +20,7 @@ from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
 from rank_worker.engine.factory import build_model
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 BLOCK = 16
 VOCAB = 96

@@ -24,7 +24,7 @@ from rank_worker.model.attention import decode_kernel, kv_quant, mla_decode_kern
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
 from rank_worker.model.attention.mla_triton import MlaTritonAttention
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 ON_CUDA = decode_kernel.available()
 INTERPRETED = not ON_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and mla_decode_kernel.triton is not None

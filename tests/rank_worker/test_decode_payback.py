@@ -5,7 +5,6 @@ debt. The arithmetic (payback) directly, then a Scheduler driven with injected s
 
 from __future__ import annotations
 
-import dataclasses
 import json
 
 from engine_fixtures import random_prompt
@@ -45,7 +44,7 @@ def test_steps_without_decoders_leave_the_debt_as_it_is() -> None:
 
 def _payback_scheduler():
     sched = _scheduler(budget_ms=30.0, min_chunk=256)
-    sched.policy = dataclasses.replace(sched.policy, decode_payback=True)
+    sched.policy = sched.policy.model_copy(update={"decode_payback": True})
     return sched
 
 
@@ -97,5 +96,5 @@ def test_the_config_key_reaches_the_engines_scheduler(tmp_path) -> None:
     for on in (False, True):
         model = str(tmp_path / "config.json")
         config = KvServeConfig(model=model, load_format="dummy", device="cpu", num_kv_blocks=NUM_BLOCKS)
-        config = config.model_copy(update={"decode_payback": on})
+        config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"decode_payback": on})})
         assert build_engine(config).scheduler.policy.decode_payback is on

@@ -12,11 +12,12 @@ from engine_fixtures import greedy, make_engine, random_prompt
 from l1_fixtures import tiny_model
 from scheduler_fixtures import advance, chunk_of, queue_request
 
+from contracts.config import SchedulingConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.model_runner import LaunchedStep
-from rank_worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulingPolicy
+from rank_worker.engine.scheduler import ScheduledBatch, Scheduler
 from rank_worker.engine.sequence import Sequence
 from rank_worker.engine.step_cost import StepCost, StepCostModel, StepLoad
 
@@ -46,7 +47,9 @@ def _scheduler(
     policy: str = "warm_first", budget_ms: float = 30.0, min_chunk: int = 256, prior: StepCost = LINEAR
 ) -> Scheduler:
     kv = KvCacheManager(BlockPool(4000, caching=True), BLOCK, b"decode-budget-test")
-    scheduling = SchedulingPolicy(policy, decode_step_budget_ms=budget_ms, min_prefill_chunk_tokens=min_chunk)
+    scheduling = SchedulingConfig(
+        scheduling_policy=policy, decode_step_budget_ms=budget_ms, min_prefill_chunk_tokens=min_chunk
+    )
     return Scheduler(kv, 64, TOKEN_BUDGET, scheduling, Clock(), step_cost=StepCostModel(prior=prior))
 
 
@@ -174,7 +177,7 @@ def test_the_budget_is_the_gpus_by_default_and_off_on_the_cpu_unless_configured(
     from rank_worker.engine.factory import decode_step_budget_ms
 
     unset = KvServeConfig()
-    assert unset.decode_step_budget_ms is None
+    assert unset.scheduling.decode_step_budget_ms is None
     assert decode_step_budget_ms(unset, torch.device("cpu")) == 0.0
     assert decode_step_budget_ms(unset, torch.device("cuda")) == GPU_DECODE_STEP_BUDGET_MS == 50.0
     assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=80), torch.device("cpu")) == 80.0

@@ -25,7 +25,7 @@ from rank_worker.model.feature_check import UnsupportedModelError
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 from rank_worker.model.moe import grouped_gemm_runs
 from rank_worker.model_files.hf_config import normalize_hf_config
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 BLOCK = 8
 
@@ -92,7 +92,7 @@ def test_warm_and_chunked_prefill_give_the_cold_tokens(checkpoint) -> None:
     engine = make_engine(model, tokenizer, block_size=BLOCK, max_num_batched_tokens=16)  # chunks of 16
     generate_one(engine, prompt[:45], greedy(3), "earlier-turn")
     warm = generate_one(engine, prompt, greedy(12), "warm")
-    assert warm.stats.cached_tokens == 40  # the five full blocks of the earlier turn's 45 tokens
+    assert warm.stats.l0_cached_tokens == 40  # the five full blocks of the earlier turn's 45 tokens
     assert warm.new_token_ids == cold.new_token_ids
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from contracts.config import KvServeConfig
+from contracts.kv_event_feed import KvEventsEndedError
 from contracts.kv_events import KvEventBatch, KvEventKind
 from rank_worker.engine.factory import build_engine
 from rank_worker.engine.interface import (
@@ -208,7 +209,12 @@ def test_slow_subscriber_loses_batches_and_sees_the_gap(engine_loop: EngineLoop)
         subscription = engine_loop.subscribe_kv_events(max_batches=1)
         for i in range(3):
             await collect(engine_loop.submit(request(f"s{i}", prompt_of(33, 10 + i), max_tokens=1)))
-        await asyncio.sleep(0.1)  # let the last call_soon_threadsafe callbacks run
+        # A marker: a subscriber joining now gets its snapshot from an engine iteration after those of the
+        # requests, handed to this loop after every batch they caused; once it is here, each of those batches
+        # has been offered to `subscription` (kept or dropped).
+        marker = engine_loop.subscribe_kv_events()
+        await asyncio.wait_for(marker.get(), 5)
+        marker.close()
         batch = await subscription.get()
         assert batch.sequence == 1 and subscription.dropped_batches >= 1
         subscription.close()
@@ -256,7 +262,7 @@ def test_stop_aborts_in_flight_and_refuses_new_work(engine: Engine) -> None:
         assert final.finish_reason is FinishReason.ABORT
         with pytest.raises(EngineLoopStoppedError):
             loop.submit(request("late", prompt_of(5, 8)))
-        with pytest.raises(EngineLoopStoppedError):
+        with pytest.raises(KvEventsEndedError):
             while True:
                 await asyncio.wait_for(subscription.get(), 5)
 
@@ -267,11 +273,11 @@ def test_stop_aborts_in_flight_and_refuses_new_work(engine: Engine) -> None:
 def test_idle_loop_sleeps(engine_loop: EngineLoop) -> None:
     async def run() -> None:
         await collect(engine_loop.submit(request("warm", prompt_of(8, 9), max_tokens=2)))
+        await wait_for(lambda: engine_loop.in_flight() == 0 and engine_loop.stats().running == 0)
 
     asyncio.run(run())
-    time.sleep(0.1)
     cpu_before = time.process_time()
-    time.sleep(0.5)
+    time.sleep(0.5)  # the window measured, not a wait for anything
     assert time.process_time() - cpu_before < 0.1  # a busy-waiting loop would burn ~0.5 s of CPU here
 
 
@@ -283,7 +289,8 @@ def test_late_subscriber_gets_a_snapshot_of_the_cache_first(engine: Engine, engi
         assert first.sequence == 1
         assert [e.kind for e in first.events] == [KvEventKind.ALL_CLEARED, KvEventKind.STORED]
         snapshot = set(first.events[1].block_hashes)
-        await asyncio.sleep(0.2)  # the engine thread is idle again: the cache cannot change under us
+        # the engine holds no request: its cache cannot change under us
+        await wait_for(lambda: engine_loop.in_flight() == 0 and not engine.has_unfinished())
         assert snapshot == set(engine.cached_block_hashes()) and len(snapshot) >= 3
         subscription.close()
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from deepseek_checkpoints import write_deepseek
-from engine_fixtures import greedy, random_prompt
+from engine_fixtures import engine_settings, greedy, random_prompt
 from ep_processes import run_group
 from l1_fixtures import kvstore_settings
 from service_processes import free_port, start_kvstore
@@ -47,13 +47,13 @@ class RankPlan:
 def _settings(**overrides: Any) -> EngineSettings:
     values: dict[str, Any] = {"num_blocks": 64, "block_size": 16, "max_model_len": 512, "max_num_batched_tokens": 32}
     values.update(overrides)
-    return EngineSettings(**values)
+    return engine_settings(**values)
 
 
 def _load(checkpoint: str, rank: int, size: int) -> tuple[torch.nn.Module, Any]:
     from rank_worker.engine.factory import build_model
     from rank_worker.expert_parallel.shard import ExpertShard
-    from rank_worker.model_files.source import open_model_source
+    from rank_worker.model_files.opener import open_model_source
 
     source = open_model_source(checkpoint)
     model = build_model(source, torch.device("cpu"), torch.float32, 512, 0, shard=ExpertShard(rank, size))

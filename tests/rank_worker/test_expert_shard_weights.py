@@ -23,7 +23,8 @@ from rank_worker.expert_parallel.shard import WHOLE, ExpertShard
 from rank_worker.model.deepseek import DeepseekForCausalLM
 from rank_worker.model.moe import MoE
 from rank_worker.model_files import gguf_deepseek, hf_dir
-from rank_worker.model_files.source import ModelSource, open_model_source
+from rank_worker.model_files.opener import open_model_source
+from rank_worker.model_files.source import ModelSource
 
 CPU = torch.device("cpu")
 CONFIGS = {"deepseek_v2": V2, "deepseek_v3": V3}  # 8 routed experts; V2 two shared, V3 one

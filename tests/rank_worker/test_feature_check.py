@@ -16,7 +16,7 @@ from contracts.config import KvServeConfig
 from rank_worker.engine.factory import build_engine, build_model
 from rank_worker.model.feature_check import UnsupportedModelError, check_supported, unsupported_features
 from rank_worker.model_files.hf_config import normalize_hf_config
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 SHAPE = {
     "vocab_size": 96,

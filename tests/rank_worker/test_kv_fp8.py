@@ -193,7 +193,21 @@ def _prompt_block_bytes(engine: PagedEngine, prompt: list[int]) -> torch.Tensor:
     hashes = prefix_block_hashes(engine.namespace, prompt, engine.settings.block_size)
     block_ids = [engine.pool.lookup(h) for h in hashes]
     assert None not in block_ids
-    return engine.export_blocks(block_ids).view(torch.uint8)  # type: ignore[arg-type]
+    return _export_blocks(engine, block_ids).view(torch.uint8)  # type: ignore[arg-type]
+
+
+def _export_blocks(engine: PagedEngine, block_ids: list[int]) -> torch.Tensor:
+    """Physical blocks copied out of the engine's pool (all layers of each block, contiguous)."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=engine.kv_cache.device)
+    return engine.kv_cache.index_select(0, index)
+
+
+def _import_blocks(engine: PagedEngine, block_ids: list[int], data: torch.Tensor) -> None:
+    """Blocks another engine of the same model and layout exported, written into these physical blocks."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=engine.kv_cache.device)
+    data = data.to(engine.kv_cache.device, engine.kv_cache.dtype).contiguous()
+    # As bytes: index_copy_ has no float8 kernel on the CPU, and a block is its bytes whatever the dtype.
+    engine.kv_cache.view(torch.uint8).index_copy_(0, index, data.view(torch.uint8))
 
 
 def test_warm_and_chunked_give_the_cold_tokens_and_bytes(engine_model) -> None:
@@ -202,7 +216,7 @@ def test_warm_and_chunked_give_the_cold_tokens_and_bytes(engine_model) -> None:
     cold_engine = _fp8_engine(model, tokenizer)
     cold = generate_one(cold_engine, prompt, greedy(10), "cold")
     warm = generate_one(cold_engine, prompt, greedy(10), "warm")
-    assert warm.stats.cached_tokens == 6 * BLOCK
+    assert warm.stats.l0_cached_tokens == 6 * BLOCK
     assert warm.new_token_ids == cold.new_token_ids
     # Chunked over a cached prefix against the same chunks computed cold. Not against the one pass above: the
     # CPU's attention blocks a 16-token chunk differently from a 101-token one, and on some CPUs (AVX-512, torch
@@ -210,11 +224,11 @@ def test_warm_and_chunked_give_the_cold_tokens_and_bytes(engine_model) -> None:
     # other greedy tokens); the prefix cache's promise is that reusing blocks equals recomputing them.
     cold_chunks_engine = _fp8_engine(model, tokenizer, max_num_batched_tokens=BLOCK)  # a block a step
     cold_chunks = generate_one(cold_chunks_engine, prompt, greedy(10), "cold-chunks")
-    assert cold_chunks.stats.cached_tokens == 0
+    assert cold_chunks.stats.l0_cached_tokens == 0
     chunked_engine = _fp8_engine(model, tokenizer, max_num_batched_tokens=BLOCK)
     generate_one(chunked_engine, prompt[: 3 * BLOCK + 2], greedy(2), "earlier-turn")
     chunked = generate_one(chunked_engine, prompt, greedy(10), "chunked")
-    assert chunked.stats.cached_tokens == 3 * BLOCK
+    assert chunked.stats.l0_cached_tokens == 3 * BLOCK
     assert chunked.new_token_ids == cold_chunks.new_token_ids
     # What a chunked pass over a cached prefix stored: the same quantised bytes, in order, as recomputing it.
     assert torch.equal(_prompt_block_bytes(chunked_engine, prompt), _prompt_block_bytes(cold_chunks_engine, prompt))
@@ -242,8 +256,8 @@ def test_exported_blocks_import_byte_for_byte(engine_model) -> None:
     generate_one(engine, prompt, greedy(1))
     data = _prompt_block_bytes(engine, prompt).view(torch.float8_e4m3fn)
     other = _fp8_engine(model, tokenizer, num_blocks=8)
-    other.import_blocks([5, 2, 7], data)
-    assert torch.equal(other.export_blocks([5, 2, 7]).view(torch.uint8), data.view(torch.uint8))
+    _import_blocks(other, [5, 2, 7], data)
+    assert torch.equal(_export_blocks(other, [5, 2, 7]).view(torch.uint8), data.view(torch.uint8))
 
 
 def test_session_evicted_from_l0_is_restored_from_l1_exactly(engine_model, tmp_path: Path) -> None:
@@ -261,7 +275,7 @@ def test_session_evicted_from_l0_is_restored_from_l1_exactly(engine_model, tmp_p
         a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, vocab, seed=23)
         a2 = generate_one(engine, a2_prompt, greedy(8), "a2")
         assert a2.stats.l1_cached_tokens >= 6 * BLOCK
-        assert a2.stats.cached_tokens + a2.stats.l1_cached_tokens == 8 * BLOCK
+        assert a2.stats.l0_cached_tokens + a2.stats.l1_cached_tokens == 8 * BLOCK
         assert torch.equal(_prompt_block_bytes(engine, a1_prompt), before)  # the bytes that left came back
         cold = generate_one(_fp8_engine(model, tokenizer, prefix_cache=False), a2_prompt, greedy(8), "cold")
         assert a2.new_token_ids == cold.new_token_ids

@@ -54,7 +54,7 @@ def test_session_evicted_from_l0_is_restored_from_l1_with_the_same_tokens(engine
 
         a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, vocab, seed=23)
         a2 = generate_one(engine, a2_prompt, greedy(8), "a2")
-        l0, l1 = a2.stats.cached_tokens, a2.stats.l1_cached_tokens
+        l0, l1 = a2.stats.l0_cached_tokens, a2.stats.l1_cached_tokens
         # A's first turn left 8 full blocks (128 tokens); B evicted all but at most the first two from L0.
         assert l0 + l1 == 8 * BLOCK
         assert l1 >= 6 * BLOCK and l0 <= 2 * BLOCK
@@ -227,7 +227,7 @@ def test_write_through_is_paced_per_step_and_lands_whole(tmp_path: Path) -> None
         # Push the session out of L0; it comes back from the paced copies with the unpaced engine's tokens.
         generate_one(engine, random_prompt(17 * BLOCK, 128, seed=32), greedy(2), "evict")
         again = generate_one(engine, prompt, greedy(6), "a2")
-        l0, l1 = again.stats.cached_tokens, again.stats.l1_cached_tokens
+        l0, l1 = again.stats.l0_cached_tokens, again.stats.l1_cached_tokens
         assert l0 + l1 == 8 * BLOCK and l1 >= 4 * BLOCK
         expected = generate_one(make_engine(model, None, prefix_cache=False), prompt, greedy(6), "cold")
         assert again.new_token_ids == expected.new_token_ids

@@ -73,8 +73,10 @@ def test_rank_worker_process_uses_l1_and_registers_with_the_router(tmp_path: Pat
         generate(stub, random_prompt(300, VOCAB, seed=62), 2)  # evicts most of A from the 20-block pool
         first, a2 = generate(stub, a1_prompt + random_prompt(20, VOCAB, seed=63), 4)
         assert first.l1_cached_tokens >= 6 * BLOCK
-        assert first.l1_cached_tokens + first.cached_tokens == 8 * BLOCK
-        assert a2.stats.l1_cached_tokens == first.l1_cached_tokens and a2.stats.cached_tokens == first.cached_tokens
+        assert first.l1_cached_tokens + first.l0_cached_tokens == 8 * BLOCK
+        assert (
+            a2.stats.l1_cached_tokens == first.l1_cached_tokens and a2.stats.l0_cached_tokens == first.l0_cached_tokens
+        )
         stats = stub.Stats(pb.StatsRequest(), timeout=10)
         assert stats.l1_restored_tokens == first.l1_cached_tokens
         assert stats.l1_offloaded_blocks >= 8 and stats.l1_copies_in_flight == 0

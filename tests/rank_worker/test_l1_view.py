@@ -37,7 +37,8 @@ def test_the_rank_taking_a_session_over_schedules_it_warm_from_blocks_another_ra
         turn2 = session + turn1.new_token_ids + random_prompt(3, 128, seed=8)
         hashes = prefix_block_hashes(taker.namespace, turn2[: SESSION_BLOCKS * BLOCK], BLOCK)
         deadline = time.monotonic() + 5  # the kvstore's events reach the new rank within milliseconds
-        while taker.l1.known_run(hashes) < SESSION_BLOCKS and time.monotonic() < deadline:
+        while taker.l1.known_run(hashes) < SESSION_BLOCKS:
+            assert time.monotonic() < deadline, f"the new rank knows {taker.l1.known_run(hashes)} blocks in L1"
             time.sleep(0.02)
 
         cold = random_prompt(12 * BLOCK, 128, seed=9)  # someone else's new session: 12 steps of prefill

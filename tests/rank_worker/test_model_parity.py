@@ -13,7 +13,7 @@ from engine_fixtures import embolden_weights, generate_one, greedy, make_engine,
 
 from rank_worker.engine.factory import build_model
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 
 VOCAB = 96
 COMMON = dict(

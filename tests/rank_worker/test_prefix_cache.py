@@ -30,8 +30,8 @@ def test_same_prompt_twice_hits_every_full_block_but_the_last_tokens(engine_mode
     assert engine.stats().cached_blocks >= len(prompt) // BLOCK
     second = generate_one(engine, prompt, greedy(8), "second")
     expected_cached = (len(prompt) - 1) // BLOCK * BLOCK  # every full block but the one holding the last token
-    assert first.stats.cached_tokens == 0
-    assert second.stats.cached_tokens == expected_cached
+    assert first.stats.l0_cached_tokens == 0
+    assert second.stats.l0_cached_tokens == expected_cached
     assert second.new_token_ids == first.new_token_ids
     stats = engine.stats()
     assert stats.prefix_hit_tokens == expected_cached
@@ -48,8 +48,8 @@ def test_multi_turn_reuses_previous_prompt_and_output(smollm2) -> None:
         if turn > 0:
             # Everything computed in the previous turn (its prompt and all of its output but the last token,
             # which was sampled, never fed back) is reused, up to the last full block.
-            assert out.stats.cached_tokens == previous_computed // BLOCK * BLOCK
-            assert out.stats.cached_tokens > 0.8 * len(conversation) - BLOCK
+            assert out.stats.l0_cached_tokens == previous_computed // BLOCK * BLOCK
+            assert out.stats.l0_cached_tokens > 0.8 * len(conversation) - BLOCK
         full = conversation + out.new_token_ids
         previous_computed = len(full) - 1
         conversation = full + _chat_prompt(tokenizer, f"And {turn + 4} more?")
@@ -62,7 +62,7 @@ def test_cold_and_warm_give_identical_greedy_tokens(smollm2) -> None:
     engine = make_engine(model, tokenizer)
     generate_one(engine, prompt[: len(prompt) - 7], greedy(4), "warmup")  # caches most of the prompt
     warm = generate_one(engine, prompt, greedy(24), "warm")
-    assert warm.stats.cached_tokens > 0
+    assert warm.stats.l0_cached_tokens > 0
     assert warm.new_token_ids == cold.new_token_ids
 
 
@@ -72,7 +72,7 @@ def test_prefix_cache_off_reports_no_hits(smollm2) -> None:
     prompt = random_prompt(3 * BLOCK + 3, model.cfg.vocab_size, seed=3)
     generate_one(engine, prompt, greedy(2), "a")
     again = generate_one(engine, prompt, greedy(2), "b")
-    assert again.stats.cached_tokens == 0
+    assert again.stats.l0_cached_tokens == 0
     assert engine.stats().cached_blocks == 0
     assert engine.drain_kv_events() == []
 
@@ -100,4 +100,4 @@ def test_concurrent_identical_prompts_share_blocks(smollm2) -> None:
         engine.add_request(EngineRequest(f"c{i}", prompt, greedy(6)))
     outs = run_to_completion(engine)
     assert len({tuple(o.new_token_ids) for o in outs.values()}) == 1
-    assert all(o.stats.cached_tokens == 4 * BLOCK for o in outs.values())
+    assert all(o.stats.l0_cached_tokens == 4 * BLOCK for o in outs.values())

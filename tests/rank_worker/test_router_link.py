@@ -85,12 +85,22 @@ def test_link_registers_heartbeats_and_survives_a_router_restart(
         "KVSERVE_RANK_DOWN_AFTER_SECS": "3",
     }
     free = {"blocks": 60}
+    attempts = {"calls": 0}  # the link reads the load as it builds each RegisterRank or Heartbeat
+
+    def load() -> EngineStats:
+        attempts["calls"] += 1
+        return engine_stats(free["blocks"])
+
+    def attempts_after(count: int) -> Callable[[], bool]:
+        target = attempts["calls"] + count + 1  # one more begun: `count` have ended
+        return lambda: attempts["calls"] >= target
+
     identity = RankIdentity("rank-link-test", "127.0.0.1:50999", "incarnation-1", 16, b"n" * 16)
-    link = RouterLink(router, identity, lambda: engine_stats(free["blocks"]), interval_s=HEARTBEAT_S, timeout_s=1)
+    link = RouterLink(router, identity, load, interval_s=HEARTBEAT_S, timeout_s=1)
 
     # The link starts before the router exists: it must keep trying, quietly.
     background_loop.call_soon_threadsafe(link.start)
-    time.sleep(3 * HEARTBEAT_S)
+    wait_until(attempts_after(3), 10, "three attempts to register")
     assert not link.registered
 
     with start_router(tmp_path / "router-1.log", router_port, **settings):
@@ -110,7 +120,8 @@ def test_link_registers_heartbeats_and_survives_a_router_restart(
         assert ranks(router)["rank-link-test"].healthy
         process.send_signal(signal.SIGKILL)
         process.wait(timeout=10)
-    time.sleep(3 * HEARTBEAT_S)  # beats against a dead router: nothing raises, the task keeps running
+    # beats against a dead router: nothing raises, the task keeps running
+    wait_until(attempts_after(3), 10, "three heartbeats against the dead router")
     assert link.running
     asyncio.run_coroutine_threadsafe(link.stop(), background_loop).result(10)
 

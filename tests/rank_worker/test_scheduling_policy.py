@@ -10,11 +10,12 @@ from engine_fixtures import greedy, make_engine, random_prompt, run_to_completio
 from l1_fixtures import tiny_model
 from scheduler_fixtures import advance, chunk_of, queue_request
 
+from contracts.config import SchedulingConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.paged_engine import PagedEngine
-from rank_worker.engine.scheduler import LOAD_REFRESH_S, ScheduledBatch, Scheduler, SchedulingPolicy
+from rank_worker.engine.scheduler import LOAD_REFRESH_S, ScheduledBatch, Scheduler
 from rank_worker.engine.sequence import Sequence
 
 VOCAB = 128
@@ -75,7 +76,7 @@ def _cold(n: int) -> list[list[int]]:
 
 def _is_cold_prefill(seq: Sequence) -> bool:
     """Judged from what the sequence got at admission, not from the scheduler's own bookkeeping."""
-    return seq.first_token_time is None and (seq.num_cached_tokens or 0) < 0.5 * seq.num_prompt_tokens
+    return seq.first_token_time is None and (seq.num_l0_cached_tokens or 0) < 0.5 * seq.num_prompt_tokens
 
 
 def test_a_warm_turn_goes_ahead_of_queued_cold_ones_under_warm_first_and_waits_under_fifo() -> None:
@@ -264,7 +265,7 @@ def test_the_warm_part_of_the_waiting_queue_is_what_a_warm_turn_waits_for() -> N
 
 
 def _bare_scheduler(
-    cached: list[list[int]], num_blocks: int, policy: SchedulingPolicy | None = None, **limits: int
+    cached: list[list[int]], num_blocks: int, policy: SchedulingConfig | None = None, **limits: int
 ) -> tuple[Scheduler, Clock]:
     """A scheduler over a real pool and cache manager, no model: each of `cached` is a finished first turn
     whose blocks are cache entries (computed, registered, released, as the engine leaves them)."""
@@ -318,8 +319,8 @@ def test_the_reported_load_counts_host_tier_hits_at_the_restore_cost_and_chunked
 
 
 def _cold_work_scheduler(history: list[int], budget: int = 256) -> tuple[Scheduler, Clock]:
-    policy = SchedulingPolicy(
-        "warm_first", cold_max_wait_secs=30.0, decode_step_budget_ms=0.0, min_prefill_chunk_tokens=32
+    policy = SchedulingConfig(
+        scheduling_policy="warm_first", cold_max_wait_secs=30.0, decode_step_budget_ms=0.0, min_prefill_chunk_tokens=32
     )
     return _bare_scheduler([history], num_blocks=2000, policy=policy, max_num_batched_tokens=budget)
 
@@ -389,7 +390,7 @@ def test_cold_work_goes_shortest_first_running_or_waiting() -> None:
     batch = sched.schedule()
     # shortest uncached first: partly-cached has 600 to do, short 1,000, long 19,744 left
     assert [(seq.request_id, n) for seq, n in batch.entries] == [("partly-cached", 256)]
-    assert partly.num_cached_tokens == 320
+    assert partly.num_l0_cached_tokens == 320
     advance(sched, batch)
     done: dict[str, int] = {}
     for step in range(200):

@@ -84,7 +84,7 @@ def run(engine: PagedEngine, counter: HashCounter, waves: list[list[tuple[str, l
                     assert stats is not None
                     trace.results[out.request_id] = (
                         outputs[out.request_id],
-                        stats.cached_tokens,
+                        stats.l0_cached_tokens,
                         stats.l1_cached_tokens,
                         stats.preemptions,
                     )

@@ -16,7 +16,7 @@ from service_processes import free_port, start_rank_worker
 from tokenizers import Tokenizer
 
 from contracts import internal_auth
-from contracts.block_hash import prefix_block_hashes
+from contracts.block_hash import BLOCK_HASH_BYTES, prefix_block_hashes
 from protos import kv_events_pb2 as events_pb
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
@@ -114,7 +114,7 @@ def test_model_info(model_info: pb.ModelInfoResponse, tokenizer: Tokenizer) -> N
     assert model_info.max_model_len == MAX_MODEL_LEN
     assert model_info.trained_context_len >= MAX_MODEL_LEN
     assert model_info.block_size == BLOCK_SIZE
-    assert len(model_info.hash_namespace) == 16
+    assert len(model_info.hash_namespace) == BLOCK_HASH_BYTES
     assert "<|im_start|>" in model_info.chat_template
     assert model_info.eos_token_ids and model_info.eos_token
     assert tokenizer.get_vocab_size() <= model_info.vocab_size
@@ -150,7 +150,7 @@ def test_streams_a_greedy_completion(stub: pb_grpc.RankWorkerStub, tokenizer: To
     # The same request again: greedy gives the same tokens, and the prompt's full blocks come from L0.
     chunks_again, finished_again = run_generate(stub, generate_request(prompt, max_tokens=8))
     assert [t for chunk in chunks_again for t in chunk] == tokens
-    cached = finished_again.stats.cached_tokens
+    cached = finished_again.stats.l0_cached_tokens
     assert cached > 0 and cached % BLOCK_SIZE == 0 and cached < len(prompt)
 
 
@@ -283,19 +283,21 @@ def test_kv_events_report_stored_blocks(
     async def run() -> list[events_pb.KvEventBatch]:
         async with internal_auth.aio_channel(worker) as channel:
             events = pb_grpc.RankWorkerStub(channel).KvEvents(events_pb.KvEventsRequest())
-            await asyncio.sleep(0.5)  # the server must have subscribed before the request runs
+            # The server must have subscribed before the request runs: it has once the snapshot every
+            # subscription starts with is here.
+            batches: list[events_pb.KvEventBatch] = [await asyncio.wait_for(events.read(), timeout=30)]
             await asyncio.to_thread(run_generate, stub, generate_request(prompt, max_tokens=2))
-            batches: list[events_pb.KvEventBatch] = []
             stored: set[bytes] = set()
-            while not expected <= stored:
-                batch = await asyncio.wait_for(events.read(), timeout=30)
-                batches.append(batch)
-                for event in batch.events:
+            while True:
+                for event in batches[-1].events:
                     if event.kind == events_pb.KV_EVENT_KIND_STORED:
                         stored.update(event.block_hashes)
+                if expected <= stored:
+                    break
+                batches.append(await asyncio.wait_for(events.read(), timeout=30))
             events.cancel()
             return batches
 
     batches = asyncio.run(run())
     assert [batch.sequence for batch in batches] == list(range(1, len(batches) + 1))  # per subscriber, no gaps
-    assert all(len(h) == 16 for batch in batches for event in batch.events for h in event.block_hashes)
+    assert all(len(h) == BLOCK_HASH_BYTES for batch in batches for event in batch.events for h in event.block_hashes)

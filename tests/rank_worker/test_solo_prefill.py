@@ -7,15 +7,16 @@ setting resolves to the attention backend's preference when unset."""
 from __future__ import annotations
 
 import torch
-from engine_fixtures import greedy, make_engine, random_prompt, run_to_completion
+from engine_fixtures import engine_settings, greedy, make_engine, random_prompt, run_to_completion
 from l1_fixtures import tiny_model
 from scheduler_fixtures import advance, chunk_of, queue_request
 
+from contracts.config import SchedulingConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.interface import EngineRequest
 from rank_worker.engine.kv_cache_manager import KvCacheManager
-from rank_worker.engine.paged_engine import EngineSettings, solo_prefill_tokens
-from rank_worker.engine.scheduler import ScheduledBatch, Scheduler, SchedulingPolicy
+from rank_worker.engine.paged_engine import solo_prefill_tokens
+from rank_worker.engine.scheduler import ScheduledBatch, Scheduler
 from rank_worker.model.attention.fa4_backend import Fa4Attention
 from rank_worker.model.attention.sdpa_backend import SdpaAttention
 from rank_worker.model.residual_stream import mlp_by_rows
@@ -28,7 +29,7 @@ SOLO = 4096
 
 def _scheduler(solo: int = SOLO, blocks: int = 2000, budget_ms: float = 50.0) -> Scheduler:
     kv = KvCacheManager(BlockPool(blocks, caching=True), BLOCK, b"solo-prefill-test")
-    policy = SchedulingPolicy("warm_first", decode_step_budget_ms=budget_ms, solo_prefill_tokens=solo)
+    policy = SchedulingConfig(scheduling_policy="warm_first", decode_step_budget_ms=budget_ms, solo_prefill_tokens=solo)
     return Scheduler(kv, 64, BUDGET, policy)
 
 
@@ -67,7 +68,7 @@ def test_not_beside_decoders_nor_over_a_cached_prefix() -> None:
     sched.remove(first)  # a finished turn: its blocks stay as cache entries
     turn = queue_request(sched, "turn", history + random_prompt(2700, VOCAB, seed=7))
     batch = sched.schedule()
-    assert turn.num_cached_tokens == 320
+    assert turn.num_l0_cached_tokens == 320
     assert chunk_of(batch, turn) == BUDGET
 
 
@@ -100,7 +101,7 @@ def test_the_setting_resolves_to_the_backends_choice_within_max_model_len() -> N
     def resolved(backend: object, **settings: object) -> int:
         values: dict[str, object] = {"num_blocks": 1, "max_model_len": 200_000, "max_num_batched_tokens": 32768}
         values.update(settings)
-        return solo_prefill_tokens(EngineSettings(**values), backend)  # type: ignore[arg-type]
+        return solo_prefill_tokens(engine_settings(**values), backend)  # type: ignore[arg-type]
 
     fa4 = Fa4Attention(torch.bfloat16, group=4)  # no CUDA needed to build it: attributes only
     assert resolved(fa4) == Fa4Attention.solo_prefill_tokens == 131072

@@ -18,7 +18,7 @@ from test_model_files import skeleton, write_gguf
 from contracts.config import KvServeConfig
 from rank_worker.engine.factory import build_engine
 from rank_worker.model_files import weights_digest
-from rank_worker.model_files.source import open_model_source
+from rank_worker.model_files.opener import open_model_source
 from rank_worker.model_files.weights_digest import safetensors_layout
 
 VOCAB = 96

@@ -88,8 +88,11 @@ def test_short_outage_reconnects_and_the_new_snapshot_replaces_the_old(source: K
         try:
             restarted.store(blocks(2, conversation=2))
             await wait_until(lambda: restarted.subscriptions == 1, 5, "reconnected")
+            reconnected_at = time.monotonic()  # after the break: the outage's deadline is before this + DOWN_AFTER_S
             await wait_until(lambda: state.index.l0_blocks("r") == 2, 5, "new snapshot replaced the old")
-            await asyncio.sleep(DOWN_AFTER_S)
+            await wait_until(lambda: time.monotonic() > reconnected_at + DOWN_AFTER_S, 5, "past the outage's deadline")
+            restarted.store(blocks(1, conversation=3))  # a marker: applied once the feed has dealt with all before it
+            await wait_until(lambda: state.index.l0_blocks("r") == 3, 5, "a delta sent past the deadline applied")
             assert [entry.rank_id for entry in state.registry.healthy()] == ["r"]
         finally:
             await feeds.close()

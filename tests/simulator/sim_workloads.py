@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from contracts.config import SchedulingConfig
 from loadgen.traces import AgentTrace, TraceTurn
-from rank_worker.engine.scheduler import SchedulingPolicy
 from simulator.replay import NodeSettings
 from simulator.sim_rank import RankSettings
 from simulator.step_time import StepTimeModel, fit_step_time, load_engine_results
@@ -49,5 +49,5 @@ def sessions(count: int, base_blocks: int, grow_blocks: int = 2, turns: int = 12
 
 
 def node(ranks: int = 1, policy: str = "warm_first", num_blocks: int = 52470, **rank: object) -> NodeSettings:
-    settings = RankSettings(num_blocks=num_blocks, policy=SchedulingPolicy(policy), **rank)  # type: ignore[arg-type]
+    settings = RankSettings(num_blocks=num_blocks, policy=SchedulingConfig(scheduling_policy=policy), **rank)  # type: ignore[arg-type]
     return NodeSettings(ranks=ranks, rank=settings)

@@ -143,8 +143,10 @@ def test_the_decode_step_budget_keeps_calls_decoding_beside_long_cold_prefills()
         settings = node(1)
         # 256-token minimum chunks, as when this bar was set: the simulator's linear step cost (calibrated on
         # b10acc2) does not see what made the engine's default 1024 (a small chunk over a long prefix fills few
-        # multiprocessors: bench/results/mixed-steps-h200.json), only that bigger chunks hold decoders longer.
-        policy = replace(settings.rank.policy, decode_step_budget_ms=budget_ms, min_prefill_chunk_tokens=256)
+        # multiprocessors: bench/results/2026-12-01-h200-mixed-steps/), only that bigger chunks hold decoders longer.
+        policy = settings.rank.policy.model_copy(
+            update={"decode_step_budget_ms": budget_ms, "min_prefill_chunk_tokens": 256}
+        )
         settings = replace(settings, rank=replace(settings.rank, policy=policy))
         stats[budget_ms] = step_stats(replay(work, workload, settings, STEP_TIME).records, 8)
     off, on = stats[0.0], stats[50.0]
@@ -178,7 +180,7 @@ def test_decode_payback_keeps_agents_decoding_beside_prefills_whose_minimum_chun
     stats = {}
     for payback in (False, True):
         settings = node(1)
-        policy = replace(settings.rank.policy, decode_step_budget_ms=50.0, decode_payback=payback)
+        policy = settings.rank.policy.model_copy(update={"decode_step_budget_ms": 50.0, "decode_payback": payback})
         settings = replace(settings, rank=replace(settings.rank, policy=policy))
         stats[payback] = step_stats(replay([*decoding, *cold], workload, settings, slow).records, 4)
     off, on = stats[False], stats[True]

@@ -102,7 +102,7 @@ def test_the_fit_recovers_a_known_model() -> None:
 def test_mla_prefill_pays_for_its_cached_prefix_once_a_chunk() -> None:
     # DeepSeek-V2-Lite on the H200: a chunk expands its whole prefix's latents into per-head K/V, so 1K new
     # tokens over 100K cached cost more than gamma alone explains; the per-chunk prefix term takes it.
-    results = load_engine_results(ROOT / "bench" / "results" / "engine-dsv2-lite-h200.json")
+    results = load_engine_results(ROOT / "simulator" / "results" / "engine-dsv2-lite-h200.json")
     model = fit_step_time(results)
     rows = [row for row in fit_report(model, results) if row["kind"] == "prefill"]
     assert len(rows) == 3 + 4 + 2  # the warm 8K over 32K and 4K over 100K measures count too

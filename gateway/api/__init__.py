@@ -1,0 +1,1 @@
+"""The APIs the gateway speaks, one package each: its routes, schema, conversion and responses."""

@@ -1,0 +1,1 @@
+"""The HTTP side of the gateway: the app, its hardening middlewares, body parsing, API keys and the errors."""

@@ -1,0 +1,117 @@
+"""The kvstore's L1 store: the first Attach fixes the layout, later ones must match; arena ids, input checks, events."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from contracts.block_hash import BLOCK_HASH_BYTES
+from contracts.kv_events import KvEvent, KvEventKind
+from kvstore.arena_layout import (
+    MAX_NAMESPACE_BYTES,
+    InvalidAttachError,
+    LayoutMismatchError,
+    check_layout,
+    plan_layout,
+)
+from kvstore.l1_store import ArenaInfo, InvalidRequestError, L1Store, StaleArenaError
+from kvstore.slot_index import UnknownRankError
+
+NS = b"n" * 16
+
+
+def h(n: int) -> bytes:
+    return n.to_bytes(BLOCK_HASH_BYTES, "big")
+
+
+def make_store(arena_bytes: int = 10_000, max_slots: int = 1000) -> L1Store:
+    return L1Store(
+        ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", arena_bytes), pin_ttl_s=60.0, max_slots=max_slots
+    )
+
+
+def test_plan_layout_divides_the_arena_and_caps_the_slot_count() -> None:
+    layout, note = plan_layout(10_000, 3_000, NS)
+    assert (layout.slot_bytes, layout.num_slots, note) == (3_000, 3, "")
+    capped, note = plan_layout(10_000, 10, NS, max_slots=100)
+    assert capped.num_slots == 100 and "using the first 100" in note
+    with pytest.raises(LayoutMismatchError, match="does not fit"):
+        plan_layout(1_000, 3_000, NS)
+    with pytest.raises(InvalidAttachError, match="slot_bytes"):
+        plan_layout(1_000, 0, NS)
+    with pytest.raises(InvalidAttachError, match="hash_namespace"):
+        plan_layout(1_000, 10, b"")
+    with pytest.raises(InvalidAttachError, match="hash_namespace"):
+        plan_layout(1_000, 10, b"x" * (MAX_NAMESPACE_BYTES + 1))
+
+
+def test_check_layout_names_what_differs() -> None:
+    layout, _ = plan_layout(10_000, 1_000, NS)
+    check_layout(layout, 1_000, NS)
+    with pytest.raises(LayoutMismatchError, match="slot_bytes 2000 differs"):
+        check_layout(layout, 2_000, NS)
+    with pytest.raises(LayoutMismatchError, match=r"hash_namespace .* differs"):
+        check_layout(layout, 1_000, b"m" * 16)
+
+
+def test_first_attach_fixes_the_layout_and_others_must_match() -> None:
+    store = make_store()
+    assert store.stats() is None
+    layout = store.attach("r0", "a", 1_000, NS)
+    assert layout.num_slots == 10 and store.stats() is not None
+    assert store.attach("r1", "b", 1_000, NS) == layout
+    with pytest.raises(LayoutMismatchError):
+        store.attach("r2", "c", 500, NS)
+    with pytest.raises(LayoutMismatchError):
+        store.attach("r2", "c", 1_000, b"other-namespace!")
+    with pytest.raises(InvalidRequestError, match="rank_id"):
+        store.attach("", "c", 1_000, NS)
+    with pytest.raises(InvalidRequestError, match="incarnation"):
+        store.attach("r3", "", 1_000, NS)
+    assert store.layout == layout
+
+
+def test_requests_must_name_this_arena_and_an_attached_rank() -> None:
+    store = make_store()
+    with pytest.raises(UnknownRankError, match="Attach first"):
+        store.allocate("r0", "arena-1", [h(1)])  # nobody attached yet
+    store.attach("r0", "a", 1_000, NS)
+    with pytest.raises(StaleArenaError, match="attach again"):
+        store.allocate("r0", "arena-0", [h(1)])
+    with pytest.raises(StaleArenaError):
+        store.release("r0", "", [0])
+    with pytest.raises(UnknownRankError):
+        store.lookup("r9", "arena-1", [h(1)])
+
+
+def test_hashes_must_be_16_bytes() -> None:
+    store = make_store()
+    store.attach("r0", "a", 1_000, NS)
+    with pytest.raises(InvalidRequestError, match=r"block_hashes\[1\] has 3 bytes"):
+        store.allocate("r0", "arena-1", [h(1), b"abc"])
+    with pytest.raises(InvalidRequestError):
+        store.lookup("r0", "arena-1", [b""])
+    assert store.stats().writing_slots == 0  # type: ignore[union-attr]
+
+
+def test_changes_reach_subscribers_as_batches() -> None:
+    async def scenario() -> None:
+        store = make_store(arena_bytes=2_000)
+        subscription = store.feed.subscribe()  # before the first attach: an empty snapshot
+        store.attach("r0", "a", 1_000, NS)
+        store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(1), h(2)]))
+        store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(3)]))  # evicts h1
+        store.lookup("r0", "arena-1", [h(2)])  # no change, no batch
+        batches = [await subscription.get() for _ in range(3)]
+        assert [batch.sequence for batch in batches] == [1, 2, 3]
+        assert batches[0].events == (KvEvent(KvEventKind.ALL_CLEARED), KvEvent(KvEventKind.STORED, ()))
+        assert batches[1].events == (KvEvent(KvEventKind.STORED, (h(1), h(2))),)
+        assert batches[2].events == (KvEvent(KvEventKind.REMOVED, (h(1),)),)
+        commit_batch = await subscription.get()
+        assert commit_batch.events == (KvEvent(KvEventKind.STORED, (h(3),)),)
+        late = store.feed.subscribe()
+        snapshot = await late.get()
+        assert snapshot.events[1].kind is KvEventKind.STORED and set(snapshot.events[1].block_hashes) == {h(2), h(3)}
+
+    asyncio.run(scenario())

@@ -317,7 +317,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     dtype = str(engine.model.embed_tokens.dtype).removeprefix("torch.")  # the model's (the pool's may be fp8)
     print(
-        f"engine up in {startup_s:.1f}s on {gpu}: {engine.pool.num_blocks} blocks of {engine.settings.block_size}",
+        f"engine up in {startup_s:.1f}s on {gpu}: {engine.pool.num_blocks} blocks of {config.engine.block_size}",
         flush=True,
     )
 
@@ -340,7 +340,7 @@ def main() -> None:
         "dtype": dtype,
         "quick": args.quick,
         "settings": {
-            "block_size": engine.settings.block_size,
+            "block_size": engine.settings.engine.block_size,
             "attention_backend": engine.attention.name,
             "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
             "max_num_batched_tokens": args.max_num_batched_tokens,

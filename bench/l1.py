@@ -146,7 +146,7 @@ class L1Bench:
 
     def session(self, tokens: int, repeats: int) -> dict:
         """One session of `tokens` tokens: restore its blocks from L1 vs recompute its prefill."""
-        block_size = self.engine.settings.block_size
+        block_size = self.engine.settings.engine.block_size
         count = tokens // block_size
         restore_s = self.time_copy("restore", count, scattered=True, repeats=repeats)
         recompute = []
@@ -201,7 +201,7 @@ def main() -> None:
     )
     engine = build_engine(config)
     block_bytes = engine.kv_cache[0].numel() * engine.kv_cache.element_size()
-    session_bytes = (session_tokens // engine.settings.block_size) * block_bytes
+    session_bytes = (session_tokens // engine.settings.engine.block_size) * block_bytes
     arena_bytes = max(max(sizes), session_bytes) + 16 * block_bytes
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
     bench = L1Bench(engine, arena_bytes, args.arena_dir)

@@ -94,8 +94,90 @@ class SchedulingConfig(BaseModel):
         return GPU_DECODE_STEP_BUDGET_MS if cuda else 0.0
 
 
+class EngineConfig(BaseModel):
+    """How each rank's engine is built and run (its KV pool, batch limits, kernels, L1 pacing): one section of the
+    config, handed as it is to the engine (EngineSettings.engine) and the simulator's ranks; the launcher reads its
+    pool sizing. Config files and KVSERVE_* variables write its keys flat (max_num_seqs: 32,
+    KVSERVE_MAX_NUM_SEQS=32), or under engine:."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    block_size: int = Field(
+        16, gt=0, description="tokens per KV block: the unit of the pool, the prefix cache, block hashes and L1 copies"
+    )
+    max_num_seqs: int = Field(
+        64, gt=0, description="sequences a rank runs at once; decode graphs are recorded for batch sizes up to it"
+    )
+    max_num_batched_tokens: int = Field(
+        4096, gt=0, description="tokens one engine step takes at most (a prefill chunk's size); at least 16"
+    )
+    gpu_memory_utilization: float = Field(
+        0.9,
+        gt=0.0,
+        le=1.0,
+        description="share of the GPU's memory a rank may use: the KV pool gets what the weights, the longest "
+        "step's activation peak and the decode graphs leave; ranks sharing a GPU (kvserve up --gpus 0,0) split it",
+    )
+    kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
+    num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
+    prefix_cache: bool = Field(
+        True,
+        description="L0: finished prompts keep their KV blocks on the GPU (LRU) for later requests; false: every "
+        "request prefills its whole prompt, and L1 is off too",
+    )
+    cuda_graphs: bool = Field(
+        True, description="replay decode steps from CUDA graphs, one per batch-size bucket, recorded at start-up"
+    )
+    pipeline_steps: bool = Field(
+        True,
+        description="schedule and launch each step before reading the previous one's tokens (those it needs are "
+        "taken on the device), so the host's work between steps overlaps the GPU's; decode-only and mixed steps "
+        "alike (H200, llama-8b: 5-8% less time per decode step)",
+    )
+    attention_backend: Literal["auto", "triton", "fa4", "flashinfer", "sdpa"] = Field(
+        "auto",
+        description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), flash-attn "
+        "4's paged forward for every prefill chunk with ours for decode (SM90 GPUs: the kvserve[cuda] extra; it "
+        "compiles its kernels at start-up, seconds each), FlashInfer's FA3 kernel for prefill over a cached "
+        "prefix with ours for decode (the kvserve[cuda] extra with FlashInfer's prebuilt modules), or gather + "
+        "SDPA (the CPU path); auto takes fa4 where it is installed on an SM90 GPU, else FlashInfer where it runs "
+        "without compiling, else our kernels wherever they run, else SDPA",
+    )
+    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
+        "auto",
+        description="what the KV pool stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 (scale 1.0), half "
+        "a bf16 pool's bytes per token, so twice the tokens; read by the sdpa path and the Triton kernels "
+        "(attention_backend auto takes those on CUDA), not by fa4 or FlashInfer",
+    )
+    l1_offload_mb_per_step: float = Field(
+        512.0,
+        gt=0.0,
+        description="L1 write-through copies issued per engine step on CUDA, in MiB (~10 ms of PCIe "
+        "Gen5); more queue for the next steps, so a step's own token read never waits behind a whole prompt's",
+    )
+    l1_eviction_horizon_blocks: int | None = Field(
+        None,
+        ge=0,
+        description="the L0 cache entries next in line for eviction that are offered to L1 again "
+        "(refreshed there, or copied if L1 lost them), so L1 keeps what L0 lets go; unset: twice the blocks the "
+        "longest step takes (at least 1024); 0: write-through only",
+    )
+
+    @field_validator("max_num_batched_tokens")
+    @classmethod
+    def _batched_tokens_at_least_one_block(cls, value: int) -> int:
+        if value < 16:
+            raise ValueError("max_num_batched_tokens must be at least 16")
+        return value
+
+    @property
+    def l1_offload_bytes_per_step(self) -> int:
+        """l1_offload_mb_per_step in bytes, the L1 tier's pace."""
+        return int(self.l1_offload_mb_per_step * (1 << 20))
+
+
 # The config's sections: field name -> the model of its keys, which may also be written flat (_lift_sections).
-SECTIONS: dict[str, type[BaseModel]] = {"scheduling": SchedulingConfig}
+SECTIONS: dict[str, type[BaseModel]] = {"engine": EngineConfig, "scheduling": SchedulingConfig}
 
 
 def _lift_sections(values: dict[str, Any]) -> dict[str, Any]:
@@ -179,81 +261,11 @@ class KvServeConfig(BaseSettings):
     max_model_len: int | None = Field(None, gt=0, description="default: the model's trained window")
     allow_long_context: bool = Field(False, description="allow max_model_len beyond the trained window")
 
-    # --- engine ---
-    block_size: int = Field(
-        16, gt=0, description="tokens per KV block: the unit of the pool, the prefix cache, block hashes and L1 copies"
-    )
-    max_num_seqs: int = Field(
-        64, gt=0, description="sequences a rank runs at once; decode graphs are recorded for batch sizes up to it"
-    )
-    max_num_batched_tokens: int = Field(
-        4096, gt=0, description="tokens one engine step takes at most (a prefill chunk's size); at least 16"
-    )
-    gpu_memory_utilization: float = Field(
-        0.9,
-        gt=0.0,
-        le=1.0,
-        description="share of the GPU's memory a rank may use: the KV pool gets what the weights, the longest "
-        "step's activation peak and the decode graphs leave; ranks sharing a GPU (kvserve up --gpus 0,0) split it",
-    )
-    kv_cache_memory_gb: float = Field(1.0, gt=0.0, description="KV pool size when running on the CPU")
-    num_kv_blocks: int | None = Field(None, gt=0, description="fix the pool size (tests, benchmarks)")
-    prefix_cache: bool = Field(
-        True,
-        description="L0: finished prompts keep their KV blocks on the GPU (LRU) for later requests; false: every "
-        "request prefills its whole prompt, and L1 is off too",
-    )
-    cuda_graphs: bool = Field(
-        True, description="replay decode steps from CUDA graphs, one per batch-size bucket, recorded at start-up"
-    )
-    pipeline_steps: bool = Field(
-        True,
-        description="schedule and launch each step before reading the previous one's tokens (those it needs are "
-        "taken on the device), so the host's work between steps overlaps the GPU's; decode-only and mixed steps "
-        "alike (H200, llama-8b: 5-8% less time per decode step)",
-    )
-    attention_backend: Literal["auto", "triton", "fa4", "flashinfer", "sdpa"] = Field(
-        "auto",
-        description="attention over the paged pool: our Triton kernels reading K/V in place (CUDA), flash-attn "
-        "4's paged forward for every prefill chunk with ours for decode (SM90 GPUs: the kvserve[cuda] extra; it "
-        "compiles its kernels at start-up, seconds each), FlashInfer's FA3 kernel for prefill over a cached "
-        "prefix with ours for decode (the kvserve[cuda] extra with FlashInfer's prebuilt modules), or gather + "
-        "SDPA (the CPU path); auto takes fa4 where it is installed on an SM90 GPU, else FlashInfer where it runs "
-        "without compiling, else our kernels wherever they run, else SDPA",
-    )
-    kv_cache_dtype: Literal["auto", "fp8_e4m3"] = Field(
-        "auto",
-        description="what the KV pool stores: auto = the model's dtype; fp8_e4m3 = float8 e4m3 (scale 1.0), half "
-        "a bf16 pool's bytes per token, so twice the tokens; read by the sdpa path and the Triton kernels "
-        "(attention_backend auto takes those on CUDA), not by fa4 or FlashInfer",
-    )
-    l1_cache: bool = Field(True, description="use the kvstore's L1 host cache; false: L0 only")
-    l1_host_gb: float = Field(
-        32.0,
-        ge=0.0,
-        description="the L1 arena's size, lowered to MemAvailable minus l1_headroom_gb and to the free space of "
-        "l1_arena_dir (the kvstore logs why); 0 = no L1",
-    )
-    request_timeout_secs: float = Field(
-        600.0,
-        gt=0.0,
-        description="a request's deadline at the rank; past it the request ends alone (500 / event: error), not "
-        "retried elsewhere",
-    )
-
-    max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
-    # The rank worker's engine thread shares the GIL with its gRPC threads, which turn every token into a
-    # stream message. When it comes back from the GPU (or any call that lets the GIL go) and a gRPC thread
-    # holds the GIL, CPython makes it wait up to the switch interval (5 ms by default) before forcing a
-    # hand-over; under the agent load on the H200 a decode step took ~3 ms longer in the serving process than
-    # on the GPU (the step log's GPU time). bench/probes/gil_wait.py reproduces that regime on the CPU (64
-    # streams, a 12 ms GIL-free "GPU" step): 5.8-7.3 ms of host time per step at 5 ms, 3.8-4.3 at 0.5 ms,
-    # 3.7-4.0 at 0.2. None leaves Python's interval.
-    gil_switch_interval_ms: float | None = Field(
-        0.5,
-        gt=0.0,
-        le=100.0,
-        description="rank worker: sys.setswitchinterval for its process, in ms (None: Python's own, 5 ms)",
+    # --- engine (the KV pool, batch limits and kernels of each rank) ---
+    engine: EngineConfig = Field(
+        default_factory=EngineConfig,
+        description="the keys of the table below, written flat (max_num_seqs: 32, KVSERVE_MAX_NUM_SEQS=32) or under "
+        "engine:",
     )
 
     # --- scheduling (which requests each engine step runs) ---
@@ -264,25 +276,43 @@ class KvServeConfig(BaseSettings):
     )
 
     # --- L1 (kvstore) ---
+    l1_cache: bool = Field(True, description="use the kvstore's L1 host cache; false: L0 only")
+    l1_host_gb: float = Field(
+        32.0,
+        ge=0.0,
+        description="the L1 arena's size, lowered to MemAvailable minus l1_headroom_gb and to the free space of "
+        "l1_arena_dir (the kvstore logs why); 0 = no L1",
+    )
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")
     l1_headroom_gb: float = Field(4.0, ge=0.0, description="RAM the arena must leave to everything else")
     l1_pin_ttl_secs: float = Field(120.0, gt=0.0, description="a pin older than this is dropped (a dead copier)")
-    l1_offload_mb_per_step: float = Field(
-        512.0,
-        gt=0.0,
-        description="rank worker: L1 write-through copies issued per engine step on CUDA, in MiB (~10 ms of PCIe "
-        "Gen5); more queue for the next steps, so a step's own token read never waits behind a whole prompt's",
-    )
-    l1_eviction_horizon_blocks: int | None = Field(
-        None,
-        ge=0,
-        description="rank worker: the L0 cache entries next in line for eviction that are offered to L1 again "
-        "(refreshed there, or copied if L1 lost them), so L1 keeps what L0 lets go; unset: twice the blocks the "
-        "longest step takes (at least 1024); 0: write-through only",
-    )
     kvstore_host: str = Field("127.0.0.1", description="where the kvstore listens")
     kvstore_port: int = Field(50141, ge=0, le=65535, description="0: kvserve up picks a free port")
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")
+
+    # --- KV events in vLLM's format ---
+    kv_events_endpoint: str = Field(
+        "",
+        description="where a rank also publishes its L0 KV events in vLLM's format (ZMQ PUB, medium GPU), for "
+        "routers built for vLLM such as llm-d's precise prefix-cache scorer: tcp://host:port (bound; the "
+        "events carry prompt token ids, unauthenticated: keep it on loopback or an internal network); empty: off",
+    )
+    kv_events_replay_endpoint: str = Field(
+        "", description="the rank's vLLM replay socket (ZMQ ROUTER): tcp://host:port; empty: no replay"
+    )
+    kvstore_kv_events_endpoint: str = Field(
+        "", description="the same for the kvstore's L1 events (medium CPU, no token ids): tcp://host:port; empty: off"
+    )
+    kvstore_kv_events_replay_endpoint: str = Field(
+        "", description="the kvstore's vLLM replay socket: tcp://host:port; empty: no replay"
+    )
+    kv_events_topic: str = Field("", description="the ZMQ topic of every vLLM-format batch (vLLM's default: none)")
+    kv_events_buffer_steps: int = Field(10_000, gt=0, description="vLLM-format batches each publisher keeps for replay")
+    kv_events_encoding: Literal["map", "array"] = Field(
+        "map",
+        description='how each vLLM-format event is encoded: map = a msgpack map tagged by "type" (vLLM 0.24 '
+        "on); array = a positional array, tag first (subscribers written for vLLM before 0.24)",
+    )
 
     # --- router ---
     router_host: str = Field("127.0.0.1", description="where the router listens")
@@ -326,6 +356,26 @@ class KvServeConfig(BaseSettings):
     rank_workers: list[str] = Field(
         default_factory=list, description="static rank list host:port (without a router); empty = rank_worker_*"
     )
+    request_timeout_secs: float = Field(
+        600.0,
+        gt=0.0,
+        description="a request's deadline at the rank; past it the request ends alone (500 / event: error), not "
+        "retried elsewhere",
+    )
+    max_waiting_requests: int = Field(256, gt=0, description="rank queue limit; beyond it: overloaded (529)")
+    # The rank worker's engine thread shares the GIL with its gRPC threads, which turn every token into a
+    # stream message. When it comes back from the GPU (or any call that lets the GIL go) and a gRPC thread
+    # holds the GIL, CPython makes it wait up to the switch interval (5 ms by default) before forcing a
+    # hand-over; under the agent load on the H200 a decode step took ~3 ms longer in the serving process than
+    # on the GPU (the step log's GPU time). bench/probes/gil_wait.py reproduces that regime on the CPU (64
+    # streams, a 12 ms GIL-free "GPU" step): 5.8-7.3 ms of host time per step at 5 ms, 3.8-4.3 at 0.5 ms,
+    # 3.7-4.0 at 0.2. None leaves Python's interval.
+    gil_switch_interval_ms: float | None = Field(
+        0.5,
+        gt=0.0,
+        le=100.0,
+        description="rank worker: sys.setswitchinterval for its process, in ms (None: Python's own, 5 ms)",
+    )
 
     # --- expert parallelism (a MoE model's routed experts split across the ranks of a group) ---
     # Each rank of a group keeps its own sessions, scheduler and KV pool and holds attention, the dense layers
@@ -343,6 +393,27 @@ class KvServeConfig(BaseSettings):
         gt=0.0,
         description="a peer of the group silent (no heartbeat) this long is dead or hung: the group's ranks exit "
         "and are restarted together, and the gateways continue the cut streams once it is back",
+    )
+
+    # --- metrics (Prometheus /metrics over HTTP on each gRPC service; the gateway serves its own on its port) ---
+    kvstore_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="the kvstore's /metrics port, bound on kvstore_host; 0 = off (kvserve up and compose give it one)",
+    )
+    router_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="the router's /metrics port, bound on router_host; 0 = off (kvserve up and compose give it one)",
+    )
+    rank_worker_metrics_port: int = Field(
+        0,
+        ge=0,
+        le=65535,
+        description="a rank worker's /metrics port, bound on rank_worker_host (vLLM's metric names); 0 = off "
+        "(kvserve up and compose give each rank one)",
     )
 
     # --- internal plane (router, kvstore, rank workers; the gateway and tools as their clients) ---
@@ -407,13 +478,6 @@ class KvServeConfig(BaseSettings):
     def _flat_section_keys(cls, data: Any) -> Any:
         # Built without the settings sources (model_validate): flat keys are lifted here.
         return _lift_sections(data) if isinstance(data, dict) else data
-
-    @field_validator("max_num_batched_tokens")
-    @classmethod
-    def _batched_tokens_at_least_one_block(cls, value: int) -> int:
-        if value < 16:
-            raise ValueError("max_num_batched_tokens must be at least 16")
-        return value
 
     @classmethod
     def settings_customise_sources(

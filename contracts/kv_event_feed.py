@@ -80,6 +80,11 @@ class KvEventSubscription:
             raise KvEventsEndedError("the publisher of these KV events is stopping")
         return batch
 
+    @property
+    def queued(self) -> int:
+        """Batches handed over and not yet read."""
+        return self._queue.qsize()
+
     def close(self) -> None:
         """The subscriber is gone: the publisher forgets it."""
         self._on_close(self)

@@ -21,6 +21,11 @@ class KvEventKind(enum.Enum):
 class KvEvent:
     kind: KvEventKind
     block_hashes: tuple[bytes, ...] = ()
+    # A STORED event's chain, where the publisher records it (only for vLLM-format KV events, contracts/
+    # vllm_kv_events.py; the gRPC wire carries neither): block_hashes then follow one another after
+    # parent_block_hash (None: the first block of a prompt), and token_ids are their tokens, block after block.
+    parent_block_hash: bytes | None = None
+    token_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from contracts.block_hash import BLOCK_HASH_BYTES
 from contracts.ids import MAX_ID_CHARS
 from contracts.kv_event_feed import KvEventFeed
+from contracts.kv_events import KvEvent
 from kvstore.arena_layout import MAX_SLOTS, SlotLayout, check_layout, plan_layout
 from kvstore.slot_index import SlotIndex, SlotIndexStats, UnknownRankError
 
@@ -47,6 +48,8 @@ class L1Store:
         self.layout: SlotLayout | None = None
         self.index: SlotIndex | None = None
         self.feed = KvEventFeed(self._stored_hashes)
+        # Every batch also goes here (the vLLM-format publisher's publish(), which only queues); None: off.
+        self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
         self._pin_ttl_s = pin_ttl_s
         self._max_slots = max_slots
         self._clock = clock
@@ -119,7 +122,13 @@ class L1Store:
 
     def _publish(self) -> None:
         if self.index is not None:
-            self.feed.publish(self.index.drain_events())
+            events = self.index.drain_events()
+            self.feed.publish(events)
+            if events and self.kv_event_sink is not None:
+                try:
+                    self.kv_event_sink(events)
+                except Exception:
+                    log.exception("publishing KV events in vLLM's format failed")
 
     def _stored_hashes(self) -> list[bytes]:
         return [] if self.index is None else self.index.stored_hashes()

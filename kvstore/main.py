@@ -21,8 +21,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts import service_main
 from contracts.config import KvServeConfig
 from contracts.internal_auth import InternalAuthError
+from contracts.metrics_http import serve_metrics
+from contracts.vllm_kv_events import MEDIUM_CPU, publisher_from_config
 from kvstore.arena import Arena, ArenaError, create_arena, ensure_arena_dir, remove_stale_arenas
 from kvstore.l1_store import ArenaInfo, L1Store
+from kvstore.metrics import kvstore_registry
 from kvstore.ram_budget import RamBudget, format_bytes, plan_ram_budget, read_machine
 from kvstore.servicer import KvStoreServicer
 from protos import kvstore_pb2, kvstore_pb2_grpc
@@ -132,8 +135,19 @@ async def serve(config: KvServeConfig) -> int:
     arena = prepared.arena
     try:
         store = L1Store(ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes), config.l1_pin_ttl_secs)
+        try:  # the kvstore knows no token ids: its BlockStored events carry hashes alone (docs/architecture.md)
+            vllm_events = publisher_from_config(config, MEDIUM_CPU, config.engine.block_size, kvstore=True)
+        except (ValueError, OSError) as exc:  # a malformed endpoint, a port taken
+            log.error("cannot publish KV events in vLLM's format: %s", exc)
+            await server.stop(0)
+            return 1
+        if vllm_events is not None:
+            store.kv_event_sink = vllm_events.publish
         servicer.open(store, prepared.budget.requested_bytes, prepared.reason)
         sweeper = asyncio.ensure_future(sweep_pins(store, sweep_interval_s(config.l1_pin_ttl_secs)))
+        metrics_server = serve_metrics(
+            kvstore_registry(store), config.kvstore_host, config.kvstore_metrics_port, "kvstore"
+        )
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
         log.info(
@@ -150,7 +164,11 @@ async def serve(config: KvServeConfig) -> int:
         sweeper.cancel()
         await health_servicer.enter_graceful_shutdown()
         store.feed.close()  # KvEvents streams end cleanly instead of being cancelled
+        if vllm_events is not None:
+            vllm_events.close()
         await server.stop(SHUTDOWN_GRACE_S)
+        if metrics_server is not None:
+            metrics_server.stop()
     finally:
         arena.remove()
     log.info("stopped; removed %s", arena.path)

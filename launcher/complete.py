@@ -51,8 +51,9 @@ def stats_line(finished: pb.Finished) -> str:
     decode_s = stats.total_s - stats.queue_wait_s - stats.prefill_s
     rate = (stats.output_tokens - 1) / decode_s if stats.output_tokens > 1 and decode_s > 0 else 0.0
     reason = pb.FinishReason.Name(finished.finish_reason).removeprefix("FINISH_REASON_").lower()
+    cached = stats.l0_cached_tokens + stats.l1_cached_tokens  # cached_tokens: L0 + L1, as the gateway reports it
     return (
-        f"[prompt {stats.prompt_tokens} tokens ({stats.l0_cached_tokens} cached), output {stats.output_tokens} tokens, "
+        f"[prompt {stats.prompt_tokens} tokens ({cached} cached), output {stats.output_tokens} tokens, "
         f"queue {stats.queue_wait_s * 1000:.0f} ms, prefill {stats.prefill_s * 1000:.0f} ms, "
         f"decode {rate:.1f} tok/s, finish: {reason}]"
     )

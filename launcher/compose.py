@@ -198,7 +198,7 @@ def _cpu_memory_limit(spec: ServiceSpec, config: KvServeConfig, ranks: int) -> s
     the kvstore and the ranks (tmpfs pages count against the container that first touches them)."""
     mib = CPU_MEMORY_MIB[spec.role]
     if spec.role == "rank-worker":
-        kv_gb = config.kv_cache_memory_gb if ranks == 1 else cpu_kv_cache_gb(config, ranks)
+        kv_gb = config.engine.kv_cache_memory_gb if ranks == 1 else cpu_kv_cache_gb(config, ranks)
         mib += math.ceil(kv_gb * 1024)
     if spec.uses_arena:
         mib += math.ceil(config.l1_host_gb * 1024)

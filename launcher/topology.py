@@ -42,6 +42,7 @@ LOCAL_REDIS_CONF = "redis-auth.conf"  # in the state dir: requirepass, so the pa
 COMPOSE_REDIS_CONF = "/tmp/redis-auth.conf"  # written inside the redis container at its start
 DEFAULT_REDIS_PORT = 6379
 MAX_PORT_PICKS = 100
+COMPOSE_METRICS_PORT = 9464  # compose: the router's, kvstore's and each rank's /metrics, a container each
 RANK_STARTUP_S = 600.0  # a large model loads for minutes; the compose start_period and `up --ready-timeout`
 
 
@@ -67,6 +68,7 @@ class ServiceSpec:
     secrets: tuple[str, ...] = ()  # the secrets it reads (INTERNAL_SECRET, REDIS_PASSWORD)
     entrypoint: tuple[str, ...] = ()  # compose only: what runs before argv (redis: writes its password config)
     group: str = ""  # the expert-parallel group it lives and dies with (rank workers); empty = none
+    metrics_port: int = 0  # its Prometheus /metrics port on `host` (gRPC services; the gateway serves /metrics itself)
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,14 @@ class _Stack:
 
     def port(self, configured: int) -> int:
         return configured if self.compose or configured != 0 else self.free_port()
+
+    def metrics_port(self, configured: int) -> int:
+        """A gRPC service's /metrics port: the configured one, else COMPOSE_METRICS_PORT in compose (a container
+        each); locally 0 stays off (config/local.yaml names ports for `make up`)."""
+        return configured or (COMPOSE_METRICS_PORT if self.compose else 0)
+
+    def metrics_environment(self, variable: str, port: int) -> dict[str, str]:
+        return {variable: str(port)}  # in both modes, 0 included: the same variables locally and in compose
 
     def free_port(self) -> int:
         """A free port no other service of this build was given: the OS may report one port free twice."""
@@ -198,8 +208,11 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
     redis_port = urlsplit(config.redis_url).port
     ports = {DEFAULT_REDIS_PORT if redis_port is None else redis_port, config.kvstore_port, config.router_port}
     ports.add(config.gateway_port)
+    ports.update((config.kvstore_metrics_port, config.router_metrics_port))
     if config.rank_worker_port:
         ports.update(config.rank_worker_port + rank for rank in range(ranks))
+    if config.rank_worker_metrics_port:
+        ports.update(config.rank_worker_metrics_port + rank for rank in range(ranks))
     return frozenset(ports - {0})
 
 
@@ -241,11 +254,12 @@ def _compose_redis_entrypoint(password_file: str) -> tuple[str, ...]:
 def _kvstore(stack: _Stack) -> ServiceSpec:
     config = stack.config
     host, port = stack.internal_host, stack.port(config.kvstore_port)
-    environment = stack.environment()
-    if not stack.gpu_ids and config.num_kv_blocks is None:
+    metrics_port = stack.metrics_port(config.kvstore_metrics_port)
+    environment = stack.environment(**stack.metrics_environment("KVSERVE_KVSTORE_METRICS_PORT", metrics_port))
+    if not stack.gpu_ids and config.engine.num_kv_blocks is None:
         # The kvstore sizes its arena from the RAM available when it starts, before the ranks exist: on the
         # CPU their KV pools (kv_cache_memory_gb in all) come out of the same RAM, so it must leave that too.
-        environment["KVSERVE_L1_HEADROOM_GB"] = f"{config.l1_headroom_gb + config.kv_cache_memory_gb:g}"
+        environment["KVSERVE_L1_HEADROOM_GB"] = f"{config.l1_headroom_gb + config.engine.kv_cache_memory_gb:g}"
     return ServiceSpec(
         name="kvstore",
         role="kvstore",
@@ -257,11 +271,13 @@ def _kvstore(stack: _Stack) -> ServiceSpec:
         environment=environment,
         uses_arena=True,
         secrets=(INTERNAL_SECRET,),
+        metrics_port=metrics_port,
     )
 
 
 def _router(stack: _Stack, redis: ServiceSpec, kvstore: ServiceSpec) -> ServiceSpec:
     host, port = stack.internal_host, stack.port(stack.config.router_port)
+    metrics_port = stack.metrics_port(stack.config.router_metrics_port)
     url = urlsplit(stack.config.redis_url)
     redis_url = urlunsplit((url.scheme or "redis", redis.address, url.path or "/0", "", ""))  # same db
     return ServiceSpec(
@@ -276,9 +292,11 @@ def _router(stack: _Stack, redis: ServiceSpec, kvstore: ServiceSpec) -> ServiceS
             KVSERVE_REDIS_URL=redis_url,
             KVSERVE_REDIS_PASSWORD_FILE=stack.secret_path(REDIS_PASSWORD),
             KVSERVE_KVSTORE=kvstore.address,
+            **stack.metrics_environment("KVSERVE_ROUTER_METRICS_PORT", metrics_port),
         ),
         depends_on=("redis", "kvstore"),
         secrets=(INTERNAL_SECRET, REDIS_PASSWORD),
+        metrics_port=metrics_port,
     )
 
 
@@ -291,8 +309,16 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
     else:
         port = config.rank_worker_port + rank  # consecutive ports on one machine
     address = stack.address(name, host, port)
+    configured_metrics = config.rank_worker_metrics_port
+    if configured_metrics and not stack.compose:
+        metrics_port = configured_metrics + rank  # consecutive ports on one machine, as the gRPC ones
+    else:
+        metrics_port = stack.metrics_port(configured_metrics)
     environment = stack.environment(
-        KVSERVE_KVSTORE=kvstore.address, KVSERVE_ROUTER=router.address, KVSERVE_RANK_ADVERTISE_ADDRESS=address
+        KVSERVE_KVSTORE=kvstore.address,
+        KVSERVE_ROUTER=router.address,
+        KVSERVE_RANK_ADVERTISE_ADDRESS=address,
+        **stack.metrics_environment("KVSERVE_RANK_WORKER_METRICS_PORT", metrics_port),
     )
     gpu = stack.gpu_ids[rank] if stack.gpu_ids else None
     if gpu is not None:
@@ -300,8 +326,8 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
         environment["CUDA_VISIBLE_DEVICES"] = "0" if stack.compose else gpu
         sharing = stack.gpu_ids[: stack.ranks].count(gpu)
         if sharing > 1:  # ranks on one GPU (tests of multi-rank paths on a small machine) split its memory
-            environment["KVSERVE_GPU_MEMORY_UTILIZATION"] = f"{config.gpu_memory_utilization / sharing:.4g}"
-    elif stack.ranks > 1 and config.num_kv_blocks is None:
+            environment["KVSERVE_GPU_MEMORY_UTILIZATION"] = f"{config.engine.gpu_memory_utilization / sharing:.4g}"
+    elif stack.ranks > 1 and config.engine.num_kv_blocks is None:
         environment["KVSERVE_KV_CACHE_MEMORY_GB"] = f"{cpu_kv_cache_gb(config, stack.ranks):g}"
     group = ""
     if stack.expert_parallel > 1:
@@ -330,6 +356,7 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
         uses_arena=True,
         secrets=(INTERNAL_SECRET,),
         group=group,
+        metrics_port=metrics_port,
     )
 
 
@@ -356,7 +383,7 @@ def _gateway(stack: _Stack, router: ServiceSpec, rank_workers: list[ServiceSpec]
 def cpu_kv_cache_gb(config: KvServeConfig, ranks: int) -> float:
     """KV pool size of each CPU rank: kv_cache_memory_gb is the machine's budget, split between the ranks
     (N ranks each taking the whole budget would ask N times the RAM the operator planned for)."""
-    return round(config.kv_cache_memory_gb / ranks, 3)
+    return round(config.engine.kv_cache_memory_gb / ranks, 3)
 
 
 def start_tiers(specs: Sequence[ServiceSpec]) -> list[list[ServiceSpec]]:

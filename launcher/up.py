@@ -29,6 +29,7 @@ import grpc
 
 from contracts import internal_auth
 from contracts.config import KvServeConfig, load_config
+from contracts.service_main import client_target
 from launcher.claude_code_env import (
     API_KEY_PLACEHOLDER,
     OPEN_GATEWAY_KEY,
@@ -132,6 +133,11 @@ def _check_port_free(spec: ServiceSpec) -> None:
             ) from exc
 
 
+def metrics_url(spec: ServiceSpec) -> str:
+    """Where a gRPC service serves Prometheus /metrics (its own host, its metrics port)."""
+    return f"http://{client_target(spec.host, spec.metrics_port)}/metrics"
+
+
 def write_services_file(supervisor: Supervisor, path: Path) -> None:
     """services.json: what runs where, for scripts and tests (pids change when a service is restarted), its
     restarts so far, and each expert-parallel group's restarts (one per group restart) and their last cause."""
@@ -145,6 +151,7 @@ def write_services_file(supervisor: Supervisor, path: Path) -> None:
             "restarts": service.restart_count,
             "recovering": service.recovering,
             **({"group": service.spec.group} if service.spec.group else {}),
+            **({"metrics": metrics_url(service.spec)} if service.spec.metrics_port else {}),
         }
         for service in supervisor.services
     ]
@@ -234,9 +241,10 @@ def _print_ready(
         kind = "redis" if spec.role == "redis" else "gRPC"
         device = f", GPU {spec.gpu}" if spec.gpu is not None else ""
         group = f", expert-parallel group {spec.group}" if spec.group else ""
-        out.write(f"  {spec.name}: {spec.address} ({kind}{device}{group})\n")
-    if ranks[0].gpu is None and config.num_kv_blocks is None:
-        total = config.kv_cache_memory_gb
+        metrics = f", {metrics_url(spec)}" if spec.metrics_port else ""
+        out.write(f"  {spec.name}: {spec.address} ({kind}{device}{group}{metrics})\n")
+    if ranks[0].gpu is None and config.engine.num_kv_blocks is None:
+        total = config.engine.kv_cache_memory_gb
         each = cpu_kv_cache_gb(config, len(ranks))
         split = f", split between {len(ranks)} ranks: {each:g} GB each" if len(ranks) > 1 else ""
         out.write(f"  KV pools on the CPU: kv_cache_memory_gb {total:g}{split}; the L1 arena leaves that RAM free\n")

@@ -15,9 +15,11 @@ import math
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from contracts.kv_event_feed import DEFAULT_MAX_BATCHES, KvEventSubscription, snapshot_events
+from contracts.kv_events import KvEvent
 from rank_worker.engine.interface import (
     Engine,
     EngineRequest,
@@ -115,8 +117,14 @@ class EngineLoop:
         failure_backoff_s: float = 0.05,
         timing_log_interval_s: float = 10.0,
         max_step_s: float = math.inf,
+        kv_event_sink: Callable[[tuple[KvEvent, ...]], None] | None = None,
     ) -> None:
         self._engine = engine
+        # Every batch of KV events also goes here, on the engine thread (vLLM-format KV events: a publisher
+        # whose publish() only queues, contracts/vllm_kv_events.py); its STORED events then carry their tokens.
+        self._kv_event_sink = kv_event_sink
+        if kv_event_sink is not None:
+            engine.record_stored_block_tokens()
         # An iteration running longer than this is a stuck engine thread: progress() stops answering, so the
         # clients' streams go quiet and fail over (a step may legitimately be long: a CPU prefill chunk).
         self._max_step_s = max_step_s
@@ -390,6 +398,11 @@ class EngineLoop:
         if events:
             for subscription in subscribers:
                 subscription.publish(events)
+            if self._kv_event_sink is not None:
+                try:
+                    self._kv_event_sink(events)
+                except Exception:
+                    log.exception("publishing KV events in vLLM's format failed")
         if joining:
             # A late subscriber (a restarted router) learns the whole cache first; later batches are deltas
             # from that state.

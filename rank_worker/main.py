@@ -21,11 +21,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts import service_main
 from contracts.config import KvServeConfig
 from contracts.internal_auth import InternalAuthError
+from contracts.metrics_http import serve_metrics
+from contracts.vllm_kv_events import MEDIUM_GPU, publisher_from_config
 from protos import rank_worker_pb2, rank_worker_pb2_grpc
 from rank_worker.engine.interface import Engine, EngineStats, ModelInfo
 from rank_worker.engine_loop import EngineLoop
 from rank_worker.l1.kvstore_client import KvStoreClient
 from rank_worker.l1.kvstore_link import KvStoreLink
+from rank_worker.metrics import L1Copies, RankMetrics
 from rank_worker.model_files.source import ModelPathError
 from rank_worker.router_link import RankIdentity, RouterLink, advertise_address
 from rank_worker.servicer import RankWorkerServicer
@@ -149,9 +152,22 @@ async def serve(config: KvServeConfig) -> int:
         return 1
 
     engine: Engine = load.result()
-    engine_loop = EngineLoop(engine, max_step_s=config.rank_max_step_secs)
+    try:
+        vllm_events = publisher_from_config(config, MEDIUM_GPU, engine.model_info.block_size)
+    except (ValueError, OSError) as exc:  # a malformed endpoint, a port taken
+        log.error("cannot publish KV events in vLLM's format: %s", exc)
+        await server.stop(0)
+        engine.close()
+        return 1
+    engine_loop = EngineLoop(
+        engine,
+        max_step_s=config.rank_max_step_secs,
+        kv_event_sink=vllm_events.publish if vllm_events is not None else None,
+    )
     engine_loop.start()
-    servicer.attach(engine_loop, engine.model_info, rank_id)
+    metrics = RankMetrics(engine.model_info.served_model_name, rank_id, engine_loop.stats, lambda: l1_copies(engine))
+    metrics_server = serve_metrics(metrics.registry, config.rank_worker_host, config.rank_worker_metrics_port, rank_id)
+    servicer.attach(engine_loop, engine.model_info, rank_id, metrics)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
     _log_ready(engine.model_info, engine_loop.stats(), address)
@@ -183,9 +199,26 @@ async def serve(config: KvServeConfig) -> int:
     engine_loop.end_kv_event_subscriptions()  # event streams never end on their own; token streams get the grace
     await server.stop(SHUTDOWN_GRACE_S)  # in-flight streams get the grace period, then are cancelled
     engine_loop.stop()
+    if vllm_events is not None:
+        vllm_events.close()  # after the loop's last batch
     engine.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     log.info("stopped")
     return 0
+
+
+def l1_copies(engine: Engine) -> L1Copies | None:
+    """The L1 tier's copy counters, read at scrape time (plain numbers the engine thread adds to)."""
+    tier = getattr(engine, "l1", None)
+    if tier is None:
+        return None
+    return L1Copies(
+        *(
+            getattr(tier, name, 0)
+            for name in ("restored_bytes", "restore_seconds", "offloaded_bytes", "offload_seconds")
+        )
+    )
 
 
 def _group_name(config: KvServeConfig) -> str:
@@ -198,7 +231,7 @@ def _group_name(config: KvServeConfig) -> str:
 def _log_l1(config: KvServeConfig, stats: EngineStats) -> None:
     if not (config.l1_cache and config.kvstore):
         log.info("L1 host cache: off (%s)", "no kvstore configured" if not config.kvstore else "l1_cache is false")
-    elif not config.prefix_cache:
+    elif not config.engine.prefix_cache:
         log.info("L1 host cache: off (it needs prefix_cache)")
     elif stats.l1_attached:
         log.info("L1 host cache: attached to the kvstore at %s", config.kvstore)

@@ -30,6 +30,7 @@ from rank_worker.engine.interface import (
     SamplingParams,
 )
 from rank_worker.engine_loop import EngineFailedError, EngineLoop, EngineLoopStoppedError, RequestStream
+from rank_worker.metrics import RankMetrics
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,10 @@ def finished_line(request_id: str, finished: pb.Finished) -> str:
     )
 
 
+def request_stats(stats: pb.GenerateStats) -> RequestStats:
+    return RequestStats(**{field.name: getattr(stats, field.name) for field in dataclasses.fields(RequestStats)})
+
+
 def stats_message(stats: EngineStats, rank_id: str = "") -> pb.StatsResponse:
     return pb.StatsResponse(rank_id=rank_id, **dataclasses.asdict(stats))  # same field names by design
 
@@ -126,10 +131,14 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         self._rank_id = ""
         self._engine_loop: EngineLoop | None = None
         self._model_info: pb.ModelInfoResponse | None = None
+        self._metrics: RankMetrics | None = None
 
-    def attach(self, engine_loop: EngineLoop, model_info: ModelInfo, rank_id: str = "") -> None:
+    def attach(
+        self, engine_loop: EngineLoop, model_info: ModelInfo, rank_id: str = "", metrics: RankMetrics | None = None
+    ) -> None:
         self._model_info = model_info_message(model_info)
         self._rank_id = rank_id
+        self._metrics = metrics
         self._engine_loop = engine_loop
 
     async def _ready(self, context: grpc.aio.ServicerContext) -> EngineLoop:
@@ -167,10 +176,17 @@ class RankWorkerServicer(pb_grpc.RankWorkerServicer):
         # Accepted: clients wait for these headers to learn, before any token, that the request is queued
         # (a refusal above arrives instead as an error status).
         await context.send_initial_metadata((("kvserve-accepted", request_id),))
+        timer = self._metrics.request() if self._metrics is not None else None
         try:
             async for message in response_messages(stream, engine_loop, self._progress_interval_s):
                 if message.HasField("finished"):
                     log.info("%s", finished_line(request_id, message.finished))
+                if timer is not None:  # as the message is handed to gRPC
+                    if message.HasField("tokens"):
+                        timer.tokens(len(message.tokens.token_ids))
+                    elif message.HasField("finished"):
+                        reason = pb.FinishReason.Name(message.finished.finish_reason).removeprefix("FINISH_REASON_")
+                        timer.finished(request_stats(message.finished.stats), reason.lower())
                 yield message
         except InvalidRequestError as exc:  # refused at add_request time (validate() could not know)
             log.info("refused request=%s: %s", request_id, exc)

@@ -93,6 +93,7 @@ class DurableState:
             retry=Retry(NoBackoff(), 1),  # one immediate retry covers a pooled connection Redis closed
         )
         self.connected = False
+        self.errors = 0  # Redis calls that failed (the metrics)
         self._loaded = False
         self._dirty_sessions: dict[str, None] = {}  # insertion-ordered set
         self._dirty_ranks: set[str] = set()
@@ -188,6 +189,7 @@ class DurableState:
         )
 
     def _went_down(self, exc: BaseException) -> None:
+        self.errors += 1
         self.connected = False
         self._down_since = time.monotonic()
         self._last_down_log = self._down_since
@@ -200,6 +202,7 @@ class DurableState:
         )
 
     def _still_down(self, exc: BaseException) -> None:
+        self.errors += 1
         now = time.monotonic()
         if now - self._last_down_log >= STILL_DOWN_LOG_INTERVAL_S:
             self._last_down_log = now

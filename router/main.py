@@ -20,9 +20,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from contracts import service_main
 from contracts.config import KvServeConfig
 from contracts.internal_auth import InternalAuthError
+from contracts.metrics_http import serve_metrics
 from protos import router_pb2, router_pb2_grpc
 from router.durable_state import DurableState
 from router.event_feeds import EventFeeds
+from router.metrics import router_registry
 from router.redis_password import RedisPasswordError, redis_url_with_password
 from router.route_score import RoutePolicy
 from router.router_state import RouterState
@@ -98,6 +100,9 @@ async def serve(config: KvServeConfig) -> int:
     except TimeoutError:
         log.error("reading state back from Redis took over %.0fs; starting from memory", REDIS_LOAD_TIMEOUT_S)
     feeds.follow_kvstore(config.kvstore)
+    metrics_server = serve_metrics(
+        router_registry(state, durable), config.router_host, config.router_metrics_port, "router"
+    )
     sweep_s = max(min(config.heartbeat_interval_secs, config.rank_down_after_secs / 4, 1.0), 0.05)
     background = [
         asyncio.ensure_future(durable.run()),
@@ -125,6 +130,8 @@ async def serve(config: KvServeConfig) -> int:
             await task
     await feeds.close()
     await durable.close()
+    if metrics_server is not None:
+        metrics_server.stop()
     log.info("stopped")
     return 0
 

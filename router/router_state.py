@@ -7,6 +7,7 @@ keys changed for Redis (router/durable_state.py). Both are plain method calls th
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -122,6 +123,10 @@ class RouterState:
         self.follower: RankFollower = _NoFollower()
         self.durable: DurableChanges = _NoDurability()
         self._clock = clock
+        # For the metrics: routing decisions by reason (route_score's), and session turns by whether they
+        # stayed on the session's rank ("sticky"), left it ("moved") or had none to stay on ("new").
+        self.decisions: collections.Counter[str] = collections.Counter()
+        self.session_turns: collections.Counter[str] = collections.Counter()
 
     # --- ranks ---
 
@@ -229,7 +234,9 @@ class RouterState:
         choice = choose_rank(candidates, query.prompt_tokens, session_rank, self.policy)
         assert choice is not None  # candidates is not empty
         self.registry.add_pending_prefill(choice.rank_id, choice.new_prefill_tokens, choice.warm)
+        self.decisions[choice.reason] += 1
         if query.session_id:
+            self.session_turns[session_turn(session_rank, choice.rank_id)] += 1
             self.sessions.record(query.session_id, choice.rank_id, now)
             self.durable.session_changed(query.session_id)
         log.info(
@@ -257,6 +264,13 @@ class RouterState:
 
     def heartbeat_age(self, entry: RankEntry) -> float:
         return max(self._clock() - entry.last_heartbeat, 0.0)
+
+
+def session_turn(session_rank: str | None, chosen: str) -> str:
+    """A session's turn as the metrics count it: sticky (its last rank again), moved (another), new (none known)."""
+    if session_rank is None:
+        return "new"
+    return "sticky" if chosen == session_rank else "moved"
 
 
 def _describe_group(place: ExpertParallelPlace | None) -> str:

@@ -19,10 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel
 from rich.console import Console
 from rich.table import Table
 
-from contracts.config import DEFAULTS, SchedulingConfig, load_config
+from contracts.config import DEFAULTS, EngineConfig, SchedulingConfig, load_config
 from loadgen.agent import ThinkTime
 from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
@@ -30,6 +31,7 @@ from router.route_score import RoutePolicy
 from simulator.calibration import COMPARED, compare_steps, load_measured
 from simulator.capacity import capacity_summary, simulate_steps
 from simulator.kv_capacity import kv_pool_blocks, shape_facts
+from simulator.nodes import node_choice_results, node_choices, run_node_choices
 from simulator.replay import NodeSettings, WorkloadSettings
 from simulator.sim_rank import RankSettings
 from simulator.step_time import fit_report, fit_step_time, load_engine_results
@@ -57,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="simulator/decode_probe.py JSON (default: simulator/results/decode-<gpu>.json if there; 'none': off)",
     )
     node.add_argument("--ranks", type=int, default=1, help="ranks (GPUs) of the node")
+    node.add_argument("--nodes", type=int, default=1, help="nodes behind the gateway's EPP, each of --ranks ranks")
+    node.add_argument(
+        "--node-choice",
+        default=None,
+        help="the EPP's node choice, comma-separated to compare: prefix, round_robin, least_loaded (default prefix)",
+    )
     node.add_argument("--kv-blocks", type=int, default=None, help="KV pool per rank (default: measured, or HBM)")
     node.add_argument("--hbm-gb", type=float, default=None, help="GPU memory (10^9 B) to size the pool from")
     node.add_argument("--gpu-memory-utilization", type=float, default=None)
@@ -149,26 +157,20 @@ def _fill_from_measured(args: argparse.Namespace, measured: dict[str, Any]) -> N
         args.turns = measured.get("turns")
 
 
-# Config keys a node runs with besides its scheduling section, from the stack's config unless given on the command
-# line (each flag's dest is its key).
-_FROM_CONFIG = (
-    "gpu_memory_utilization",
-    "block_size",
-    "max_num_seqs",
-    "l1_eviction_horizon_blocks",
-    "overload_prefill_tokens",
-)
+def _given(args: argparse.Namespace, section: type[BaseModel]) -> dict[str, Any]:
+    """The flags given here that are keys of a config section (a flag's dest is its key there)."""
+    return {key: getattr(args, key) for key in section.model_fields if getattr(args, key, None) is not None}
 
 
-def _fill_from_config(args: argparse.Namespace) -> SchedulingConfig:
+def _fill_from_config(args: argparse.Namespace) -> tuple[EngineConfig, SchedulingConfig]:
     """Node settings from --config (a served stack's YAML) or the config's defaults, unless given here; returns
-    the config's scheduling section with the flags given here over it (a flag's dest is its key there)."""
+    the config's engine and scheduling sections with the flags given here over them. Without --config the chunk
+    (max_num_batched_tokens) is the engine benchmark's unless given (main)."""
     config = load_config(args.config) if args.config else DEFAULTS
-    for key in _FROM_CONFIG:
-        if getattr(args, key) is None:
-            setattr(args, key, getattr(config, key))
-    given = {key: getattr(args, key) for key in SchedulingConfig.model_fields if getattr(args, key, None) is not None}
-    scheduling = config.scheduling.model_copy(update=given)
+    if args.overload_prefill_tokens is None:
+        args.overload_prefill_tokens = config.overload_prefill_tokens
+    engine = config.engine.model_copy(update=_given(args, EngineConfig))
+    scheduling = config.scheduling.model_copy(update=_given(args, SchedulingConfig))
     # The simulated rank is a GPU's, whose budget an unset one is; solo prefills are not simulated.
     scheduling = scheduling.model_copy(
         update={"decode_step_budget_ms": scheduling.step_budget_ms(cuda=True), "solo_prefill_tokens": 0}
@@ -176,16 +178,14 @@ def _fill_from_config(args: argparse.Namespace) -> SchedulingConfig:
     if args.config is None:
         args.shape = args.shape or "llama-8b"
         args.l1_gb = 0.0 if args.l1_gb is None else args.l1_gb
-        return scheduling
+        return engine, scheduling
     if args.shape is None:
         args.shape = config.model if config.model.endswith("config.json") else "llama-8b"
-    if args.max_num_batched_tokens is None:
-        args.max_num_batched_tokens = config.max_num_batched_tokens
     if args.max_context is None and config.max_model_len:
         args.max_context = config.max_model_len
     if args.l1_gb is None:
-        args.l1_gb = config.l1_host_gb if config.l1_cache and config.prefix_cache else 0.0
-    return scheduling
+        args.l1_gb = config.l1_host_gb if config.l1_cache and config.engine.prefix_cache else 0.0
+    return engine, scheduling
 
 
 def _think(text: str, cap_s: float) -> ThinkTime:
@@ -222,11 +222,12 @@ def main(argv: list[str]) -> int:
         measured = load_measured(args.calibrate) if args.calibrate else None
         if measured is not None:
             _fill_from_measured(args, measured)
-        scheduling = _fill_from_config(args)
+        engine, scheduling = _fill_from_config(args)
         agent_counts = _agent_counts(args.agents or "4,8,16,32")
         think = _think(args.think_time if args.think_time is not None else "3", args.max_think)
         if args.ranks < 1:
             raise ValueError("--ranks must be at least 1")
+        choices = node_choices(args.node_choice, args.nodes)
         facts = shape_facts(args.shape)
         engine_results = load_engine_results(args.engine_results)
         gpu_tag = Path(args.engine_results).stem.removeprefix("engine-")
@@ -247,15 +248,17 @@ def main(argv: list[str]) -> int:
         return 2
 
     step_time = fit_step_time(engine_results, probe)
+    if args.config is None and args.max_num_batched_tokens is None:
+        engine = engine.model_copy(update={"max_num_batched_tokens": step_time.max_num_batched_tokens})
     settings = engine_results.get("settings", {})
     measured_pool = settings.get("kv_blocks") if engine_results.get("shape") == facts.name else None
     if args.kv_blocks is not None:
         kv_blocks = args.kv_blocks
-    elif args.hbm_gb is None and measured_pool and settings.get("block_size", 16) == args.block_size:
+    elif args.hbm_gb is None and measured_pool and settings.get("block_size", 16) == engine.block_size:
         kv_blocks = int(measured_pool)
     else:
         kv_blocks = kv_pool_blocks(
-            facts, args.hbm_gb or 150.0, args.gpu_memory_utilization, args.activation_gb, args.block_size
+            facts, args.hbm_gb or 150.0, engine.gpu_memory_utilization, args.activation_gb, engine.block_size
         )
     duration = args.duration if args.duration is not None or args.turns is not None else 300.0
     max_context = args.max_context or facts.max_context
@@ -263,15 +266,12 @@ def main(argv: list[str]) -> int:
     factor = args.context_scale or fitting_factor(turns, max_context, 0, args.max_output_tokens)
     rank = RankSettings(
         num_blocks=kv_blocks,
-        block_size=args.block_size,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens or step_time.max_num_batched_tokens,
         max_model_len=max_context,
+        engine=engine,
         kv_bytes_per_token=facts.kv_bytes_per_token,
         l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
-        l1_eviction_horizon_blocks=args.l1_eviction_horizon_blocks,
     )
-    l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * args.block_size))
+    l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * engine.block_size))
     route = RoutePolicy(
         l1_restore_cost=scheduling.l1_restore_cost,
         overload_prefill_tokens=args.overload_prefill_tokens,
@@ -291,20 +291,29 @@ def main(argv: list[str]) -> int:
     thresholds = thresholds_from(args)
     err.print(
         f"{len(sessions)} sessions, {args.shape} x {args.ranks} ranks of {kv_blocks} blocks "
-        f"({kv_blocks * args.block_size:,} tokens each), L1 {l1_blocks} blocks, context scale {factor:.4g}, "
+        f"({kv_blocks * engine.block_size:,} tokens each), L1 {l1_blocks} blocks, context scale {factor:.4g}, "
         f"max context {max_context}"
     )
     policies = ("fifo", "warm_first") if args.ab else (scheduling.scheduling_policy,)
     runs: dict[str, list[dict[str, Any]]] = {}
+    by_choice: dict[str, dict[str, list[dict[str, Any]]]] = {}
     started = time.monotonic()
     for name in policies:
         policy = scheduling.model_copy(update={"scheduling_policy": name})
         node = NodeSettings(args.ranks, dataclasses.replace(rank, policy=policy), l1_blocks, route)
+        if args.nodes > 1:  # simulator/nodes.py: every node choice, each printed with per-node columns
+            by_choice[name] = run_node_choices(
+                sessions, agent_counts, workload, node, step_time, args.nodes, choices, thresholds,
+                f"predicted steps ({name})", _print_table,
+            )  # fmt: skip
+            runs[name] = by_choice[name][choices[0]]
+            continue
         runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
         _print_table(f"predicted steps ({name})", runs[name])
-    steps = runs[scheduling.scheduling_policy if scheduling.scheduling_policy in runs else policies[-1]]
+    headline = scheduling.scheduling_policy if scheduling.scheduling_policy in runs else policies[-1]
+    steps = runs[headline]
     summary = capacity_summary(steps, args.monthly_price)
-    _print_summary(summary, args.ranks)
+    _print_summary(summary, args.ranks * args.nodes)
 
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -319,7 +328,7 @@ def main(argv: list[str]) -> int:
         "l1_blocks": l1_blocks,
         "policy": scheduling.scheduling_policy,
         "scheduling": scheduling.model_dump(exclude={"scheduling_policy", "l1_restore_cost"}),  # those: policy, route
-        "rank": {k: v for k, v in dataclasses.asdict(rank).items() if k != "policy"},
+        "rank": rank.to_json(),
         "route": dataclasses.asdict(route),
         "heartbeat_interval_s": NodeSettings.heartbeat_interval_s,
         "workload": {
@@ -343,6 +352,9 @@ def main(argv: list[str]) -> int:
     }
     if args.ab:
         results["ab"] = runs
+    if args.nodes > 1:  # per node-choice policy: its steps (with per-node statistics) and largest passing N
+        results["nodes"] = args.nodes
+        results["node_choice"] = node_choice_results(by_choice[headline], args.monthly_price)
     if measured is not None:
         results["calibration"] = {"measured": args.calibrate, "steps": compare_steps(steps, measured["steps"])}
         _print_calibration(results["calibration"]["steps"])

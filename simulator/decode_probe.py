@@ -24,6 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from contracts.config import EngineConfig  # noqa: E402
 from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.interface import SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
@@ -59,7 +60,9 @@ def _engine(shape: str, num_blocks: int, max_len: int) -> PagedEngine:
     model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
     # The engine benchmark's chunk size, so a prefill chunk runs whole in one step.
     settings = EngineSettings(
-        num_blocks=num_blocks, max_model_len=max_len, max_num_seqs=256, max_num_batched_tokens=32768
+        num_blocks=num_blocks,
+        max_model_len=max_len,
+        engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=32768),
     )
     return PagedEngine(model, settings)
 

@@ -27,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from contracts.config import SchedulingConfig  # noqa: E402
+from contracts.config import EngineConfig, SchedulingConfig  # noqa: E402
 from loadgen.agent import ThinkTime  # noqa: E402
 from loadgen.report import step_stats  # noqa: E402
 from loadgen.traces import AgentTrace, TraceTurn, synthetic  # noqa: E402
@@ -114,12 +114,7 @@ class EngineRank:
 def _engine(shape: str, rank: RankSettings, max_len: int) -> PagedEngine:
     model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
     settings = EngineSettings(
-        num_blocks=rank.num_blocks,
-        block_size=rank.block_size,
-        max_model_len=max_len,
-        max_num_seqs=rank.max_num_seqs,
-        max_num_batched_tokens=rank.max_num_batched_tokens,
-        scheduling=rank.policy,
+        num_blocks=rank.num_blocks, max_model_len=max_len, engine=rank.engine, scheduling=rank.policy
     )
     return PagedEngine(model, settings)
 
@@ -189,7 +184,7 @@ def main() -> None:
     args = parser.parse_args()
     probe = load_engine_results(args.decode_results) if Path(args.decode_results).is_file() else None
     step_time = fit_step_time(load_engine_results(args.engine_results), probe)
-    rank = RankSettings(num_blocks=args.num_blocks, max_num_seqs=64, max_num_batched_tokens=32768)
+    rank = RankSettings(num_blocks=args.num_blocks, engine=EngineConfig(max_num_seqs=64, max_num_batched_tokens=32768))
     max_len = 65_536
     engine = _engine(args.shape, rank, max_len)
     rank = RankSettings(**{**rank.__dict__, "max_model_len": max_len})

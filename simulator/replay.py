@@ -117,18 +117,11 @@ class Replay:
         self.node = node
         self.now = 0.0
         self.deadline = workload.duration_s if workload.duration_s is not None else math.inf
-        block_size = node.rank.block_size
+        block_size = node.rank.engine.block_size
         self.namespace = hash_namespace(node.model_id, "simulated", block_size)
-        self.node_cache = NodeHostCache(node.l1_blocks) if node.l1_blocks > 0 else None
         # One sequence must fit a rank's pool, as the factory lowers max_model_len to the pool's capacity.
         self.max_model_len = min(node.rank.max_model_len, node.rank.num_blocks * block_size)
-        if make_rank is None:
-
-            def make_rank(index: int, clock: Callable[[], float]) -> ReplayRank:
-                return SimulatedRank(f"rank-{index}", node.rank, self.namespace, step_time, clock, self.node_cache)
-
-        self.ranks = [make_rank(i, self.clock) for i in range(node.ranks)]  # the schedulers' clock is the replay's
-        self.router = SimulatedRouter(self.ranks, node.route, self.node_cache, self.clock)
+        self.ranks, self.router = self._build_ranks(step_time, make_rank)
         self._next_heartbeat = 0.0 if self.router.needed else math.inf
         self.prompts = PromptTokens(workload.context_scale)
         self.sent = SentPrefixes()
@@ -142,6 +135,20 @@ class Replay:
         for index in range(agents):
             agent = _Agent(index, assigned_sessions(sessions, agents, index, workload.step_index, workload.seed))
             self._wake(agent, workload.stagger_s * index / max(1, agents), 0.0)
+
+    def _build_ranks(
+        self, step_time: StepTimeModel, make_rank: Callable[[int, Callable[[], float]], ReplayRank] | None
+    ) -> tuple[list[ReplayRank], SimulatedRouter]:
+        """The ranks and what routes calls to them: one node's (simulator/nodes.py builds a fleet of nodes)."""
+        node = self.node
+        self.node_cache = NodeHostCache(node.l1_blocks) if node.l1_blocks > 0 else None
+        if make_rank is None:
+
+            def make_rank(index: int, clock: Callable[[], float]) -> ReplayRank:
+                return SimulatedRank(f"rank-{index}", node.rank, self.namespace, step_time, clock, self.node_cache)
+
+        ranks = [make_rank(i, self.clock) for i in range(node.ranks)]  # the schedulers' clock is the replay's
+        return ranks, SimulatedRouter(ranks, node.route, self.node_cache, self.clock)
 
     def clock(self) -> float:
         return self.now
@@ -250,7 +257,7 @@ class Replay:
             else:
                 high = middle - 1
         shared = low
-        blocks = min(shared // self.node.rank.block_size, len(previous.lookup_hashes))
+        blocks = min(shared // self.node.rank.engine.block_size, len(previous.lookup_hashes))
         seq.lookup_hashes = previous.lookup_hashes[:blocks]
 
     def _record(self, call: _Call, seq: Sequence, error: str | None = None) -> None:

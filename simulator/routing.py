@@ -51,7 +51,7 @@ class SimulatedRouter:
         self.index = PrefixIndex()
         self.registry = RankRegistry(rank_down_after_s=math.inf)  # simulated ranks never go down
         for rank in ranks:
-            identity = RankIdentity(rank.rank_id, rank.rank_id, INCARNATION, rank.settings.block_size, b"")
+            identity = RankIdentity(rank.rank_id, rank.rank_id, INCARNATION, rank.settings.engine.block_size, b"")
             self.registry.register(identity, RankLoad(), clock())
         self.sessions: dict[str, str] = {}  # session id -> the rank of its last turn
         self.reasons: dict[str, int] = {}

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
-from contracts.config import SchedulingConfig
+from contracts.config import EngineConfig, SchedulingConfig
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.kv_cache_manager import KvCacheManager
@@ -27,18 +27,30 @@ from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from simulator.host_cache import NodeHostCache, RankHostTier
 from simulator.step_time import StepTimeModel
 
+# The engine keys a simulated rank runs by; the others (kernels, pool sizing) are the step-time model's and
+# num_blocks'.
+SIMULATED_ENGINE_KEYS = frozenset(
+    {"block_size", "max_num_seqs", "max_num_batched_tokens", "l1_eviction_horizon_blocks"}
+)
+
+
+def _engine_benchmark_chunk() -> EngineConfig:
+    return EngineConfig(max_num_batched_tokens=32768)  # the engine benchmark's chunk, where none is given
+
 
 @dataclass(frozen=True)
 class RankSettings:
     num_blocks: int
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 32768
     max_model_len: int = 131072
+    engine: EngineConfig = field(default_factory=_engine_benchmark_chunk)  # the config's section, as a rank's
     policy: SchedulingConfig = field(default_factory=SchedulingConfig)  # the config's section, as a rank's
     kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
     l1_bytes_per_s: float = 50e9
-    l1_eviction_horizon_blocks: int | None = None  # None: the engine's default for a full chunk
+
+    def to_json(self) -> dict[str, Any]:
+        """The rank as results record it: its own fields and the engine keys it runs by (its policy apart)."""
+        own = {item.name: getattr(self, item.name) for item in fields(self) if item.name not in ("engine", "policy")}
+        return {**own, **self.engine.model_dump(include=SIMULATED_ENGINE_KEYS)}
 
 
 @dataclass
@@ -83,13 +95,14 @@ class SimulatedRank:
         self.settings = settings
         self.step_time = step_time
         self.pool = BlockPool(settings.num_blocks, caching=True)
+        engine = settings.engine
         horizon = horizon_blocks_for(
-            settings.l1_eviction_horizon_blocks, settings.max_num_batched_tokens, settings.block_size
+            engine.l1_eviction_horizon_blocks, engine.max_num_batched_tokens, engine.block_size
         )
         self.tier = RankHostTier(node_cache, self.pool, horizon) if node_cache is not None else None
-        self.kv = KvCacheManager(self.pool, settings.block_size, namespace, self.tier)
+        self.kv = KvCacheManager(self.pool, engine.block_size, namespace, self.tier)
         self.scheduler = Scheduler(
-            self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, settings.policy, clock=clock
+            self.kv, engine.max_num_seqs, engine.max_num_batched_tokens, settings.policy, clock=clock
         )
         self.busy_until = 0.0  # the simulated time its current step ends
         self.steps = 0

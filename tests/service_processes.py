@@ -146,6 +146,9 @@ ANY_PORTS = {
     "KVSERVE_ROUTER_PORT": "0",
     "KVSERVE_RANK_WORKER_PORT": "0",
     "KVSERVE_GATEWAY_PORT": "0",
+    "KVSERVE_KVSTORE_METRICS_PORT": "0",  # off: config/local.yaml's fixed ones would collide between parallel tests
+    "KVSERVE_ROUTER_METRICS_PORT": "0",
+    "KVSERVE_RANK_WORKER_METRICS_PORT": "0",
 }
 
 

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from contracts.model_types import DEEPSEEK_DSML, HERMES, PROMPT_FAMILIES
 from gateway.parsing.call_ids import ToolCallIdFactory, new_tool_call_id
 from gateway.parsing.dsml import DsmlToolParser
 from gateway.parsing.events import OutputEvent, TextDelta
 from gateway.parsing.hermes import HermesToolParser
 from gateway.parsing.think import ThinkParser
-
-FAMILIES = ("hermes", "deepseek_dsml")
 
 
 class StreamParser(Protocol):
@@ -52,11 +51,11 @@ def make_output_parser(
 
     thinks: the model may open its output with <think>; starts_in_reasoning: the prompt already opened it
     (see gateway.prompt.render.prompt_opens_reasoning)."""
-    if family == "deepseek_dsml":
+    if family == DEEPSEEK_DSML:
         tools: StreamParser = DsmlToolParser(new_id)
-    elif family == "hermes":
+    elif family == HERMES:
         tools = HermesToolParser(new_id)
     else:
-        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown model family {family!r}; expected one of {', '.join(PROMPT_FAMILIES)}")
     think = ThinkParser(starts_in_reasoning=starts_in_reasoning) if thinks or starts_in_reasoning else None
     return OutputParser(tools, think)

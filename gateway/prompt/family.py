@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import re
 
-from contracts.model_types import DEEPSEEK_DSML, HERMES, PROMPT_FAMILIES, prompt_family_of
+from contracts.model_types import DEEPSEEK_DSML, HERMES, prompt_family_of
 
-FAMILIES = PROMPT_FAMILIES
 _DSML = "｜DSML｜"
 _DSML_MODEL = re.compile(r"deepseek.*(v3[._-]?2|v4)", re.IGNORECASE)
 _DEEPSEEK_TEMPLATE_MARKERS = ("<｜Assistant｜>", "'Assistant:")  # V2.5 and later; V2(-Lite)-Chat

@@ -17,6 +17,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from contracts.model_types import PROMPT_FAMILIES
 from gateway.http.errors import ChatTemplateError
 from gateway.prompt.chat import ChatMessage, ChatRequest
 from gateway.prompt.chat_template import render_chat
@@ -29,7 +30,7 @@ from gateway.prompt.conversation import (
     tools_in_force,
 )
 from gateway.prompt.deepseek_prompt import deepseek_prompt, markers_for
-from gateway.prompt.family import FAMILIES, family_for, prompt_opens_reasoning, thinks
+from gateway.prompt.family import family_for, prompt_opens_reasoning, thinks
 from gateway.prompt.hermes_prompt import hermes_messages
 
 __all__ = ["ModelTemplate", "family_for", "prompt_opens_reasoning", "render_prompt", "thinks"]
@@ -46,8 +47,8 @@ class ModelTemplate:
     thinks: bool = False  # the model writes <think> reasoning
 
     def __post_init__(self) -> None:
-        if self.family not in FAMILIES:
-            raise ValueError(f"unknown model family {self.family!r}; expected one of {', '.join(FAMILIES)}")
+        if self.family not in PROMPT_FAMILIES:
+            raise ValueError(f"unknown model family {self.family!r}; expected one of {', '.join(PROMPT_FAMILIES)}")
 
     @classmethod
     def for_model(

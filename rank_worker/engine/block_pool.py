@@ -30,6 +30,8 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._by_hash: dict[bytes, int] = {}
         self._events: list[KvEvent] = []
+        # STORED events carry each block's parent and tokens (vLLM-format KV events want them; off: not paid)
+        self.record_stored_tokens = False
         self.allocated_total = 0  # blocks handed out since start: how far eviction has moved down the queue
 
     @property
@@ -115,13 +117,20 @@ class BlockPool:
             run.append(block_id)
         return run
 
-    def register(self, block_id: int, block_hash: bytes) -> bool:
-        """Make a full, computed block a cache entry. False if another block already holds this hash."""
+    def register(
+        self, block_id: int, block_hash: bytes, parent: bytes | None = None, token_ids: tuple[int, ...] = ()
+    ) -> bool:
+        """Make a full, computed block a cache entry. False if another block already holds this hash.
+        parent and token_ids (the block's chain predecessor, None for a prompt's first block, and its tokens)
+        go into the STORED event when given (record_stored_tokens)."""
         if not self.caching or block_hash in self._by_hash:
             return False
         self.blocks[block_id].block_hash = block_hash
         self._by_hash[block_hash] = block_id
-        self._events.append(KvEvent(KvEventKind.STORED, (block_hash,)))
+        if token_ids:
+            self._events.append(KvEvent(KvEventKind.STORED, (block_hash,), parent, token_ids))
+        else:
+            self._events.append(KvEvent(KvEventKind.STORED, (block_hash,)))
         return True
 
     def clear_cache(self) -> None:
@@ -133,12 +142,28 @@ class BlockPool:
             self._events.append(KvEvent(KvEventKind.REMOVED, tuple(dropped)))
 
     def drain_events(self) -> list[KvEvent]:
-        """Events since the last drain, in order, runs of the same kind merged into one event."""
-        runs: list[tuple[KvEventKind, list[bytes]]] = []  # lists, not tuples: merging stays linear
+        """Events since the last drain, in order, runs of the same kind merged into one event; STORED events
+        with tokens merge only along a chain (each block's parent the previous one's hash)."""
+        if not self.record_stored_tokens:
+            runs: list[tuple[KvEventKind, list[bytes]]] = []  # lists, not tuples: merging stays linear
+            for event in self._events:
+                if runs and runs[-1][0] is event.kind:
+                    runs[-1][1].extend(event.block_hashes)
+                else:
+                    runs.append((event.kind, list(event.block_hashes)))
+            self._events = []
+            return [KvEvent(kind, tuple(hashes)) for kind, hashes in runs]
+        chains: list[tuple[KvEventKind, list[bytes], bytes | None, list[int]]] = []
         for event in self._events:
-            if runs and runs[-1][0] is event.kind:
-                runs[-1][1].extend(event.block_hashes)
-            else:
-                runs.append((event.kind, list(event.block_hashes)))
+            if chains:
+                kind, hashes, _, tokens = chains[-1]
+                if kind is event.kind and (
+                    bool(event.token_ids) == bool(tokens)
+                    and (not event.token_ids or hashes[-1] == event.parent_block_hash)
+                ):
+                    hashes.extend(event.block_hashes)
+                    tokens.extend(event.token_ids)
+                    continue
+            chains.append((event.kind, list(event.block_hashes), event.parent_block_hash, list(event.token_ids)))
         self._events = []
-        return [KvEvent(kind, tuple(hashes)) for kind, hashes in runs]
+        return [KvEvent(kind, tuple(hashes), parent, tuple(tokens)) for kind, hashes, parent, tokens in chains]

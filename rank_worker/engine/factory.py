@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from contracts.config import KvServeConfig, SchedulingConfig
+from contracts.config import EngineConfig, KvServeConfig, SchedulingConfig
 from rank_worker.engine.decode_graphs import DecodeGraphs
 from rank_worker.engine.model_runner import kv_block_bytes
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, solo_prefill_tokens
@@ -136,19 +136,20 @@ def size_kv_pool(
     """Blocks that fit: a fixed count if configured; on CUDA what gpu_memory_utilization leaves after weights,
     the activation peak of a full-size step and the memory decode graphs hold; on the CPU kv_cache_memory_gb.
     Blocks are sized in the pool's dtype (kv_cache_dtype): an fp8 pool holds 2x a bf16 one's blocks."""
-    block_bytes = kv_block_bytes(model, config.block_size, pool_dtype(config.kv_cache_dtype, dtype))
-    if config.num_kv_blocks:
-        return config.num_kv_blocks
+    engine = config.engine
+    block_bytes = kv_block_bytes(model, engine.block_size, pool_dtype(engine.kv_cache_dtype, dtype))
+    if engine.num_kv_blocks:
+        return engine.num_kv_blocks
     if device.type != "cuda":
-        return max(int(config.kv_cache_memory_gb * 1024**3) // block_bytes, 1)
+        return max(int(engine.kv_cache_memory_gb * 1024**3) // block_bytes, 1)
     peak = _profile_peak_bytes(config, model, device, dtype, max_model_len)
-    peak += _decode_graph_bytes(config, model, max_model_len)
+    peak += _decode_graph_bytes(engine, model, max_model_len)
     total = torch.cuda.get_device_properties(device).total_memory
-    budget = int(total * config.gpu_memory_utilization) - peak
+    budget = int(total * engine.gpu_memory_utilization) - peak
     if budget < block_bytes:
         raise RuntimeError(
             f"no room for a KV pool: {peak / 1e9:.1f} GB used by weights and activations out of "
-            f"{config.gpu_memory_utilization:.0%} of {total / 1e9:.1f} GB"
+            f"{engine.gpu_memory_utilization:.0%} of {total / 1e9:.1f} GB"
         )
     return budget // block_bytes
 
@@ -158,24 +159,23 @@ def _profile_peak_bytes(
 ) -> int:
     """Run the longest step the rank will take (a prefill of max_num_batched_tokens, or a solo prefill's longer
     one) through a throwaway pool and read the allocator's peak, less that pool (the real one replaces it)."""
-    kv_dtype = pool_dtype(config.kv_cache_dtype, dtype)
-    backend = model.choose_attention(check_backend(config.attention_backend, kv_dtype), device, dtype, kv_dtype)
-    limits = EngineSettings(
-        num_blocks=1,
-        max_model_len=max_model_len,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        scheduling=config.scheduling,
-    )
-    tokens = max(config.max_num_batched_tokens, solo_prefill_tokens(limits, backend))
+    engine = config.engine
+    kv_dtype = pool_dtype(engine.kv_cache_dtype, dtype)
+    backend = model.choose_attention(check_backend(engine.attention_backend, kv_dtype), device, dtype, kv_dtype)
+    limits = EngineSettings(num_blocks=1, max_model_len=max_model_len, engine=engine, scheduling=config.scheduling)
+    tokens = max(engine.max_num_batched_tokens, solo_prefill_tokens(limits, backend))
     settings = EngineSettings(
-        num_blocks=-(-tokens // config.block_size) + 1,
-        block_size=config.block_size,
+        num_blocks=-(-tokens // engine.block_size) + 1,
         max_model_len=tokens + 1,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        prefix_cache=False,
-        cuda_graphs=False,  # a prefill-only probe; the graphs' share is measured apart
-        attention_backend=config.attention_backend,  # the peak of the kernels this rank will run
-        kv_cache_dtype=config.kv_cache_dtype,
+        # the rank's block and chunk size and the peak of the kernels it will run; a prefill-only probe without
+        # caching (the graphs' share is measured apart), its other keys the defaults
+        engine=EngineConfig(
+            **engine.model_dump(
+                include={"block_size", "max_num_batched_tokens", "attention_backend", "kv_cache_dtype"}
+            ),
+            prefix_cache=False,
+            cuda_graphs=False,
+        ),
         # the engine resolves it to 0 where tokens is max_num_batched_tokens
         scheduling=SchedulingConfig(solo_prefill_tokens=tokens),
     )
@@ -203,30 +203,31 @@ def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> C
     )
 
 
-def _decode_graph_bytes(config: KvServeConfig, model: CausalLM, max_model_len: int) -> int:
+def _decode_graph_bytes(engine: EngineConfig, model: CausalLM, max_model_len: int) -> int:
     """What decode graphs keep for themselves: their static buffers and the activations of the largest graph
     (graphs share one memory pool, so it grows to the largest one's peak, and eager steps cannot use it).
     Measured by running that step eagerly in a throwaway engine of one block (its graphs set up as a serving
     engine's are): the padded rows' shapes, not their data, set the size."""
-    if not config.cuda_graphs:
+    if not engine.cuda_graphs:
         return 0
     device = model.embed_tokens.device
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
     settings = EngineSettings(
         num_blocks=1,
-        block_size=config.block_size,
         max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        prefix_cache=False,
-        attention_backend=config.attention_backend,
-        kv_cache_dtype=config.kv_cache_dtype,
-        cuda_graphs=False,  # the largest bucket is run eagerly below: the same buffers and activations
+        # the rank's blocks, batch and kernels, its other keys the defaults; the largest bucket is run eagerly below
+        # (cuda_graphs off): the same buffers and activations
+        engine=EngineConfig(
+            **engine.model_dump(include={"block_size", "max_num_seqs", "attention_backend", "kv_cache_dtype"}),
+            prefix_cache=False,
+            cuda_graphs=False,
+        ),
     )
     probe = PagedEngine(model, settings)
     if not probe.attention.graph_safe:
         return 0
-    graphs = DecodeGraphs(model, probe.kv_cache, probe.runner.inputs, config.max_num_seqs, capture=False)
+    graphs = DecodeGraphs(model, probe.kv_cache, probe.runner.inputs, engine.max_num_seqs, capture=False)
     largest = max(graphs.buckets)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
@@ -257,18 +258,18 @@ def build_engine(
     log.info("model %s: weights digest %s (part of the KV-cache namespace)", source.model_id, digest)
     lockstep = join_group(model, group) if group is not None else None
     num_blocks = size_kv_pool(config, model, device, dtype, max_model_len)
-    capacity = num_blocks * config.block_size
+    capacity = num_blocks * config.engine.block_size
     if max_model_len > capacity:
         log.warning(
             "max_model_len lowered from %d to %d: one sequence must fit in the KV pool", max_model_len, capacity
         )
         max_model_len = capacity
-    kv_dtype = pool_dtype(config.kv_cache_dtype, dtype)
-    block_bytes = kv_block_bytes(model, config.block_size, kv_dtype)
+    kv_dtype = pool_dtype(config.engine.kv_cache_dtype, dtype)
+    block_bytes = kv_block_bytes(model, config.engine.block_size, kv_dtype)
     log.info(
         "KV pool: %d blocks x %d tokens = %d tokens, %.2f GB on %s (%s)",
         num_blocks,
-        config.block_size,
+        config.engine.block_size,
         capacity,
         num_blocks * block_bytes / 1e9,
         device,
@@ -277,23 +278,13 @@ def build_engine(
     budget_ms = decode_step_budget_ms(config, device)
     settings = EngineSettings(
         num_blocks=num_blocks,
-        block_size=config.block_size,
         max_model_len=max_model_len,
         trained_context_len=trained,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        prefix_cache=config.prefix_cache,
         served_model_name=config.served_model_name or _default_served_name(source.model_id),
         model_id=source.model_id,
         weights_digest=digest,
-        seed=config.seed,
+        engine=config.engine,
         scheduling=config.scheduling.model_copy(update={"decode_step_budget_ms": budget_ms}),
-        cuda_graphs=config.cuda_graphs,
-        attention_backend=config.attention_backend,
-        kv_cache_dtype=config.kv_cache_dtype,
-        pipeline_steps=config.pipeline_steps,
-        l1_offload_bytes_per_step=int(config.l1_offload_mb_per_step * (1 << 20)),
-        l1_eviction_horizon_blocks=config.l1_eviction_horizon_blocks,
     )
     return PagedEngine(model, settings, source.tokenizer, l1_client, lockstep=lockstep)
 

@@ -167,6 +167,12 @@ class Engine(ABC):
         """(prompt tokens computed, still queued) of a request the engine holds; None if unknown."""
         return None  # an engine that cannot tell: its requests are reported queued
 
+    def record_stored_block_tokens(self) -> None:
+        """From now on, STORED events carry their chain's parent hash and token ids (KvEvent.parent_block_hash,
+        token_ids): the worker asks for them when it publishes vLLM-format KV events. An engine that cannot
+        tell publishes STORED events without them (vLLM's subscribers then see empty token_ids)."""
+        return None
+
     def set_wakeup(self, wake: Callable[[], None]) -> None:
         """The worker's way to be told, from any thread, that the engine has work no request brought (an L1
         answer, the kvstore gone): after wake() it steps the engine even when idle."""

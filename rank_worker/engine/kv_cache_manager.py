@@ -191,6 +191,7 @@ class KvCacheManager:
         they are released."""
         num_full = seq.num_computed_tokens // self.block_size
         chain = seq.lookup_hashes  # same chain over the same tokens: reuse what lookups (or the client) hashed
+        with_tokens = self.pool.record_stored_tokens  # vLLM-format KV events: each block's parent and tokens
         for index in range(len(seq.block_hashes), num_full):
             if index < len(chain):
                 block_hash = chain[index]
@@ -200,8 +201,17 @@ class KvCacheManager:
                 block_hash = chain_block_hash(parent, seq.token_ids[begin : begin + self.block_size])
                 if index == len(chain):  # an output block: a recompute after preemption looks it up, not hashes it
                     chain.append(block_hash)
+            if with_tokens:
+                begin = index * self.block_size
+                self.pool.register(
+                    seq.block_table[index],
+                    block_hash,
+                    seq.block_hashes[-1] if seq.block_hashes else None,
+                    tuple(seq.token_ids[begin : begin + self.block_size]),
+                )
+            else:
+                self.pool.register(seq.block_table[index], block_hash)
             seq.block_hashes.append(block_hash)
-            self.pool.register(seq.block_table[index], block_hash)
 
     def offload(self, seq: Sequence) -> None:
         """Write the sequence's registered (full, immutable) blocks through to the host tier."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from contracts.block_hash import hash_namespace, tokenizer_fingerprint
-from contracts.config import SchedulingConfig
+from contracts.config import EngineConfig, SchedulingConfig
 from contracts.kv_events import KvEvent
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.gpu_timer import span_s
@@ -38,9 +38,9 @@ from rank_worker.engine.step_trace import phase
 from rank_worker.expert_parallel.lockstep import Lockstep
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from rank_worker.l1.kvstore_client import KvStoreClient
-from rank_worker.l1.tier import DEFAULT_OFFLOAD_BYTES_PER_STEP, DEFAULT_RETRY_INTERVAL_S, L1Tier
+from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
-from rank_worker.model.attention.backend import AttentionBackend, BackendName
+from rank_worker.model.attention.backend import AttentionBackend
 from rank_worker.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
@@ -48,28 +48,19 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class EngineSettings:
+    """What a rank derives at start-up (its pool's size, its model's window and names), with the config's engine and
+    scheduling sections as they are."""
+
     num_blocks: int
-    block_size: int = 16
     max_model_len: int = 2048
     trained_context_len: int = 2048
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 4096
-    prefix_cache: bool = True
     served_model_name: str = "model"
     model_id: str = "model"
     weights_digest: str = ""  # part of the block-hash namespace: another checkpoint never shares its KV
-    seed: int = 0
-    # The config's section as it is (the factory resolves decode_step_budget_ms for the device first; unset here:
-    # a GPU's); its solo_prefill_tokens unset: what the attention backend prefers (solo_prefill_tokens below).
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    # The factory resolves decode_step_budget_ms for the device first (unset here: a GPU's); solo_prefill_tokens
+    # unset: what the attention backend prefers (solo_prefill_tokens below).
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
-    cuda_graphs: bool = True  # decode steps replayed from CUDA graphs recorded at start-up (CUDA only)
-    attention_backend: BackendName = "auto"  # auto: our Triton kernels on CUDA, else SDPA (model/attention/selector.py)
-    kv_cache_dtype: kv_quant.KvCacheDtype = "auto"  # auto: the model's dtype; fp8_e4m3: model/attention/kv_quant.py
-    pipeline_steps: bool = True  # launch step N+1 before reading step N's tokens (see _launch_successor)
-    l1_offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP  # L1Tier.pump's pace: write-through per step
-    # L1Tier: the cache entries L0 evicts next, offered to L1 again (eviction_horizon.py); None: sized to the
-    # longest step (eviction_horizon_blocks below); 0: write-through only
-    l1_eviction_horizon_blocks: int | None = None
 
 
 def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> int:
@@ -78,13 +69,13 @@ def solo_prefill_tokens(settings: EngineSettings, backend: AttentionBackend) -> 
     setting = settings.scheduling.solo_prefill_tokens
     wanted = backend.solo_prefill_tokens if setting is None else setting
     solo = min(wanted, settings.max_model_len)
-    return solo if solo > settings.max_num_batched_tokens else 0
+    return solo if solo > settings.engine.max_num_batched_tokens else 0
 
 
 def eviction_horizon_blocks(settings: EngineSettings, solo_tokens: int) -> int:
     """L1Tier's horizon: the setting, or what the longest step (a solo prefill, else a full chunk) asks for."""
-    step_tokens = max(settings.max_num_batched_tokens, solo_tokens)
-    return horizon_blocks_for(settings.l1_eviction_horizon_blocks, step_tokens, settings.block_size)
+    step_tokens = max(settings.engine.max_num_batched_tokens, solo_tokens)
+    return horizon_blocks_for(settings.engine.l1_eviction_horizon_blocks, step_tokens, settings.engine.block_size)
 
 
 @dataclass(eq=False)
@@ -124,52 +115,54 @@ class PagedEngine(Engine):
         self.tokenizer = tokenizer
         device = model.embed_tokens.device
         dtype = model.embed_tokens.dtype
-        kv_dtype = kv_quant.pool_dtype(settings.kv_cache_dtype, dtype)
+        kv_dtype = kv_quant.pool_dtype(settings.engine.kv_cache_dtype, dtype)
         # Refused by name before the pool is allocated or CUDA asked: the kernels do not read fp8.
-        attention_setting = kv_quant.check_backend(settings.attention_backend, kv_dtype)
+        attention_setting = kv_quant.check_backend(settings.engine.attention_backend, kv_dtype)
         # zeros, not empty: padded decode slots are masked, but NaN garbage would still poison 0 * NaN.
         # One block past the pool is scratch: no sequence owns it; padded rows of graph steps write there.
         self.kv_cache = torch.zeros(
-            kv_pool_shape(model, settings.num_blocks + 1, settings.block_size), dtype=kv_dtype, device=device
+            kv_pool_shape(model, settings.num_blocks + 1, settings.engine.block_size), dtype=kv_dtype, device=device
         )
         fingerprint = tokenizer_fingerprint(tokenizer.tokenizer_json) if tokenizer else "no-tokenizer"
         self.namespace = hash_namespace(
             settings.model_id,
             fingerprint,
-            settings.block_size,
+            settings.engine.block_size,
             str(kv_dtype).removeprefix("torch."),  # the pool's: an fp8 rank never shares blocks with a bf16 one
             settings.weights_digest,
         )
-        self.pool = BlockPool(settings.num_blocks, caching=settings.prefix_cache)
+        self.pool = BlockPool(settings.num_blocks, caching=settings.engine.prefix_cache)
         # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
         self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
         solo = solo_prefill_tokens(settings, self.attention)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None
-        if l1_client is not None and settings.prefix_cache:
+        if l1_client is not None and settings.engine.prefix_cache:
             self.l1 = L1Tier(
                 l1_client,
                 self.kv_cache,
                 self.pool,
                 self.namespace,
                 retry_interval_s=l1_retry_interval_s,
-                offload_bytes_per_step=settings.l1_offload_bytes_per_step,
+                offload_bytes_per_step=settings.engine.l1_offload_bytes_per_step,
                 eviction_horizon_blocks=eviction_horizon_blocks(settings, solo),
             )
-        self.kv = KvCacheManager(self.pool, settings.block_size, self.namespace, self.l1)
+        self.kv = KvCacheManager(self.pool, settings.engine.block_size, self.namespace, self.l1)
         policy = settings.scheduling.model_copy(update={"solo_prefill_tokens": solo})
-        self.scheduler = Scheduler(self.kv, settings.max_num_seqs, settings.max_num_batched_tokens, policy)
+        self.scheduler = Scheduler(
+            self.kv, settings.engine.max_num_seqs, settings.engine.max_num_batched_tokens, policy
+        )
         self.runner = ModelRunner(
             model,
             self.kv_cache,
-            settings.block_size,
+            settings.engine.block_size,
             self.attention,
-            max_num_seqs=settings.max_num_seqs,
-            max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_step_tokens=max(settings.max_num_batched_tokens, solo),
+            max_num_seqs=settings.engine.max_num_seqs,
+            max_num_batched_tokens=settings.engine.max_num_batched_tokens,
+            max_step_tokens=max(settings.engine.max_num_batched_tokens, solo),
             max_model_len=settings.max_model_len,
             scratch_block=settings.num_blocks,
-            cuda_graphs=settings.cuda_graphs,
+            cuda_graphs=settings.engine.cuda_graphs,
             lockstep=lockstep,
         )
         # Kernels compiled and graphs recorded now, not on first use while serving (each costs a request
@@ -193,7 +186,7 @@ class PagedEngine(Engine):
             vocab_size=model.cfg.vocab_size,
             max_model_len=settings.max_model_len,
             trained_context_len=settings.trained_context_len,
-            block_size=settings.block_size,
+            block_size=settings.engine.block_size,
             hash_namespace=self.namespace,
             tokenizer=tokenizer,
             model_type=model.cfg.model_type,
@@ -336,7 +329,7 @@ class PagedEngine(Engine):
         with phase("launch"):
             flight = _InFlight(batch, self.runner.launch(batch), load, started)
         self._pump_offloads()
-        if self.settings.pipeline_steps:
+        if self.settings.engine.pipeline_steps:
             self._in_flight = flight
             return []
         return self._complete(flight)
@@ -358,7 +351,7 @@ class PagedEngine(Engine):
         One that draws a stop token there is in it anyway: its row is discarded and its blocks go back after
         the successor is read. The successor preempts nobody (`flight` still writes the running sequences'
         blocks): a sequence that gets no blocks sits it out."""
-        if not self.settings.pipeline_steps or self._plain_next:
+        if not self.settings.engine.pipeline_steps or self._plain_next:
             self._plain_next = False
             return None
         self._advance(flight)
@@ -534,6 +527,9 @@ class PagedEngine(Engine):
     def drain_kv_events(self) -> list[KvEvent]:
         return self.pool.drain_events()
 
+    def record_stored_block_tokens(self) -> None:
+        self.pool.record_stored_tokens = True
+
     def cached_block_hashes(self) -> list[bytes]:
         return self.pool.cached_hashes()
 
@@ -550,7 +546,7 @@ class PagedEngine(Engine):
             prefix_hit_tokens=sched.prefix_hit_tokens,
             finished_requests=self.finished_requests,
             preemptions=sched.num_preemptions,
-            block_size=self.settings.block_size,
+            block_size=self.settings.engine.block_size,
             waiting_prefill_tokens=sched.waiting_prefill_tokens(),
             waiting_warm_prefill_tokens=sched.waiting_warm_prefill_tokens(),
             l1_attached=self.l1 is not None and self.l1.attached,

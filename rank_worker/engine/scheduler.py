@@ -215,6 +215,11 @@ class Scheduler:
         value is reused for LOAD_REFRESH_S (the router hears it once a heartbeat, and counts what it routed
         since in the same unit)."""
         now = self.clock()
+        if not self.waiting and not self.running:
+            # An idle rank's loop stops asking: a value kept from its last busy step would be reported until the
+            # next request, steering the router away from an idle rank.
+            self._load = None
+            return PrefillLoad(0, 0)
         if self._load is not None and 0 <= now - self._load[0] < LOAD_REFRESH_S:
             return self._load[1]
         load = self._measure_load(now)

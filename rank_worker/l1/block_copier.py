@@ -8,6 +8,7 @@ polls instead of waiting. On the CPU a copy is done when the call returns.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,7 @@ class CopyJob:
     event: torch.cuda.Event | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # what the copied blocks hold (offloads)
     to_front: bool = False  # offloads: the blocks go back to the front of L0's free queue (L1Tier's horizon)
+    issued_at: float = field(default_factory=time.perf_counter)  # before its copies were queued (the metrics)
 
     @property
     def done(self) -> bool:

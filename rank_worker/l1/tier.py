@@ -135,6 +135,12 @@ class L1Tier:
         self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
         self.restored_blocks = 0
         self.offloaded_blocks = 0
+        # For the rank's metrics (read at scrape time): bytes copied, and seconds from each copy's issue until
+        # this thread saw it complete (on CUDA an upper bound: it includes the wait for the next poll).
+        self.restored_bytes = 0
+        self.restore_seconds = 0.0
+        self.offloaded_bytes = 0
+        self.offload_seconds = 0.0
         self.issued_blocks = 0  # offload copies issued (pump), committed or not
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
@@ -228,6 +234,7 @@ class L1Tier:
             fetch.restored.update(blocks)
             self.restored_blocks += len(blocks)
             if job.done:
+                self._restored(job)
                 spare.extend(copy_slots)
             else:  # on the compute stream: whoever reuses these blocks queues behind the copy
                 self._restores.append(job)
@@ -321,8 +328,14 @@ class L1Tier:
             else:
                 self._offloads.append(job)
 
+    def _restored(self, job: CopyJob) -> None:
+        self.restored_bytes += len(job.slots) * self.slot_bytes
+        self.restore_seconds += time.perf_counter() - job.issued_at
+
     def _commit(self, job: CopyJob) -> None:
         """A finished offload copy: let go of its pool blocks and make it visible in L1."""
+        self.offloaded_bytes += len(job.slots) * self.slot_bytes
+        self.offload_seconds += time.perf_counter() - job.issued_at
         self.pool.release(job.block_ids, to_front=job.to_front)
         self._submit(CallKind.COMMIT, slots=job.slots, purpose=job)
 
@@ -348,7 +361,9 @@ class L1Tier:
         while self._offloads and self._offloads[0].done:
             self._commit(self._offloads.popleft())
         while self._restores and self._restores[0].done:
-            self._release(self._restores.popleft().slots)
+            job = self._restores.popleft()
+            self._restored(job)
+            self._release(job.slots)
         if self._arena is None:
             self._ready()  # a busy rank attaches again once due, without waiting for its next L1 call
         now = self._clock()

@@ -14,7 +14,8 @@ def test_file_then_environment_then_arguments(tmp_path: Path, monkeypatch: pytes
     monkeypatch.setenv("KVSERVE_CONFIG", str(config_file))
     monkeypatch.setenv("KVSERVE_BLOCK_SIZE", "64")
     config = load_config(max_model_len=1024)
-    assert (config.max_num_seqs, config.block_size, config.prefix_cache, config.max_model_len) == (7, 64, False, 1024)
+    engine = config.engine
+    assert (engine.max_num_seqs, engine.block_size, engine.prefix_cache, config.max_model_len) == (7, 64, False, 1024)
 
 
 def test_unknown_keys_and_bad_values_are_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -47,3 +48,16 @@ def test_the_scheduling_section_takes_flat_and_nested_keys_in_the_usual_preceden
         load_config(max_cold_prefills=1, scheduling={"max_cold_prefills": 2})
     with pytest.raises(ValidationError):
         load_config(max_cold_prefills=-1)
+
+
+def test_the_engine_section_takes_flat_and_nested_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("KVSERVE_CONFIG", raising=False)
+    monkeypatch.setenv("KVSERVE_CUDA_GRAPHS", "false")
+    config = load_config(engine={"max_num_seqs": 3}, block_size=32)
+    assert (config.engine.max_num_seqs, config.engine.block_size, config.engine.cuda_graphs) == (3, 32, False)
+    assert KvServeConfig.model_validate({"num_kv_blocks": 9}).engine.num_kv_blocks == 9
+    assert config.engine.l1_offload_bytes_per_step == 512 << 20
+    with pytest.raises(ValueError, match="given both flat and under engine"):
+        load_config(max_num_seqs=1, engine={"max_num_seqs": 2})
+    with pytest.raises(ValidationError, match="at least 16"):
+        load_config(max_num_batched_tokens=8)

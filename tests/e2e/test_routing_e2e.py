@@ -88,11 +88,16 @@ def test_an_evicted_session_is_restored_from_l1_with_the_same_output(stack: Stac
     # other work pushes bravo's blocks out of both ranks' small L0 pools (they stay in L1)
     evict_l0(stack, seed=1)
     l1_before = cached_tokens_metric(stack.url).get("l1", 0.0)
+    ranks_before = ranks_metrics(stack)
     restored_reply, usage = chat_turn(stack.url, "bravo", messages, max_tokens=16)
     l1_restored = cached_tokens_metric(stack.url)["l1"] - l1_before
     prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
     assert l1_restored >= 0.5 * prompt, (l1_restored, usage)
     assert usage["cache_read_input_tokens"] >= l1_restored
+    # the ranks' own metrics saw the same restore: vLLM's external_kv_transfer source, kvserve's bytes and seconds
+    grew = metrics_growth(ranks_before, ranks_metrics(stack))
+    assert grew["vllm:prompt_tokens_by_source_total", "external_kv_transfer"] == l1_restored, grew
+    assert grew["kvserve:l1_restore_bytes_total", ""] > 0 and grew["kvserve:l1_restore_seconds_total", ""] > 0, grew
 
     # the same turn cold: neither L0 (evicted again) nor L1 (restarted empty) holds it
     stack["kvstore"].kill()
@@ -148,6 +153,81 @@ def test_a_new_session_goes_to_the_rank_whose_l0_holds_its_prefix(stack: Stack) 
         assert int(route["l0"]) >= 0.8 * prompt, (route, usage)  # the router expected the prefix in L0 there
         assert served_by(before, finished_per_rank(stack)) == [home]
         assert usage["cache_read_input_tokens"] >= 0.8 * prompt, usage  # and the rank found it there
+
+
+def ranks_metrics(stack: Stack) -> dict[tuple[str, str], float]:
+    """Every rank's counter samples summed over the ranks: (sample name, source label or "") -> value."""
+    totals: dict[tuple[str, str], float] = {}
+    for name in stack.rank_names():
+        for family in stack.scrape(name).values():
+            for sample in family.samples:
+                key = (sample.name, sample.labels.get("source", ""))
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
+def metrics_growth(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float]) -> dict:
+    return {key: value - before.get(key, 0.0) for key, value in after.items()}
+
+
+def test_every_service_exports_its_metrics(stack: Stack) -> None:
+    """/metrics on each rank (vLLM's names, types and labels), the router and the kvstore, moving as a session's
+    two turns should: the second hits L0 on the same rank (sticky), and the kvstore holds the first's blocks."""
+    router_families = stack.scrape("router")
+    decisions_before = {s.labels["reason"]: s.value for s in router_families["kvserve:router_decisions"].samples}
+    turns_before = {s.labels["outcome"]: s.value for s in router_families["kvserve:router_session_turns"].samples}
+    ranks_before = ranks_metrics(stack)
+    messages = [{"role": "user", "content": session_context("metrics", 240)}]
+    reply, _ = chat_turn(stack.url, "metrics", messages, max_tokens=2)
+    messages += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "Again."}]
+    _, usage = chat_turn(stack.url, "metrics", messages, max_tokens=2)
+
+    vllm_types = {
+        "vllm:num_requests_running": "gauge",
+        "vllm:num_requests_waiting": "gauge",
+        "vllm:kv_cache_usage_perc": "gauge",
+        "vllm:cache_config_info": "gauge",
+        "vllm:prefix_cache_queries": "counter",
+        "vllm:prefix_cache_hits": "counter",
+        "vllm:prompt_tokens_by_source": "counter",
+        "vllm:num_preemptions": "counter",
+        "vllm:time_to_first_token_seconds": "histogram",
+        "vllm:inter_token_latency_seconds": "histogram",
+        "vllm:e2e_request_latency_seconds": "histogram",
+        "vllm:request_queue_time_seconds": "histogram",
+    }
+    for name in stack.rank_names():
+        families = stack.scrape(name)
+        for family, kind in vllm_types.items():
+            assert families[family].type == kind, (name, family)
+            for sample in families[family].samples:
+                assert sample.labels["engine"] == name and sample.labels["model_name"], sample
+        assert 0.0 <= families["vllm:kv_cache_usage_perc"].samples[0].value <= 1.0
+        (info,) = families["vllm:cache_config_info"].samples
+        assert info.labels["block_size"] == "16" and info.labels["num_gpu_blocks"] == "96", info
+    grew = metrics_growth(ranks_before, ranks_metrics(stack))
+    assert grew["vllm:prefix_cache_hits_total", ""] >= usage["cache_read_input_tokens"] > 0, (grew, usage)
+    assert grew["vllm:prompt_tokens_by_source_total", "local_cache_hit"] >= usage["cache_read_input_tokens"], grew
+    assert grew["vllm:time_to_first_token_seconds_count", ""] == 2, grew
+    assert grew["vllm:e2e_request_latency_seconds_count", ""] == 2, grew
+
+    router_families = stack.scrape("router")
+    decisions = {s.labels["reason"]: s.value for s in router_families["kvserve:router_decisions"].samples}
+    turns = {s.labels["outcome"]: s.value for s in router_families["kvserve:router_session_turns"].samples}
+    assert decisions["session"] - decisions_before["session"] == 1, decisions  # the second turn
+    assert sum(decisions.values()) - sum(decisions_before.values()) == 2, decisions
+    assert turns["sticky"] - turns_before["sticky"] == 1 and turns["new"] - turns_before["new"] == 1, turns
+    assert router_families["kvserve:router_ranks"].type == "gauge"
+    stack.wait_until("the router's Redis up", lambda: stack.scrape("router")["kvserve:redis_up"].samples[0].value == 1)
+
+    stack.wait_l1_attached()
+    stack.wait_until(
+        "the kvstore holding written-through blocks",
+        lambda: stack.scrape("kvstore")["kvserve:l1_used_bytes"].samples[0].value > 0,
+    )
+    kvstore = stack.scrape("kvstore")
+    assert kvstore["kvserve:l1_capacity_bytes"].samples[0].value >= kvstore["kvserve:l1_used_bytes"].samples[0].value
+    assert kvstore["kvserve:l1_stored_blocks"].type == "counter"
 
 
 def test_the_router_routes_by_what_l1_holds_and_forgets_it_with_the_kvstore(stack: Stack) -> None:

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from service_processes import ROOT, free_port, redis_server_args, service_env, wait_http_ready, wait_redis_ready
@@ -35,6 +36,7 @@ class Service:
     log_path: Path
     process: subprocess.Popen[bytes] | None = None
     starts: int = 0
+    metrics_port: int = 0  # its Prometheus /metrics (kvstore, router, ranks; the gateway's is on its own port)
 
     @property
     def address(self) -> str:
@@ -100,6 +102,16 @@ class Stack:
     def router_ranks(self) -> router_pb2.ListRanksResponse:
         with internal_auth.channel(self.services["router"].address) as channel:
             return router_pb2_grpc.RouterStub(channel).ListRanks(router_pb2.ListRanksRequest(), timeout=10)
+
+    def scrape(self, name: str) -> dict[str, Any]:
+        """A service's /metrics, parsed: family name -> family (the gateway's from its own port)."""
+        import httpx
+        from prometheus_client.parser import text_string_to_metric_families
+
+        service = self.services[name]
+        port = service.port if name == "gateway" else service.metrics_port
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return {family.name: family for family in text_string_to_metric_families(text)}
 
     def wait_until(self, what: str, check: Callable[[], bool], timeout_s: float = 60) -> None:
         deadline = time.monotonic() + timeout_s
@@ -191,6 +203,7 @@ def whole_stack(
     stack = Stack(tmp)
     ports = {name: free_port() for name in ("redis", "kvstore", "router", "gateway")}
     rank_ports = [free_port() for _ in range(ranks)]
+    metrics_ports = {name: free_port() for name in ("kvstore", "router", *(f"rank-{i}" for i in range(ranks)))}
     kvstore_address = f"127.0.0.1:{ports['kvstore']}"
     router_address = f"127.0.0.1:{ports['router']}"
     common = {"KVSERVE_KVSTORE": kvstore_address, "KVSERVE_ROUTER": router_address}
@@ -199,7 +212,8 @@ def whole_stack(
     redis_dir.mkdir(parents=True, exist_ok=True)
 
     def add(name: str, args: list[str], env: dict[str, str], port: int, ready) -> None:
-        stack.services[name] = Service(name, args, env, port, ready, tmp / f"{name}.log")
+        metrics_port = metrics_ports.get(name, 0)
+        stack.services[name] = Service(name, args, env, port, ready, tmp / f"{name}.log", metrics_port=metrics_port)
 
     redis_args = redis_server_args(ports["redis"], redis_dir)
     add("redis", redis_args, service_env(), ports["redis"], lambda p: wait_redis_ready(ports["redis"], p))
@@ -207,7 +221,10 @@ def whole_stack(
         "kvstore",
         [python, "-m", "kvstore", "--port", str(ports["kvstore"])],
         service_env(
-            KVSERVE_L1_HOST_GB=l1_host_gb, KVSERVE_L1_ARENA_DIR=str(_arena_dir(tmp)), KVSERVE_L1_HEADROOM_GB="0"
+            KVSERVE_L1_HOST_GB=l1_host_gb,
+            KVSERVE_L1_ARENA_DIR=str(_arena_dir(tmp)),
+            KVSERVE_L1_HEADROOM_GB="0",
+            KVSERVE_KVSTORE_METRICS_PORT=str(metrics_ports["kvstore"]),
         ),
         ports["kvstore"],
         _grpc_ready(ports["kvstore"]),
@@ -221,6 +238,7 @@ def whole_stack(
                 "KVSERVE_KVSTORE": kvstore_address,
                 "KVSERVE_HEARTBEAT_INTERVAL_SECS": "0.5",
                 "KVSERVE_RANK_DOWN_AFTER_SECS": "3",
+                "KVSERVE_ROUTER_METRICS_PORT": str(metrics_ports["router"]),
                 **(router_settings or {}),  # may override the above
             }
         ),
@@ -235,6 +253,7 @@ def whole_stack(
                 **{
                     "KVSERVE_RANK_ID": f"rank-{index}",
                     "KVSERVE_HEARTBEAT_INTERVAL_SECS": "0.5",
+                    "KVSERVE_RANK_WORKER_METRICS_PORT": str(metrics_ports[f"rank-{index}"]),
                     **common,
                     **(rank_settings or {}),  # may override the above
                 }

@@ -11,7 +11,15 @@ import pytest
 
 from contracts.address import split_host_port
 from contracts.config import KvServeConfig
-from launcher.topology import INTERNAL_SECRET, REDIS_PASSWORD, ServiceSpec, StackPlan, build_topology, start_tiers
+from launcher.topology import (
+    COMPOSE_METRICS_PORT,
+    INTERNAL_SECRET,
+    REDIS_PASSWORD,
+    ServiceSpec,
+    StackPlan,
+    build_topology,
+    start_tiers,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -340,3 +348,23 @@ def test_up_plans_expert_parallel_groups(monkeypatch: pytest.MonkeyPatch) -> Non
     specs = plan_stack(UpOptions(None, ranks=4, expert_parallel=2), config)
     assert [rank.group for rank in rank_specs(specs)] == ["ep-0", "ep-0", "ep-2", "ep-2"]
     assert [rank.gpu for rank in rank_specs(specs)] == ["0", "1", "2", "3"]  # a GPU each, as without groups
+
+
+def test_every_grpc_service_gets_a_metrics_port() -> None:
+    """Locally the configured ports (ranks: consecutive from rank_worker_metrics_port), 0 = off; compose:
+    COMPOSE_METRICS_PORT in every container unless configured; the gateway serves /metrics on its own port."""
+    grpc_services = ("kvstore", "router", "rank-worker-0", "rank-worker-1")
+    off = by_name(local(2))
+    assert all(off[name].metrics_port == 0 for name in grpc_services)
+    assert off["router"].environment["KVSERVE_ROUTER_METRICS_PORT"] == "0"
+
+    specs = by_name(local(2, kvstore_metrics_port=9461, router_metrics_port=9462, rank_worker_metrics_port=9470))
+    assert [specs[name].metrics_port for name in grpc_services] == [9461, 9462, 9470, 9471]
+    assert specs["router"].environment["KVSERVE_ROUTER_METRICS_PORT"] == "9462"
+    assert specs["kvstore"].environment["KVSERVE_KVSTORE_METRICS_PORT"] == "9461"
+    assert specs["rank-worker-1"].environment["KVSERVE_RANK_WORKER_METRICS_PORT"] == "9471"
+    assert specs["gateway"].metrics_port == 0
+
+    in_compose = by_name(compose(2))
+    assert {in_compose[name].metrics_port for name in grpc_services} == {COMPOSE_METRICS_PORT}
+    assert in_compose["rank-worker-1"].environment["KVSERVE_RANK_WORKER_METRICS_PORT"] == str(COMPOSE_METRICS_PORT)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from contracts.config import SchedulingConfig
+from contracts.config import EngineConfig, SchedulingConfig
 from rank_worker.engine.interface import EngineRequest, RequestOutput, SamplingParams, TokenizerBundle
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.model.llama import LlamaForCausalLM
@@ -26,9 +26,11 @@ def write_word_tokenizer(directory: Path, vocab_size: int) -> None:
 
 
 def engine_settings(**values: Any) -> EngineSettings:
-    """EngineSettings from flat keys, as a config file writes them: the scheduling section's go into it."""
-    section = {key: values.pop(key) for key in list(values) if key in SchedulingConfig.model_fields}
-    return EngineSettings(**values, scheduling=SchedulingConfig(**section))
+    """EngineSettings from flat keys, as a config file writes them: the engine and scheduling sections' go into
+    them."""
+    engine = {key: values.pop(key) for key in list(values) if key in EngineConfig.model_fields}
+    scheduling = {key: values.pop(key) for key in list(values) if key in SchedulingConfig.model_fields}
+    return EngineSettings(**values, engine=EngineConfig(**engine), scheduling=SchedulingConfig(**scheduling))
 
 
 def make_engine(model: LlamaForCausalLM, tokenizer: TokenizerBundle | None = None, **overrides: object) -> PagedEngine:

@@ -24,7 +24,9 @@ def test_buckets_grow_geometrically_and_end_at_the_limit() -> None:
 def padded(engine: PagedEngine) -> DecodeGraphs:
     """The padded decode path of a CPU engine, run eagerly over its runner's persistent buffers."""
     runner = engine.runner
-    return DecodeGraphs(engine.model, engine.kv_cache, runner.inputs, engine.settings.max_num_seqs, capture=False)
+    return DecodeGraphs(
+        engine.model, engine.kv_cache, runner.inputs, engine.settings.engine.max_num_seqs, capture=False
+    )
 
 
 def test_a_padded_step_takes_its_bucket_and_none_past_max_num_seqs(smollm2) -> None:

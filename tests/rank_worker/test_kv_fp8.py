@@ -59,7 +59,7 @@ def test_a_memory_budget_holds_itemsize_times_the_blocks_in_fp8(engine_model, mo
 
 
 def test_the_config_key_defaults_to_the_models_dtype_and_refuses_others() -> None:
-    assert KvServeConfig().kv_cache_dtype == "auto"
+    assert KvServeConfig().engine.kv_cache_dtype == "auto"
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         KvServeConfig(kv_cache_dtype="int8")
 
@@ -190,7 +190,7 @@ def test_logits_are_close_to_the_models_dtype(engine_model) -> None:
 
 def _prompt_block_bytes(engine: PagedEngine, prompt: list[int]) -> torch.Tensor:
     """The bytes of the prompt's full blocks as the prefix cache holds them, in prompt order."""
-    hashes = prefix_block_hashes(engine.namespace, prompt, engine.settings.block_size)
+    hashes = prefix_block_hashes(engine.namespace, prompt, engine.settings.engine.block_size)
     block_ids = [engine.pool.lookup(h) for h in hashes]
     assert None not in block_ids
     return _export_blocks(engine, block_ids).view(torch.uint8)  # type: ignore[arg-type]

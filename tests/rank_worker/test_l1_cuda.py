@@ -16,6 +16,7 @@ import torch
 from engine_fixtures import generate_one, greedy, random_prompt
 from l1_fixtures import tiny_model
 
+from contracts.config import EngineConfig
 from contracts.kv_events import KvEvent, KvEventBatch, KvEventKind
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine
 from rank_worker.l1.arena import ArenaLayout
@@ -112,7 +113,7 @@ def shm_dir() -> Iterator[Path]:
 def test_cuda_offload_is_asynchronous_and_restore_gives_back_the_same_bytes(shm_dir: Path) -> None:
     model = tiny_model("cuda")
     store = InMemoryKvStore(shm_dir, num_slots=256)
-    settings = EngineSettings(num_blocks=20, block_size=BLOCK, max_model_len=320)
+    settings = EngineSettings(num_blocks=20, max_model_len=320, engine=EngineConfig(block_size=BLOCK))
     engine = PagedEngine(model, settings, None, l1_client=store)
     assert engine.l1 is not None and engine.l1.arena is not None and engine.l1.arena.pinned
 

@@ -207,7 +207,9 @@ def test_write_through_is_paced_per_step_and_lands_whole(tmp_path: Path) -> None
         probe = l1_engine(model, None, port, num_blocks=20, max_model_len=320)
         slot_bytes = probe.l1.slot_bytes
         probe.close()
-        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, l1_offload_bytes_per_step=slot_bytes)
+        engine = l1_engine(
+            model, None, port, num_blocks=20, max_model_len=320, l1_offload_mb_per_step=slot_bytes / (1 << 20)
+        )
         assert engine.l1 is not None and engine.l1.offload_blocks_per_step == 1
         prompt = random_prompt(8 * BLOCK + 5, 128, seed=31)
         engine.add_request(EngineRequest("a", prompt, greedy(2)))

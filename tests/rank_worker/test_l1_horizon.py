@@ -13,6 +13,7 @@ from engine_fixtures import generate_one, greedy, make_engine, random_prompt
 from l1_fixtures import kvstore_settings, l1_engine, tiny_model
 from service_processes import free_port, start_kvstore
 
+from contracts.config import EngineConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, eviction_horizon_blocks
 from rank_worker.l1.eviction_horizon import EvictionHorizon
@@ -112,7 +113,8 @@ def test_a_pass_comes_every_quarter_horizon_of_allocations_and_skips_what_l1_kep
 
 
 def test_the_default_horizon_covers_twice_the_longest_step() -> None:
-    chunked = EngineSettings(num_blocks=100, block_size=16, max_num_batched_tokens=4096)
+    chunked = EngineSettings(num_blocks=100, engine=EngineConfig(block_size=16, max_num_batched_tokens=4096))
     assert eviction_horizon_blocks(chunked, solo_tokens=0) == 1024  # 2 x 256 blocks, raised to the minimum
     assert eviction_horizon_blocks(chunked, solo_tokens=104_160) == 2 * 6510  # a solo prefill takes 6510 blocks
-    assert eviction_horizon_blocks(dataclasses.replace(chunked, l1_eviction_horizon_blocks=0), 104_160) == 0
+    write_through = chunked.engine.model_copy(update={"l1_eviction_horizon_blocks": 0})
+    assert eviction_horizon_blocks(dataclasses.replace(chunked, engine=write_through), 104_160) == 0

@@ -315,6 +315,17 @@ def test_the_reported_load_counts_host_tier_hits_at_the_restore_cost_and_chunked
     assert sched.waiting_warm_prefill_tokens() == 0, "a warm turn goes ahead of a running cold prefill"
 
 
+def test_an_idle_scheduler_reports_no_load_at_once_not_the_value_kept_from_its_last_busy_step() -> None:
+    # The engine loop stops asking once idle, so the stats of its last step are what the router hears until the
+    # next request: a value reused from a busy moment would keep steering sessions away from an idle rank.
+    sched, clock = _bare_scheduler([], num_blocks=600)
+    seq = Sequence("busy", random_prompt(2000, VOCAB, seed=802), 2000, greedy(1), arrival_time=clock.now)
+    sched.add(seq)
+    assert sched.waiting_prefill_tokens() == 2000
+    sched.remove(seq)  # it finished (or was aborted): nothing left waiting or running
+    assert sched.waiting_prefill_tokens() == sched.waiting_warm_prefill_tokens() == 0, "within LOAD_REFRESH_S"
+
+
 # --- cold work under warm_first: shortest first, and starvation measured from a sequence's last chunk ---
 
 

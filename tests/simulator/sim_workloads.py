@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from contracts.config import SchedulingConfig
+from contracts.config import EngineConfig, SchedulingConfig
 from loadgen.traces import AgentTrace, TraceTurn
 from simulator.replay import NodeSettings
 from simulator.sim_rank import RankSettings
@@ -49,5 +49,13 @@ def sessions(count: int, base_blocks: int, grow_blocks: int = 2, turns: int = 12
 
 
 def node(ranks: int = 1, policy: str = "warm_first", num_blocks: int = 52470, **rank: object) -> NodeSettings:
-    settings = RankSettings(num_blocks=num_blocks, policy=SchedulingConfig(scheduling_policy=policy), **rank)  # type: ignore[arg-type]
+    """A node of ranks alike; rank: RankSettings' fields, or engine keys over its default engine (flat)."""
+    engine = {key: rank.pop(key) for key in list(rank) if key in EngineConfig.model_fields}
+    default = RankSettings(num_blocks=num_blocks)
+    settings = RankSettings(
+        num_blocks=num_blocks,
+        engine=default.engine.model_copy(update=engine),
+        policy=SchedulingConfig(scheduling_policy=policy),
+        **rank,  # type: ignore[arg-type]
+    )
     return NodeSettings(ranks=ranks, rank=settings)

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from contracts.config import KvServeConfig
 from gateway.http.auth import auth_mode, open_local_warning
@@ -17,6 +18,11 @@ from gateway.prompt.served_model import ServedModel
 from gateway.ranks.generation import Generation
 from gateway.ranks.rank_choice import RankChooser, RouterRanks, StaticRanks
 from gateway.ranks.rank_client import RankClient
+from gateway.ranks.session_key import routing_session_id
+from protos import router_pb2 as router_pb
+
+if TYPE_CHECKING:
+    from gateway.observability.request_log import RequestRecord
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +81,24 @@ class GatewayState:
             )
             self.model = model
             log.info("serving %s (max_model_len %d) as %s", info.model_id, info.max_model_len, ", ".join(model.names))
+
+    def report_finished(self, record: RequestRecord) -> None:
+        """A request of a session that reached a rank ended: tell the router, for its per-session view (in the
+        background; nothing without a router, a session or a rank)."""
+        if not isinstance(self.chooser, RouterRanks) or not record.session or not record.rank:
+            return
+        prompt = max(record.prompt_tokens, 0)
+        l1 = min(max(record.l1_cached_tokens, 0), prompt)
+        l0 = min(max(record.cached_tokens - record.l1_cached_tokens, 0), prompt - l1)
+        report = router_pb.ReportFinishedRequest(
+            session_id=routing_session_id(record.session),  # the id the router routed it by
+            rank_id=record.rank,
+            prompt_tokens=prompt,
+            l0_cached_tokens=l0,
+            l1_cached_tokens=l1,
+            output_tokens=max(record.output_tokens, 0),
+        )
+        self.chooser.report_finished(report, self.metrics.observe_session_report)
 
     def _make_chooser(self) -> RankChooser:
         if not self.config.router:

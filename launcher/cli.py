@@ -1,4 +1,5 @@
-"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`, `secret`, `bench`, `needle`."""
+"""The `kvserve` command: `rank-worker`, `complete`, `up`, `compose`, `keys`, `secret`, `sessions`, `bench`,
+`needle`."""
 
 from __future__ import annotations
 
@@ -31,6 +32,19 @@ def build_parser() -> argparse.ArgumentParser:
     complete.add_argument("--config", help="YAML config file (for the default target)")
     complete.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     complete.add_argument(
+        "--secret-file",
+        help="the internal secret (default: the config's internal_secret_file, else .kvserve/run/internal-secret)",
+    )
+
+    sessions = commands.add_parser(
+        "sessions",
+        help="the router's per-session view: calls, tokens from L0 / L1 / computed, cache hit, cold prefills, rank",
+    )
+    sessions.add_argument("--limit", type=int, default=50, help="the newest N sessions (default: 50; 0 = all)")
+    sessions.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    sessions.add_argument("--target", help="router host:port (default: the config's router, else router_host:port)")
+    sessions.add_argument("--config", help="YAML config file (for the default target and the secret)")
+    sessions.add_argument(
         "--secret-file",
         help="the internal secret (default: the config's internal_secret_file, else .kvserve/run/internal-secret)",
     )
@@ -142,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         build_parser().error(f"unrecognized arguments: {' '.join(rest)}")
     if args.command == "complete":
         return _complete(args)
+    if args.command == "sessions":
+        if args.limit < 0:
+            build_parser().error("--limit must be 0 (all) or more")
+        return _sessions(args)
     if args.command == "compose":
         args.ranks = args.ranks if args.ranks is not None else (1 if args.cpu else 4)
         args.config = args.config or ("config/compose-cpu.yaml" if args.cpu else "config/compose.yaml")
@@ -249,6 +267,27 @@ def _complete(args: argparse.Namespace) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    from contracts.config import load_config
+    from contracts.internal_auth import InternalAuthError
+    from contracts.service_main import client_target
+    from launcher.complete import secret_for_complete
+    from launcher.sessions import list_sessions, print_sessions
+
+    config = load_config(args.config)
+    target = args.target or config.router or client_target(config.router_host, config.router_port)
+    try:
+        reply = list_sessions(target, args.limit, secret_for_complete(config, args.secret_file))
+    except InternalAuthError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except grpc.RpcError as exc:
+        print(f"error from the router at {target}: {exc.code().name}: {exc.details()}", file=sys.stderr)  # type: ignore[attr-defined]
+        return 1
+    print_sessions(reply, args.json)
+    return 0
 
 
 if __name__ == "__main__":

@@ -147,3 +147,69 @@ class ReportRankFailureRequest(_message.Message):
 class ReportRankFailureResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class ReportFinishedRequest(_message.Message):
+    __slots__ = ("session_id", "rank_id", "prompt_tokens", "l0_cached_tokens", "l1_cached_tokens", "output_tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L0_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rank_id: str
+    prompt_tokens: int
+    l0_cached_tokens: int
+    l1_cached_tokens: int
+    output_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., rank_id: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., l0_cached_tokens: _Optional[int] = ..., l1_cached_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ...) -> None: ...
+
+class ReportFinishedResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("limit",)
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    limit: int
+    def __init__(self, limit: _Optional[int] = ...) -> None: ...
+
+class SessionStats(_message.Message):
+    __slots__ = ("session_id", "rank_id", "calls", "prompt_tokens", "l0_cached_tokens", "l1_cached_tokens", "computed_tokens", "output_tokens", "cache_hit", "cold_prefills", "first_seen_unix_s", "last_seen_unix_s", "ranks_used")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    CALLS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L0_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    L1_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    COLD_PREFILLS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    LAST_SEEN_UNIX_S_FIELD_NUMBER: _ClassVar[int]
+    RANKS_USED_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    rank_id: str
+    calls: int
+    prompt_tokens: int
+    l0_cached_tokens: int
+    l1_cached_tokens: int
+    computed_tokens: int
+    output_tokens: int
+    cache_hit: float
+    cold_prefills: int
+    first_seen_unix_s: float
+    last_seen_unix_s: float
+    ranks_used: int
+    def __init__(self, session_id: _Optional[str] = ..., rank_id: _Optional[str] = ..., calls: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., l0_cached_tokens: _Optional[int] = ..., l1_cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., output_tokens: _Optional[int] = ..., cache_hit: _Optional[float] = ..., cold_prefills: _Optional[int] = ..., first_seen_unix_s: _Optional[float] = ..., last_seen_unix_s: _Optional[float] = ..., ranks_used: _Optional[int] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "tracked", "warm_prefix_fraction")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    TRACKED_FIELD_NUMBER: _ClassVar[int]
+    WARM_PREFIX_FRACTION_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[SessionStats]
+    tracked: int
+    warm_prefix_fraction: float
+    def __init__(self, sessions: _Optional[_Iterable[_Union[SessionStats, _Mapping]]] = ..., tracked: _Optional[int] = ..., warm_prefix_fraction: _Optional[float] = ...) -> None: ...

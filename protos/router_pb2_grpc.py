@@ -59,6 +59,16 @@ class RouterStub:
                 request_serializer=protos_dot_router__pb2.ReportRankFailureRequest.SerializeToString,
                 response_deserializer=protos_dot_router__pb2.ReportRankFailureResponse.FromString,
                 _registered_method=True)
+        self.ReportFinished = channel.unary_unary(
+                '/kvserve.router.v1.Router/ReportFinished',
+                request_serializer=protos_dot_router__pb2.ReportFinishedRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ReportFinishedResponse.FromString,
+                _registered_method=True)
+        self.ListSessions = channel.unary_unary(
+                '/kvserve.router.v1.Router/ListSessions',
+                request_serializer=protos_dot_router__pb2.ListSessionsRequest.SerializeToString,
+                response_deserializer=protos_dot_router__pb2.ListSessionsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServicer:
@@ -100,6 +110,21 @@ class RouterServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportFinished(self, request, context):
+        """A gateway finished a request of a session (fire-and-forget, off the request's path): the per-session view
+        counts it. A view, not routing state: it is neither used for routing nor kept across a router restart.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListSessions(self, request, context):
+        """The per-session view (`kvserve sessions`): the sessions most recently reported, newest first.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -127,6 +152,16 @@ def add_RouterServicer_to_server(servicer, server):
                     servicer.ReportRankFailure,
                     request_deserializer=protos_dot_router__pb2.ReportRankFailureRequest.FromString,
                     response_serializer=protos_dot_router__pb2.ReportRankFailureResponse.SerializeToString,
+            ),
+            'ReportFinished': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFinished,
+                    request_deserializer=protos_dot_router__pb2.ReportFinishedRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ReportFinishedResponse.SerializeToString,
+            ),
+            'ListSessions': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListSessions,
+                    request_deserializer=protos_dot_router__pb2.ListSessionsRequest.FromString,
+                    response_serializer=protos_dot_router__pb2.ListSessionsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -264,6 +299,60 @@ class Router:
             '/kvserve.router.v1.Router/ReportRankFailure',
             protos_dot_router__pb2.ReportRankFailureRequest.SerializeToString,
             protos_dot_router__pb2.ReportRankFailureResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFinished(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.router.v1.Router/ReportFinished',
+            protos_dot_router__pb2.ReportFinishedRequest.SerializeToString,
+            protos_dot_router__pb2.ReportFinishedResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListSessions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.router.v1.Router/ListSessions',
+            protos_dot_router__pb2.ListSessionsRequest.SerializeToString,
+            protos_dot_router__pb2.ListSessionsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,7 @@ from router.rank_registry import (
 )
 from router.route_score import Candidate, RouteChoice, RoutePolicy, choose_rank
 from router.session_table import SessionTable
+from router.session_view import SessionView
 
 log = logging.getLogger("router")
 
@@ -120,6 +121,8 @@ class RouterState:
         self.registry = RankRegistry(rank_down_after_s)
         self.index = PrefixIndex()
         self.sessions = SessionTable(session_ttl_s)
+        # The per-session view (ReportFinished, ListSessions): memory only, never read for routing.
+        self.session_view = SessionView(policy.warm_prefix_fraction)
         self.follower: RankFollower = _NoFollower()
         self.durable: DurableChanges = _NoDurability()
         self._clock = clock

@@ -12,6 +12,7 @@ from protos import router_pb2_grpc as pb_grpc
 from router.durable_state import DurableState
 from router.rank_registry import ExpertParallelPlace, RankEntry, RankIdentity, RankLoad
 from router.router_state import NoRankAvailableError, RouteQuery, RouterState
+from router.session_view import FinishedCall, SessionStats
 
 NO_RANK_ANSWER = (("kvserve-no-rank", "1"),)  # trailing metadata of Route's "no healthy rank left"
 
@@ -106,6 +107,41 @@ def route_query(message: pb.RouteRequest) -> RouteQuery:
     )
 
 
+def finished_call(message: pb.ReportFinishedRequest) -> FinishedCall:
+    """The session view's call for a wire report: ids as Route takes them, counts >= 0, l0 + l1 <= prompt."""
+    counts = (message.prompt_tokens, message.l0_cached_tokens, message.l1_cached_tokens, message.output_tokens)
+    if min(counts) < 0:
+        raise InvalidMessageError("token counts must not be negative")
+    if message.l0_cached_tokens + message.l1_cached_tokens > message.prompt_tokens:
+        raise InvalidMessageError("l0_cached_tokens + l1_cached_tokens must not exceed prompt_tokens")
+    return FinishedCall(
+        session_id=_check_id("session_id", message.session_id, required=True),
+        rank_id=_check_id("rank_id", message.rank_id, required=True),
+        prompt_tokens=message.prompt_tokens,
+        l0_cached_tokens=message.l0_cached_tokens,
+        l1_cached_tokens=message.l1_cached_tokens,
+        output_tokens=message.output_tokens,
+    )
+
+
+def session_message(stats: SessionStats) -> pb.SessionStats:
+    return pb.SessionStats(
+        session_id=stats.session_id,
+        rank_id=stats.rank_id,
+        calls=stats.calls,
+        prompt_tokens=stats.prompt_tokens,
+        l0_cached_tokens=stats.l0_cached_tokens,
+        l1_cached_tokens=stats.l1_cached_tokens,
+        computed_tokens=stats.computed_tokens,
+        output_tokens=stats.output_tokens,
+        cache_hit=stats.cache_hit,
+        cold_prefills=stats.cold_prefills,
+        first_seen_unix_s=stats.first_seen,
+        last_seen_unix_s=stats.last_seen,
+        ranks_used=len(stats.rank_ids),
+    )
+
+
 def load_message(load: RankLoad) -> pb.RankLoad:
     return pb.RankLoad(
         running=load.running,
@@ -179,6 +215,26 @@ class RouterServicer(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         self._state.report_failure(rank_id, request.detail[:1000], request_id)  # unknown or already down: nothing to do
         return pb.ReportRankFailureResponse()
+
+    async def ReportFinished(
+        self, request: pb.ReportFinishedRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReportFinishedResponse:
+        try:
+            call = finished_call(request)
+        except InvalidMessageError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._state.session_view.report(call)
+        return pb.ReportFinishedResponse()
+
+    async def ListSessions(
+        self, request: pb.ListSessionsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListSessionsResponse:
+        view = self._state.session_view
+        return pb.ListSessionsResponse(
+            sessions=[session_message(stats) for stats in view.newest(request.limit)],
+            tracked=len(view),
+            warm_prefix_fraction=view.warm_prefix_fraction,
+        )
 
     def _rank_status(self, entry: RankEntry) -> pb.RankStatus:
         return pb.RankStatus(

@@ -9,7 +9,7 @@ from typing import Any
 
 from loadgen.report import Thresholds, largest_passing, step_stats
 from loadgen.traces import AgentTrace
-from simulator.replay import NodeSettings, WorkloadSettings, replay
+from simulator.replay import NodeSettings, ReplayResult, WorkloadSettings, replay
 from simulator.step_time import StepTimeModel
 
 SECONDS_PER_MONTH = 730 * 3600  # 365 days x 24 h / 12
@@ -27,15 +27,20 @@ def simulate_steps(
     steps: list[dict[str, Any]] = []
     for index, agents in enumerate(agent_counts):
         result = replay(sessions, replace(workload, agents=agents, step_index=index), node, step_time)
-        stats = step_stats(result.records, agents, result.cached_by_tier, result.wall_s, thresholds)
-        stats["input_tokens_per_s"] = round(stats["input_tokens"] / result.wall_s, 1) if result.wall_s > 0 else None
-        stats["node"] = {
-            "rank_busy_s": [round(s, 2) for s in result.rank_busy_s],
-            "rank_steps": result.rank_steps,
-            "route_reasons": result.route_reasons,
-        }
-        steps.append(stats)
+        steps.append(replayed_step(result, agents, thresholds))
     return steps
+
+
+def replayed_step(result: ReplayResult, agents: int, thresholds: Thresholds) -> dict[str, Any]:
+    """One replayed step judged as the load generator judges a measured one, with what the node's ranks did."""
+    stats = step_stats(result.records, agents, result.cached_by_tier, result.wall_s, thresholds)
+    stats["input_tokens_per_s"] = round(stats["input_tokens"] / result.wall_s, 1) if result.wall_s > 0 else None
+    stats["node"] = {
+        "rank_busy_s": [round(s, 2) for s in result.rank_busy_s],
+        "rank_steps": result.rank_steps,
+        "route_reasons": result.route_reasons,
+    }
+    return stats
 
 
 def cost_per_million_input_tokens(monthly_price: float, input_tokens_per_s: float | None) -> float | None:

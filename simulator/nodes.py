@@ -28,7 +28,7 @@ from loadgen.agent import RequestRecord
 from loadgen.report import Thresholds, step_stats
 from loadgen.traces import AgentTrace
 from rank_worker.engine.sequence import Sequence as EngineSequence
-from simulator.capacity import capacity_summary
+from simulator.capacity import capacity_summary, replayed_step
 from simulator.host_cache import NodeHostCache
 from simulator.node_choice import NodeCandidate, NodePolicy, choose_node
 from simulator.replay import NodeSettings, Replay, ReplayResult, WorkloadSettings, _Call
@@ -242,13 +242,7 @@ def simulate_fleet_steps(
     for index, agents in enumerate(agent_counts):
         run = FleetReplay(sessions, replace(workload, agents=agents, step_index=index), node, step_time, nodes, policy)
         result = run.run()
-        stats = step_stats(result.records, agents, result.cached_by_tier, result.wall_s, thresholds)
-        stats["input_tokens_per_s"] = round(stats["input_tokens"] / result.wall_s, 1) if result.wall_s > 0 else None
-        stats["node"] = {
-            "rank_busy_s": [round(s, 2) for s in result.rank_busy_s],
-            "rank_steps": result.rank_steps,
-            "route_reasons": result.route_reasons,
-        }
+        stats = replayed_step(result, agents, thresholds)
         stats["fleet"] = {
             "nodes": nodes,
             "node_choice": policy.name,

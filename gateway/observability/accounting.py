@@ -58,6 +58,7 @@ class PendingRecord:
             output_tokens=record.output_tokens,
         )
         log_request(record, log_prompts=state.config.log_prompts)
+        state.report_finished(record)  # the router's per-session view; in the background, never fails here
 
 
 _pending: ContextVar[PendingRecord | None] = ContextVar("kvserve_pending_record", default=None)

@@ -13,6 +13,8 @@ CacheTier = Literal["l0", "l1"]  # l0: GPU prefix cache, l1: host-memory cache
 
 CACHE_TIERS: tuple[CacheTier, ...] = ("l0", "l1")
 
+SESSION_REPORT_OUTCOMES = ("sent", "failed", "dropped")
+
 # From a short warm-cache reply (~10 ms) to a long prompt prefilled cold behind a queue (minutes).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -39,7 +41,16 @@ class GatewayMetrics:
             "Requests (new ones, or streams a failed rank cut) waiting for a rank to come back",
             **own,
         )
+        self.session_reports = Counter(
+            "session_reports",
+            "Finished requests of sessions reported to the router's per-session view, by outcome: sent, failed "
+            "(the router refused or did not answer in time), dropped (the router away, or too many unanswered)",
+            ["outcome"],
+            **own,
+        )
         # Children created up front, so every series is exported as 0 before the first request.
+        for outcome in SESSION_REPORT_OUTCOMES:
+            self.session_reports.labels(outcome=outcome)
         for api in apis:
             self.time_to_first_token.labels(api=api)
             self.prompt_tokens.labels(api=api)
@@ -81,6 +92,9 @@ class GatewayMetrics:
         """Count an error by its API error type (invalid_request_error, overloaded_error, ...): a fixed set of
         names, never free text, so the number of series stays bounded."""
         self.errors.labels(type=error_type).inc()
+
+    def observe_session_report(self, outcome: str) -> None:
+        self.session_reports.labels(outcome=outcome).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text for GET /metrics and its content type."""

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -30,6 +31,10 @@ PROBE_INTERVAL_S = 0.5  # while the router is away
 PROBE_TIMEOUT_S = 1.0
 NO_RANK_METADATA_KEY = "kvserve-no-rank"  # the router's answer "no rank is left", unlike a router that is away
 REMEMBERED_SESSIONS = 100_000  # the router's last answer per session, for routing while it is away
+# ReportFinished (the router's per-session view) is off every request's path: a short deadline, and beyond this
+# many reports unanswered (a slow router) new ones are dropped rather than queued.
+FINISHED_REPORT_TIMEOUT_S = 1.0
+MAX_FINISHED_REPORTS_IN_FLIGHT = 256
 # Reconnect to a restarted router within a second or two, not after gRPC's default backoff (up to minutes).
 ROUTER_CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -118,6 +123,7 @@ class RouterRanks:
         self._router_down_since: float | None = None
         self._refresher: asyncio.Task[None] | None = None
         self._failure_reports: set[asyncio.Task[None]] = set()
+        self._finished_reports: set[asyncio.Task[None]] = set()
 
     def start(self) -> None:
         if self._refresher is None:
@@ -193,6 +199,34 @@ class RouterRanks:
         self._failure_reports.add(task)  # keep a reference until it is done
         task.add_done_callback(self._failure_reports.discard)
 
+    def report_finished(
+        self, report: router_pb.ReportFinishedRequest, outcome: Callable[[str], None] = lambda _: None
+    ) -> None:
+        """Tell the router a session's request finished (its per-session view), in the background: never waits,
+        never raises. `outcome` is called with "sent", "failed" (logged at debug) or "dropped" (the router is
+        away, too many reports are unanswered, or no event loop runs)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            outcome("dropped")
+            return
+        if self.router_away or len(self._finished_reports) >= MAX_FINISHED_REPORTS_IN_FLIGHT:
+            outcome("dropped")
+            return
+
+        async def send() -> None:
+            try:
+                await self._stub.ReportFinished(report, timeout=FINISHED_REPORT_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                log.debug("ReportFinished of session %s: %s: %s", report.session_id, exc.code().name, exc.details())
+                outcome("failed")
+            else:
+                outcome("sent")
+
+        task = loop.create_task(send())
+        self._finished_reports.add(task)  # keep a reference until it is done
+        task.add_done_callback(self._finished_reports.discard)
+
     def known_addresses(self) -> list[str]:
         addresses = [r.address for r in self._known] or [r.address for r in self._fallback]
         return list(dict.fromkeys(addresses))
@@ -220,4 +254,6 @@ class RouterRanks:
             self._refresher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._refresher
+        for task in list(self._finished_reports):
+            task.cancel()
         await self._channel.close()

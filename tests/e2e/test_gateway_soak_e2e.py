@@ -131,13 +131,8 @@ def test_soak_through_the_gateway_ends_with_nothing_held(stack: Stack) -> None:
     assert client.outcomes["cancelled"] > REQUESTS // 5 and client.outcomes["finished"] > REQUESTS // 2
 
     def drained() -> bool:
-        ranks = [stack.rank_stats(name) for name in stack.rank_names()]
-        l1 = stack.kvstore_stats()
         return (
-            all(r.running == 0 and r.waiting == 0 and r.used_blocks == 0 for r in ranks)
-            and all(r.free_blocks == r.total_blocks and r.l1_copies_in_flight == 0 for r in ranks)
-            and l1.pinned_slots == 0
-            and l1.writing_slots == 0
+            stack.holds_nothing()
             and gateway_gauge(stack.url, "kvserve_gateway_requests_in_flight") == 0
             and gateway_gauge(stack.url, "kvserve_gateway_requests_waiting_for_rank") == 0
         )

@@ -1,15 +1,21 @@
 """The whole stack (redis-server, kvstore, router, two rank workers, gateway) routing real sessions:
 stickiness and L0 hits, load balance for new sessions, L1 restores of sessions L0 evicted, a new session sent to
 the rank whose L0 holds its prefix, and the router's view of L1 (what the kvstore holds counts in the route,
-nothing once the kvstore is killed). tests/router/test_router_component.py and test_router_l1_component.py check
+nothing once the kvstore is killed), and the router's per-session view (`kvserve sessions`).
+tests/router/test_router_component.py and test_router_l1_component.py check
 the router alone, the test standing in for the ranks."""
 
 from __future__ import annotations
 
 import contextlib
+import json
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 
 import pytest
+from service_processes import ROOT, service_env
 from whole_stack import (
     Stack,
     cached_tokens_metric,
@@ -23,6 +29,7 @@ from whole_stack import (
 from contracts import internal_auth
 from protos import rank_worker_pb2 as pb
 from protos import rank_worker_pb2_grpc as pb_grpc
+from protos import router_pb2, router_pb2_grpc
 
 # A small L0 pool (96 blocks x 16 = 1,536 tokens per rank): a few sessions evict each other.
 RANK_SETTINGS = {"KVSERVE_NUM_KV_BLOCKS": "96", "KVSERVE_MAX_MODEL_LEN": "2048"}
@@ -268,3 +275,56 @@ def test_the_router_routes_by_what_l1_holds_and_forgets_it_with_the_kvstore(stac
     finally:
         stack["kvstore"].start()
         stack.wait_l1_attached()  # as the other tests expect it
+
+
+def router_session(stack: Stack, session: str) -> router_pb2.SessionStats | None:
+    with internal_auth.channel(stack["router"].address) as channel:
+        reply = router_pb2_grpc.RouterStub(channel).ListSessions(router_pb2.ListSessionsRequest(), timeout=10)
+    return next((stats for stats in reply.sessions if stats.session_id == session), None)
+
+
+def test_kvserve_sessions_shows_a_sessions_calls_tokens_and_rank(stack: Stack) -> None:
+    """Two turns of one session through the gateway, then `kvserve sessions --json`: the gateway reported both
+    (in the background, after each answer) and the router's view counts them: calls, the rank that served
+    them, prompt tokens from L0 on the second call, computed = prompt - L0 - L1, one cold prefill (the first)."""
+    session = "per-session-view"
+    before = finished_per_rank(stack)
+    messages = [{"role": "user", "content": session_context("view", 240)}]
+    reply, first = chat_turn(stack.url, session, messages, max_tokens=2)
+    messages += [{"role": "assistant", "content": reply or "ok"}, {"role": "user", "content": "And then?"}]
+    _, second = chat_turn(stack.url, session, messages, max_tokens=2)
+    (rank,) = served_by(before, finished_per_rank(stack))
+    assert second["cache_read_input_tokens"] > 0, second  # the second turn found its prefix
+
+    # ReportFinished is fire-and-forget after each answer: wait for the router to have counted both
+    deadline = time.monotonic() + 30
+    while (stats := router_session(stack, session)) is None or stats.calls < 2:
+        assert time.monotonic() < deadline, f"the router's view of {session}: {stats}"
+        time.sleep(0.1)
+
+    command = [sys.executable, "-m", "launcher.cli", "sessions", "--json", "--limit", "0"]
+    result = subprocess.run(
+        [*command, "--target", stack["router"].address],
+        cwd=ROOT,
+        env=service_env(),  # the internal secret of the stack (KVSERVE_INTERNAL_SECRET_FILE), as `kvserve up`'s
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    document = json.loads(result.stdout)
+    seen = [entry["last_seen_unix_s"] for entry in document["sessions"]]
+    assert seen == sorted(seen, reverse=True)  # newest first
+    entry = next(entry for entry in document["sessions"] if entry["session_id"] == session)
+    prompts = [usage["input_tokens"] + usage["cache_read_input_tokens"] for usage in (first, second)]
+    cached = first["cache_read_input_tokens"] + second["cache_read_input_tokens"]
+    assert entry["calls"] == 2 and entry["rank_id"] == rank and entry["ranks_used"] == 1, entry
+    assert entry["prompt_tokens"] == sum(prompts), (entry, prompts)
+    assert entry["l0_cached_tokens"] + entry["l1_cached_tokens"] == cached, (entry, first, second)
+    assert entry["l0_cached_tokens"] > first["cache_read_input_tokens"], (entry, first)  # L0 hits on the second
+    assert entry["computed_tokens"] == sum(prompts) - cached == first["input_tokens"] + second["input_tokens"]
+    assert entry["cache_hit"] == pytest.approx(cached / sum(prompts), abs=1e-4)
+    assert entry["cold_prefills"] == 1, (entry, first)  # the first turn: a new session's whole context
+    assert entry["output_tokens"] == first["output_tokens"] + second["output_tokens"]
+    sent = stack.scrape("gateway")["kvserve_gateway_session_reports"].samples
+    assert {s.labels["outcome"]: s.value for s in sent if s.name.endswith("_total")}["sent"] >= 2, sent

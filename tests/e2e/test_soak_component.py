@@ -110,17 +110,7 @@ def test_soak_ends_with_every_pool_empty(stack: Stack) -> None:
     assert sum(client.outcomes.values()) == REQUESTS
     assert client.outcomes["cancelled"] > REQUESTS // 5 and client.outcomes["finished"] > REQUESTS // 2
 
-    def drained() -> bool:
-        ranks = [stack.rank_stats(name) for name in stack.rank_names()]
-        l1 = stack.kvstore_stats()
-        return (
-            all(r.running == 0 and r.waiting == 0 and r.used_blocks == 0 for r in ranks)
-            and all(r.free_blocks == r.total_blocks and r.l1_copies_in_flight == 0 for r in ranks)
-            and l1.pinned_slots == 0
-            and l1.writing_slots == 0
-        )
-
-    stack.wait_until("every pool empty in L0 and L1", drained, timeout_s=60)
+    stack.wait_until("every pool empty in L0 and L1", stack.holds_nothing, timeout_s=60)
     ranks = [stack.rank_stats(name) for name in stack.rank_names()]
     assert sum(r.preemptions for r in ranks) > 0  # the pool was really too small
     assert sum(r.l1_offloaded_blocks for r in ranks) > 0

@@ -99,6 +99,18 @@ class Stack:
         with internal_auth.channel(self.services["kvstore"].address) as channel:
             return kvstore_pb2_grpc.KvStoreStub(channel).Stats(kvstore_pb2.StatsRequest(), timeout=10)
 
+    def holds_nothing(self) -> bool:
+        """No request left in any rank, every L0 pool free, no L1 copy in flight, no L1 slot pinned or half
+        written: what a stack must come back to once its clients are gone, whatever they did."""
+        ranks = [self.rank_stats(name) for name in self.rank_names()]
+        l1 = self.kvstore_stats()
+        return (
+            all(r.running == 0 and r.waiting == 0 and r.used_blocks == 0 for r in ranks)
+            and all(r.free_blocks == r.total_blocks and r.l1_copies_in_flight == 0 for r in ranks)
+            and l1.pinned_slots == 0
+            and l1.writing_slots == 0
+        )
+
     def router_ranks(self) -> router_pb2.ListRanksResponse:
         with internal_auth.channel(self.services["router"].address) as channel:
             return router_pb2_grpc.RouterStub(channel).ListRanks(router_pb2.ListRanksRequest(), timeout=10)

@@ -145,7 +145,9 @@ def test_a_hung_kvstore_leaves_other_streams_decoding_and_the_l1_request_complet
         # Two prompts of 120 blocks push the session out of the 200-block L0: it is in L1 only now.
         generate(stub, random_prompt(120 * BLOCK, VOCAB, seed=2), 1)
         generate(stub, random_prompt(120 * BLOCK, VOCAB, seed=3), 1)
-        wait_for(lambda: kvstore_stats(kvstore_port).stored_slots >= 6 + 2 * 120, 10, "offloaded")  # asynchronous
+        # Asynchronous, at the tier's per-step pace: seconds alone, more beside a loaded CI's other tests (10 s was
+        # too short there once); the wait ends as soon as they are in.
+        wait_for(lambda: kvstore_stats(kvstore_port).stored_slots >= 6 + 2 * 120, 45, "offloaded")
 
         stream = TimedStream(stub, random_prompt(20, VOCAB, seed=4), max_tokens=2000)
         wait_for(lambda: stream.tokens() >= 50, 30, "streaming")

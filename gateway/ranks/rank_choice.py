@@ -13,7 +13,7 @@ import hashlib
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -195,9 +195,7 @@ class RouterRanks:
             with contextlib.suppress(grpc.aio.AioRpcError):
                 await self._stub.ReportRankFailure(failure, timeout=ROUTE_TIMEOUT_S)
 
-        task = asyncio.get_running_loop().create_task(report())
-        self._failure_reports.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._failure_reports.discard)
+        _in_background(asyncio.get_running_loop(), report(), self._failure_reports)
 
     def report_finished(
         self, report: router_pb.ReportFinishedRequest, outcome: Callable[[str], None] = lambda _: None
@@ -223,9 +221,7 @@ class RouterRanks:
             else:
                 outcome("sent")
 
-        task = loop.create_task(send())
-        self._finished_reports.add(task)  # keep a reference until it is done
-        task.add_done_callback(self._finished_reports.discard)
+        _in_background(loop, send(), self._finished_reports)
 
     def known_addresses(self) -> list[str]:
         addresses = [r.address for r in self._known] or [r.address for r in self._fallback]
@@ -257,3 +253,12 @@ class RouterRanks:
         for task in list(self._finished_reports):
             task.cancel()
         await self._channel.close()
+
+
+def _in_background(
+    loop: asyncio.AbstractEventLoop, work: Coroutine[object, object, None], tasks: set[asyncio.Task[None]]
+) -> None:
+    """Run `work` as a task held in `tasks` until it is done (the loop keeps only weak references to tasks)."""
+    task = loop.create_task(work)
+    tasks.add(task)
+    task.add_done_callback(tasks.discard)

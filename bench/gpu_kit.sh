@@ -19,6 +19,7 @@ git check-ignore -q "$KIT/x" || echo "/$KIT/" >> .git/info/exclude
 #     runtime at import; the machine's versions are not recorded, so ours travel (and shadow them in /tmp/site).
 #   typing-extensions: pydantic 2.14 needs a recent one; the machine's version is not recorded.
 #   opentelemetry-api: fastapi 0.165 imports it in fastapi.applications (its native telemetry).
+#   msgspec, pyzmq: the rank worker and kvstore import contracts/vllm_kv_events.py (vLLM-format KV events).
 WHEELS=(
   gguf==0.19.0 tqdm==4.70.1
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 typing-extensions==4.16.0
@@ -26,6 +27,7 @@ WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 annotated-doc==0.0.7 opentelemetry-api==1.45.2 uvicorn==0.54.0
   redis==8.1.0
   grpcio==1.85.3 grpcio-health-checking==1.85.1 protobuf==7.36.2
+  msgspec==0.23.0 pyzmq==27.3.0
 )
 PLATFORMS=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux1_x86_64; do
@@ -95,6 +97,7 @@ if [ -n "$PY312" ]; then
   PYTHONPATH=/tmp/gpu-kit-check:$PWD /tmp/gpu-kit-py312/bin/python -c '
 import importlib, pkgutil, protos
 import gguf, launcher.cli, gateway.main, router.main, kvstore.main, loadgen.agents_cli, fastapi.applications
+import contracts.vllm_kv_events
 for module in pkgutil.iter_modules(protos.__path__):
     importlib.import_module("protos." + module.name)
 import fastapi, grpc, google.protobuf, pydantic, sys

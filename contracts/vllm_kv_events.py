@@ -161,6 +161,23 @@ def encode_batch(
     return (encoder or msgspec.msgpack.Encoder()).encode(batch)
 
 
+_DECODERS = {
+    "map": msgspec.msgpack.Decoder(KVEventBatch),
+    "array": msgspec.msgpack.Decoder(ArrayKVEventBatch),
+}
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared | ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared
+
+
+def decode_batch(payload: bytes) -> tuple[float, list[WireEvent]]:
+    """A batch's (ts, events) from its msgpack payload, in either encoding (a subscriber need not know which one
+    a publisher was set to); msgspec.DecodeError when it is neither."""
+    try:
+        batch = _DECODERS["map"].decode(payload)
+    except msgspec.DecodeError:
+        batch = _DECODERS["array"].decode(payload)
+    return batch.ts, list(batch.events)
+
+
 def check_endpoint(endpoint: str) -> str:
     """A ZMQ endpoint we bind: tcp://host:port (port 0 is not allowed: subscribers must know it), ipc:// or
     inproc://; ValueError otherwise. The host of a tcp endpoint is what we bind (no '*' guessing as vLLM does:

@@ -23,6 +23,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run one engine rank as a gRPC server (see: kvserve rank-worker --help)",
     )
 
+    commands.add_parser(
+        "epp",
+        add_help=False,  # its own flags (and --help) are parsed by gateway.epp.main
+        help="run the fleet's endpoint picker for Envoy (see: kvserve epp --help)",
+    )
+
     complete = commands.add_parser("complete", help="stream one chat completion from a rank worker")
     complete.add_argument("prompt", help="the user message")
     complete.add_argument("--system", help="a system message")
@@ -146,6 +152,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from rank_worker.main import main as rank_worker_main
 
         return rank_worker_main(rest)
+    if args.command == "epp":
+        from gateway.epp.main import main as epp_main
+
+        return epp_main(rest)
     if args.command == "bench":
         return _bench(rest)
     if args.command == "needle":

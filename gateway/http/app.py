@@ -27,6 +27,8 @@ from gateway.http.errors import ApiError, render_error
 from gateway.http.path_normalise import TrailingSlashMiddleware
 from gateway.state import GatewayState
 
+MODEL_INFO_PATH = "/kvserve/model-info"  # the ranks' ModelInfoResponse, serialized (read by gateway/epp/)
+
 # Each API brings its routes, its metrics label and its error shape (the first one's answers for paths of none).
 APIS = Apis(anthropic.API, openai.API)
 # Answers after which the connection cannot carry another request: the body was not (all) read.
@@ -75,6 +77,16 @@ def create_app(config: KvServeConfig) -> FastAPI:
         if state.model is None:
             return JSONResponse({"status": "waiting for a rank worker"}, status_code=503)
         return JSONResponse({"status": "ready", "model": state.model.name})
+
+    @app.get(MODEL_INFO_PATH)
+    async def model_info(request: Request) -> Response:
+        # The ranks' model info, for the fleet's EPP (gateway/epp/): the tokenizer, template and block hashing
+        # that let it hash a prompt's blocks as this gateway does. Guarded as /metrics is.
+        if not config.metrics_public:
+            check_metrics_allowed(authenticate(request))
+        if state.model is None:
+            return JSONResponse({"status": "waiting for a rank worker"}, status_code=503)
+        return Response(state.model.info.SerializeToString(), media_type="application/x-protobuf")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

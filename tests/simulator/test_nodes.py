@@ -15,7 +15,7 @@ from sim_workloads import h200_step_time, node, sessions
 from loadgen.agent import ThinkTime
 from simulator.capacity import capacity_summary, simulate_steps
 from simulator.cli import main
-from simulator.node_choice import NodeCandidate, NodePolicy, choose_node
+from gateway.epp.node_choice import NodeCandidate, NodePolicy, choose_node
 from simulator.nodes import FleetReplay, simulate_fleet_steps
 from simulator.replay import WorkloadSettings, replay
 

@@ -1,4 +1,5 @@
-"""The EPP's choice of node, as a pure function of the nodes' cache matches and load (simulator/nodes.py feeds it).
+"""The EPP's choice of node, as a pure function of the nodes' cache matches and load: gateway/epp/picker.py feeds it
+from the live fleet, simulator/nodes.py from the simulated one.
 
 A fleet of nodes (each one kvserve stack: gateway, router, R ranks, one L1 host cache) sits behind an Envoy
 gateway whose Endpoint Picker chooses the node of each request; inside the node its router chooses the rank as

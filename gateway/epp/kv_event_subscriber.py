@@ -4,7 +4,9 @@ The wire is contracts/vllm_kv_events.py's: multipart (topic, 8-byte big-endian s
 socket, and a ROUTER replay socket that sends the buffered batches from a given sequence on. On start the
 subscriber asks for everything buffered (a node that was busy before the EPP came up is known at once); a
 sequence that skips ahead is filled from the replay socket; one that goes back is a restarted publisher, whose
-blocks are forgotten first. A gap replay cannot fill is left: the index is a hint (fleet_index.py).
+blocks are forgotten first; and when the node comes back after being unready (resync), the source is read again
+from its replay buffer, since a restarted publisher that sent more batches than before shows no sequence going
+back. A gap replay cannot fill is left: the index is a hint (fleet_index.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class KvEventSubscriber:
         self._last: int | None = None  # the last sequence applied
         self._applied: dict[int, float] = {}  # recent sequences applied -> their batch's timestamp
         self.counts = SubscriberCounts()
+        self._resyncs: set[asyncio.Task[None]] = set()
         index.add_source(self.source_id, node)
 
     async def run(self) -> None:
@@ -71,6 +74,15 @@ class KvEventSubscriber:
                 await self._on_batch(int.from_bytes(frames[1], "big", signed=True), frames[2])
         finally:
             socket.close()
+
+    def resync(self) -> None:
+        """Forget what this source reported and read its replay buffer again: its node came back, and a publisher
+        that restarted meanwhile and sent more batches than before shows no sequence going back."""
+        self._index.cleared(self.source_id)
+        self._last = None
+        self._applied.clear()
+        self._resyncs.add(task := asyncio.create_task(self._replay_from(0)))
+        task.add_done_callback(self._resyncs.discard)
 
     async def _on_batch(self, sequence: int, payload: bytes) -> None:
         try:

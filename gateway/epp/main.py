@@ -14,7 +14,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 import httpx
@@ -110,7 +110,9 @@ class Epp:
             loop.add_signal_handler(sig, stop.set)
         async with httpx.AsyncClient(timeout=timeout, trust_env=False) as client:
             tasks = [
-                asyncio.create_task(NodePoller(node, client, self.config.refresh_secs, api_key).run())
+                asyncio.create_task(
+                    NodePoller(node, client, self.config.refresh_secs, api_key, self._resync(node.name)).run()
+                )
                 for node in self.nodes
             ]
             tasks += [asyncio.create_task(subscriber.run()) for subscriber in self.subscribers]
@@ -128,6 +130,14 @@ class Epp:
             metrics_server.stop()
         self.zmq.term()
         return 0
+
+    def _resync(self, node: str) -> Callable[[], None]:
+        def resync() -> None:
+            for subscriber in self.subscribers:
+                if subscriber.node == node:
+                    subscriber.resync()
+
+        return resync
 
     async def _readiness(self) -> None:
         serving = None

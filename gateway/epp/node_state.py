@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -85,8 +86,16 @@ def parse_load(texts: list[str]) -> NodeLoad:
 class NodePoller:
     """Reads one node every refresh_secs, until cancelled."""
 
-    def __init__(self, state: NodeState, client: httpx.AsyncClient, refresh_s: float, api_key: str = "") -> None:
+    def __init__(
+        self,
+        state: NodeState,
+        client: httpx.AsyncClient,
+        refresh_s: float,
+        api_key: str = "",
+        on_back: Callable[[], None] | None = None,
+    ) -> None:
         self.state = state
+        self._on_back = on_back  # called when the node is ready again after it was not
         self._client = client
         self._refresh_s = refresh_s
         self._headers = {"x-api-key": api_key} if api_key else {}
@@ -123,6 +132,8 @@ class NodePoller:
             log.info(
                 "node %s is ready (%s, %d ranks reporting)", state.name, state.info.served_model_name, state.load.ranks
             )
+            if state.ready_since and self._on_back is not None:
+                self._on_back()
             state.ready_since = time.monotonic()
         state.ready = True
         state.failure = ""

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The CUDA tests in one device call (carry [".whl"]): the Triton kernel files (tests/rank_worker/test_cuda_*.py,
+# every case, the slow ones too: on a GPU they are quick) and the CUDA cases of the other rank worker files
+# (marked cuda, or named cuda/gpu), then a GPU smoke of the whole stack (`kvserve up` on the DeepSeek-V2-Lite
+# shape with random weights, one chat request through the gateway). Logs under $OUT (cuda-tests*.log,
+# stack-smoke.log), each with the commit and the diff hash it ran.
+#     DEADLINE=420 bash bench/cuda_tests.sh
+set -uo pipefail
+OUT=${OUT:-/tmp/cuda-tests}
+mkdir -p "$OUT"
+DEADLINE=${DEADLINE:-420}
+left() { echo $((DEADLINE - SECONDS)); }
+say() { echo "[$(date +%T) +${SECONDS}s] $*"; }
+source "$(dirname "$0")/stack_lib.sh"
+export PYTHONUNBUFFERED=1
+python3 -c 'import json, sys; sys.path.insert(0, "bench"); from provenance import provenance; print(json.dumps(provenance(".")))' \
+  > "$OUT/provenance.json"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+
+say "Triton kernel tests"
+timeout -k 10 $(( $(left) / 2 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker/test_cuda_*.py \
+  > "$OUT/cuda-tests-kernels.log" 2>&1
+echo "pytest rc=$?" >> "$OUT/cuda-tests-kernels.log"
+tail -n 6 "$OUT/cuda-tests-kernels.log"
+
+say "CUDA cases of the other rank worker files"
+timeout -k 10 $(( $(left) - 150 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker \
+  --ignore-glob='tests/rank_worker/test_cuda_*.py' -m cuda > "$OUT/cuda-tests-marked.log" 2>&1
+echo "pytest rc=$?" >> "$OUT/cuda-tests-marked.log"
+tail -n 6 "$OUT/cuda-tests-marked.log"
+timeout -k 10 $(( $(left) - 120 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker \
+  --ignore-glob='tests/rank_worker/test_cuda_*.py' -m "not cuda" -k "cuda or gpu" > "$OUT/cuda-tests-named.log" 2>&1
+echo "pytest rc=$?" >> "$OUT/cuda-tests-named.log"
+tail -n 6 "$OUT/cuda-tests-named.log"
+
+if [ "$(left)" -gt 100 ]; then
+  say "stack smoke: kvserve up, DeepSeek-V2-Lite shape"
+  CONFIG=bench/configs/agents-dsv2-lite-h200.yaml
+  if start_stack smoke; then
+    curl -s -m 60 http://127.0.0.1:8080/v1/messages -H 'content-type: application/json' \
+      -d '{"model": "default", "max_tokens": 16, "messages": [{"role": "user", "content": "Say hello."}]}' \
+      > "$OUT/stack-smoke.json" 2>&1
+    cat "$OUT/stack-smoke.json"; echo
+    stop_stack smoke
+  fi
+fi
+say "done"

@@ -202,6 +202,17 @@ def build_topology(
     return [redis, kvstore, router, *rank_workers, _gateway(stack, router, rank_workers)]
 
 
+def rank_kv_events_endpoint(endpoint: str, rank: int) -> str:
+    """Rank `rank`'s vLLM-format KV events endpoint on one machine: a tcp endpoint's port plus 2 x rank (rank 0
+    keeps the configured 5557 and replay 5558, rank 1 gets 5559 and 5560, ...); ipc and inproc paths get a suffix."""
+    if rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + 2 * rank}"
+    return f"{endpoint}-rank{rank}"
+
+
 def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
     """The ports the config gives the build's services; a port picked free for another must not be one of them
     (the OS reports them free until their service starts)."""
@@ -213,6 +224,12 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
         ports.update(config.rank_worker_port + rank for rank in range(ranks))
     if config.rank_worker_metrics_port:
         ports.update(config.rank_worker_metrics_port + rank for rank in range(ranks))
+    for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
+        if endpoint.startswith("tcp://"):
+            ports.update(int(rank_kv_events_endpoint(endpoint, rank).rpartition(":")[2]) for rank in range(ranks))
+    for endpoint in (config.kvstore_kv_events_endpoint, config.kvstore_kv_events_replay_endpoint):
+        if endpoint.startswith("tcp://"):
+            ports.add(int(endpoint.rpartition(":")[2]))
     return frozenset(ports - {0})
 
 
@@ -320,6 +337,13 @@ def _rank_worker(stack: _Stack, rank: int, kvstore: ServiceSpec, router: Service
         KVSERVE_RANK_ADVERTISE_ADDRESS=address,
         **stack.metrics_environment("KVSERVE_RANK_WORKER_METRICS_PORT", metrics_port),
     )
+    if not stack.compose and rank:  # one machine: each rank its own KV event ports (a container each: the same)
+        for key, endpoint in (
+            ("KVSERVE_KV_EVENTS_ENDPOINT", config.kv_events_endpoint),
+            ("KVSERVE_KV_EVENTS_REPLAY_ENDPOINT", config.kv_events_replay_endpoint),
+        ):
+            if endpoint:
+                environment[key] = rank_kv_events_endpoint(endpoint, rank)
     gpu = stack.gpu_ids[rank] if stack.gpu_ids else None
     if gpu is not None:
         # A container given one GPU (device_ids) sees it as device 0; a local process sees them all.

@@ -368,3 +368,19 @@ def test_every_grpc_service_gets_a_metrics_port() -> None:
     in_compose = by_name(compose(2))
     assert {in_compose[name].metrics_port for name in grpc_services} == {COMPOSE_METRICS_PORT}
     assert in_compose["rank-worker-1"].environment["KVSERVE_RANK_WORKER_METRICS_PORT"] == str(COMPOSE_METRICS_PORT)
+
+
+def test_each_local_rank_gets_its_own_kv_event_ports() -> None:
+    values = {"kv_events_endpoint": "tcp://127.0.0.1:5557", "kv_events_replay_endpoint": "tcp://127.0.0.1:5558"}
+    specs = by_name(local(3, **values))
+    seen = set()
+    for rank in range(3):
+        environment = specs[f"rank-worker-{rank}"].environment
+        # rank 0 reads the config's own endpoints; the others get theirs in the environment
+        endpoint = environment.get("KVSERVE_KV_EVENTS_ENDPOINT", values["kv_events_endpoint"])
+        replay = environment.get("KVSERVE_KV_EVENTS_REPLAY_ENDPOINT", values["kv_events_replay_endpoint"])
+        assert endpoint == f"tcp://127.0.0.1:{5557 + 2 * rank}" and replay == f"tcp://127.0.0.1:{5558 + 2 * rank}"
+        seen.update((endpoint, replay))
+    assert len(seen) == 6
+    # in compose every rank is a container of its own: the same ports, from the config file
+    assert all("KVSERVE_KV_EVENTS_ENDPOINT" not in spec.environment for spec in compose(2, **values))

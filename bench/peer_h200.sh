@@ -68,6 +68,7 @@ VLLM_MAX_BATCHED=${VLLM_MAX_BATCHED:-32768}
 RANDOM_WEIGHTS=${RANDOM_WEIGHTS:-normal}
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
 VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
+ONLY_MEASURES=${ONLY_MEASURES:-}         # -engine phases: these measures of bench/peer_plan.py alone (e.g. the decodes)
 # vLLM's MoE routing for the DeepSeek shape: `uniform_random` (its VLLM_MOE_ROUTING_SIMULATION_STRATEGY) gives each
 # token 6 experts at random, as ours routes under either random draw. Its own router cannot with dummy weights: the
 # gate's bf16 logits are ~1e-5 apart, torch.softmax of bf16 logits returns bf16, and every one of the 64 scores
@@ -269,7 +270,8 @@ phase() {
       wait_gpu_free
       say "bench/peer_vllm.py"
       timeout -k 20 $(($(left) - PACK_MARGIN - 60)) env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
-        --shape "$SHAPE" --commit "$COMMIT" --max-num-batched-tokens "$VLLM_MAX_BATCHED" --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
+        --shape "$SHAPE" --commit "$COMMIT" --max-num-batched-tokens "$VLLM_MAX_BATCHED" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \
+        --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
       tail -n 20 "$WORK/vllm-engine.log"
       cp "$WORK/vllm-engine.json" "$OUT/" 2>/dev/null || say "no vllm-engine.json"
       wait_gpu_free
@@ -286,9 +288,10 @@ phase() {
       wait_gpu_free
       say "bench/engine.py --shape $ENGINE_SHAPE"
       timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
-        --random-weights "$RANDOM_WEIGHTS" --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
+        --random-weights "$RANDOM_WEIGHTS" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \
+        --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
       tail -n 30 "$WORK/ours-engine.log"
-      if [ -f "$WORK/ours-engine.json" ]; then
+      if [ -f "$WORK/ours-engine.json" ] && [ -z "${ONLY_MEASURES:-}" ]; then
         say "bench/engine.py --dtype float32 --only-match"
         timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --dtype float32 \
           --random-weights "$RANDOM_WEIGHTS" --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1

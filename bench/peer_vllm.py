@@ -15,6 +15,7 @@ after every measure, so a run cut short keeps what it finished.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import json
 import os
@@ -106,10 +107,19 @@ def main() -> None:
         "--max-num-batched-tokens", type=int, default=0, help="0: vLLM's default; give it ours (engine.py's 32768)"
     )
     parser.add_argument("--commit", default=os.environ.get("COMMIT", ""), help="kvserve commit of this checkout")
+    parser.add_argument(
+        "--only-measures", default="", help="comma-separated measure names of bench/peer_plan.py: just those"
+    )
     args = parser.parse_args()
     if not (SHAPES / args.shape / "config.json").is_file():
         parser.error(f"no shape {args.shape!r} in {SHAPES}")
     plan = plan_for(args.quick)
+    if args.only_measures:  # the same ids as in a whole run: each measure draws from a stream of its own
+        wanted = set(args.only_measures.split(","))
+        unknown = wanted - {m.name for m in plan.measures}
+        if unknown:
+            parser.error(f"--only-measures: no such measures {sorted(unknown)}")
+        plan = dataclasses.replace(plan, measures=tuple(m for m in plan.measures if m.name in wanted))
     kwargs = llm_arguments(args)
     if plan.max_model_len > args.max_model_len:
         parser.error(f"the plan needs max_model_len >= {plan.max_model_len}")

@@ -3,7 +3,7 @@
 # every case, the slow ones too: on a GPU they are quick) and the CUDA cases of the other rank worker files
 # (marked cuda, or named cuda/gpu), then a GPU smoke of the whole stack (`kvserve up` on the DeepSeek-V2-Lite
 # shape with random weights, one chat request through the gateway). Logs under $OUT (cuda-tests*.log,
-# stack-smoke.log), each with the commit and the diff hash it ran.
+# stack-smoke.json and its logs' tarball), each with the commit and the diff hash it ran.
 #     DEADLINE=420 bash bench/cuda_tests.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda-tests}
@@ -13,9 +13,8 @@ left() { echo $((DEADLINE - SECONDS)); }
 say() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 source "$(dirname "$0")/stack_lib.sh"
 export PYTHONUNBUFFERED=1
-python3 -c 'import json, sys; sys.path.insert(0, "bench"); from provenance import provenance; print(json.dumps(provenance(".")))' \
-  > "$OUT/provenance.json"
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$OUT/gpu.txt" 2>&1
+{ python3 -c 'import json, sys; sys.path.insert(0, "bench"); from provenance import provenance; print(json.dumps(provenance(".")))'
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } > "$OUT/provenance.txt" 2>&1
 
 say "Triton kernel tests"
 timeout -k 10 $(( $(left) / 2 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker/test_cuda_*.py \
@@ -43,5 +42,7 @@ if [ "$(left)" -gt 100 ]; then
     cat "$OUT/stack-smoke.json"; echo
     stop_stack smoke
   fi
+  # one file for the stack's logs (a device call brings back at most 8 files)
+  tar czf "$OUT/stack-smoke-logs.tar.gz" -C "$OUT" up-smoke.log logs-smoke 2>/dev/null && rm -rf "$OUT/up-smoke.log" "$OUT/logs-smoke"
 fi
 say "done"

@@ -151,7 +151,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             self._on_decision(None, str(refusal.error.status), time.monotonic() - started)
             return [immediate_response(path, refusal.error)]
         self._on_decision(decision, decision.choice.reason, time.monotonic() - started)
-        responses = [destination_response(decision.node.spec.endpoint)]
+        responses = [destination_response(decision.node.destination)]
         if body is not None:
             responses += body_responses(body, body_ends)
         return responses

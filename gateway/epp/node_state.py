@@ -9,7 +9,9 @@ the EPP sent since that read is added, so a burst of requests between two reads 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from contracts.address import split_host_port
 from gateway.epp.fleet_config import NodeSpec
 from gateway.http.app import MODEL_INFO_PATH
 from protos import rank_worker_pb2 as pb
@@ -48,6 +51,12 @@ class NodeState:
     sent_requests: int = 0
     failure: str = "not polled yet"
     ready_since: float = 0.0
+    destination: str = ""  # ip:port of its gateway (the endpoint's name resolved): what Envoy's header needs
+
+    def __post_init__(self) -> None:
+        host, port = split_host_port(self.spec.endpoint)
+        if _is_ip(host):
+            self.destination = _ip_port(host, port)
 
     @property
     def name(self) -> str:
@@ -68,6 +77,32 @@ class NodeState:
     def sent(self, new_prefill_tokens: int) -> None:
         self.sent_prefill_tokens += max(0, new_prefill_tokens)
         self.sent_requests += 1
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _ip_port(ip: str, port: int) -> str:
+    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
+
+
+async def _resolved(endpoint: str) -> str:
+    """host:port with the host resolved to an address (Envoy's ORIGINAL_DST cluster takes an address, while a
+    fleet file may name nodes by DNS, as a Kubernetes StatefulSet's pods are); read again on every poll, so a
+    pod that comes back at another address is followed."""
+    host, port = split_host_port(endpoint)
+    if _is_ip(host):
+        return _ip_port(host, port)
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    if not infos:
+        raise OSError(f"{host} does not resolve")
+    ipv4 = [info for info in infos if info[0] == socket.AF_INET]
+    return _ip_port(str((ipv4 or infos)[0][4][0]), port)
 
 
 def parse_load(texts: list[str]) -> NodeLoad:
@@ -121,6 +156,8 @@ class NodePoller:
                 info = pb.ModelInfoResponse()
                 info.ParseFromString(response.content)
                 state.info = info
+            if not state.destination or not _is_ip(split_host_port(state.spec.endpoint)[0]):
+                state.destination = await _resolved(state.spec.endpoint)
             texts = await self._metrics()
         except (httpx.HTTPError, OSError, ValueError) as exc:
             self._down(f"{type(exc).__name__}: {exc}")

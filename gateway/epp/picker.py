@@ -187,7 +187,7 @@ class Picker:
         return found
 
     def ready_nodes(self) -> list[NodeState]:
-        return [node for node in self.nodes if node.ready and node.info is not None]
+        return [node for node in self.nodes if node.ready and node.info is not None and node.destination]
 
     def choose(self, request: ReadRequest, path: str) -> Decision:
         ready = self.ready_nodes()

@@ -4,12 +4,14 @@ loaded otherwise, what was sent since the last load read counted; and the ext_pr
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from gateway.epp.ext_proc import BODY_PIECE_BYTES, body_responses
 from gateway.epp.fleet_config import FleetConfig, NodeSpec
 from gateway.epp.fleet_index import FleetIndex
-from gateway.epp.node_state import NodeLoad, NodeState, parse_load
+from gateway.epp.node_state import NodeLoad, NodeState, _resolved, parse_load
 from gateway.epp.picker import Picker, ReadRequest, Refusal
 from protos import rank_worker_pb2 as pb
 
@@ -74,3 +76,12 @@ def test_body_answers_carry_the_body_in_pieces(size: int) -> None:
     assert b"".join(piece.body for piece in pieces) == body
     assert all(len(piece.body) <= BODY_PIECE_BYTES for piece in pieces)
     assert [piece.end_of_stream for piece in pieces] == [False] * (len(pieces) - 1) + [True]
+
+
+def test_a_node_named_by_dns_is_sent_to_by_address() -> None:
+    # Envoy's ORIGINAL_DST cluster takes an address: a fleet file's DNS names (a StatefulSet's pods) are resolved
+    # (only names /etc/hosts answers: a test sends no DNS query off this machine)
+    assert asyncio.run(_resolved("localhost:8080")) in ("127.0.0.1:8080", "[::1]:8080")
+    assert asyncio.run(_resolved("10.1.2.3:8080")) == "10.1.2.3:8080"
+    assert NodeState(NodeSpec(name="n", endpoint="10.1.2.3:8080")).destination == "10.1.2.3:8080"
+    assert NodeState(NodeSpec(name="n", endpoint="node-0.nodes.ns.svc:8080")).destination == ""  # until polled

@@ -24,13 +24,13 @@ from rich.console import Console
 from rich.table import Table
 
 from contracts.kv_events import KvEvent
+from gateway.epp.node_choice import NodeCandidate, NodePolicy, choose_node
 from loadgen.agent import RequestRecord
 from loadgen.report import Thresholds, step_stats
 from loadgen.traces import AgentTrace
 from rank_worker.engine.sequence import Sequence as EngineSequence
 from simulator.capacity import capacity_summary, replayed_step
 from simulator.host_cache import NodeHostCache
-from gateway.epp.node_choice import NodeCandidate, NodePolicy, choose_node
 from simulator.replay import NodeSettings, Replay, ReplayResult, WorkloadSettings, _Call
 from simulator.routing import SimulatedRouter, rank_load
 from simulator.sim_rank import ReplayRank, SimulatedRank

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from sim_workloads import h200_step_time, node, sessions
 
+from gateway.epp.node_choice import NodeCandidate, NodePolicy, choose_node
 from loadgen.agent import ThinkTime
 from simulator.capacity import capacity_summary, simulate_steps
 from simulator.cli import main
-from gateway.epp.node_choice import NodeCandidate, NodePolicy, choose_node
 from simulator.nodes import FleetReplay, simulate_fleet_steps
 from simulator.replay import WorkloadSettings, replay
 

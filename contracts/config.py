@@ -408,6 +408,11 @@ class KvServeConfig(BaseSettings):
         le=65535,
         description="the router's /metrics port, bound on router_host; 0 = off (kvserve up and compose give it one)",
     )
+    metrics_host: str = Field(
+        "",
+        description="where the router's, kvstore's and ranks' /metrics bind; empty: each service's own host. Set "
+        "to an address a fleet's endpoint picker or Prometheus reaches (the pages are unauthenticated)",
+    )
     rank_worker_metrics_port: int = Field(
         0,
         ge=0,

@@ -146,7 +146,7 @@ async def serve(config: KvServeConfig) -> int:
         servicer.open(store, prepared.budget.requested_bytes, prepared.reason)
         sweeper = asyncio.ensure_future(sweep_pins(store, sweep_interval_s(config.l1_pin_ttl_secs)))
         metrics_server = serve_metrics(
-            kvstore_registry(store), config.kvstore_host, config.kvstore_metrics_port, "kvstore"
+            kvstore_registry(store), config.metrics_host or config.kvstore_host, config.kvstore_metrics_port, "kvstore"
         )
         for service in ("", SERVICE_NAME):
             await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

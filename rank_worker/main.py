@@ -166,7 +166,9 @@ async def serve(config: KvServeConfig) -> int:
     )
     engine_loop.start()
     metrics = RankMetrics(engine.model_info.served_model_name, rank_id, engine_loop.stats, lambda: l1_copies(engine))
-    metrics_server = serve_metrics(metrics.registry, config.rank_worker_host, config.rank_worker_metrics_port, rank_id)
+    metrics_server = serve_metrics(
+        metrics.registry, config.metrics_host or config.rank_worker_host, config.rank_worker_metrics_port, rank_id
+    )
     servicer.attach(engine_loop, engine.model_info, rank_id, metrics)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)

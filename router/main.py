@@ -101,7 +101,7 @@ async def serve(config: KvServeConfig) -> int:
         log.error("reading state back from Redis took over %.0fs; starting from memory", REDIS_LOAD_TIMEOUT_S)
     feeds.follow_kvstore(config.kvstore)
     metrics_server = serve_metrics(
-        router_registry(state, durable), config.router_host, config.router_metrics_port, "router"
+        router_registry(state, durable), config.metrics_host or config.router_host, config.router_metrics_port, "router"
     )
     sweep_s = max(min(config.heartbeat_interval_secs, config.rank_down_after_secs / 4, 1.0), 0.05)
     background = [

@@ -26,6 +26,8 @@ LONGEST_FILES_FIRST = (
     "tests/gateway/test_claude_code_e2e.py",
     "tests/gateway/test_claude_code_older_e2e.py",
     "tests/gateway/test_failures_e2e.py",
+    "tests/fleet/test_fleet_e2e.py",
+    "tests/gateway/epp/test_epp_e2e.py",
     "tests/rank_worker/test_expert_parallel_engine.py",
     "tests/e2e/test_rank_recovery_e2e.py",
     "tests/e2e/test_expert_parallel_e2e.py",

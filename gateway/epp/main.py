@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 
 import grpc
 import httpx
+import yaml
 import zmq.asyncio
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -25,13 +26,14 @@ from grpc_health.v1.health import aio as health_aio
 
 from contracts.address import split_host_port
 from contracts.metrics_http import serve_metrics
-from contracts.service_main import SERVER_OPTIONS, listen_address
+from contracts.service_main import SERVER_OPTIONS, client_target, listen_address
+from gateway.epp.envoy_config import envoy_bootstrap
 from gateway.epp.ext_proc import ExtProcServicer
 from gateway.epp.fleet_config import FleetConfig, load_fleet
 from gateway.epp.fleet_index import FleetIndex
 from gateway.epp.kv_event_subscriber import KvEventSubscriber
 from gateway.epp.metrics import EppMetrics
-from gateway.epp.node_state import NodePoller, NodeState
+from gateway.epp.node_state import NodePoller, NodeState, resolved
 from gateway.epp.picker import Decision, Picker
 
 log = logging.getLogger("gateway.epp")
@@ -157,7 +159,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--fleet", required=True, help="the fleet file (YAML: listen addresses, policy, nodes)")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ...")
+    envoy = parser.add_argument_group("an Envoy in front of it (print its bootstrap and exit)")
+    envoy.add_argument("--envoy-config", action="store_true", help="print Envoy's bootstrap YAML for this fleet")
+    envoy.add_argument("--envoy-listen", default="0.0.0.0:8080", help="where Envoy takes the clients' requests")
+    envoy.add_argument("--envoy-admin", default="127.0.0.1:9901", help="Envoy's admin address (loopback only)")
+    envoy.add_argument(
+        "--fail-closed", action="store_true", help="with the EPP down, answer 503 (default: round robin over nodes)"
+    )
     return parser
+
+
+def envoy_yaml(config: FleetConfig, listen: str, admin: str, fail_open: bool) -> str:
+    """Envoy's bootstrap for this fleet: the EPP at its listen address (a wildcard bind: this host), the node
+    gateways resolved to addresses (Envoy's static round-robin cluster takes addresses)."""
+    host, port = split_host_port(config.listen)
+    gateways = [asyncio.run(resolved(node.endpoint)) for node in config.nodes]
+    bootstrap = envoy_bootstrap(listen, client_target(host, port), gateways, fail_open, admin=admin)
+    return yaml.safe_dump(bootstrap, sort_keys=False)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -170,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
         log.error("bad fleet file: %s", exc)
         return 2
+    if args.envoy_config:
+        try:
+            print(envoy_yaml(config, args.envoy_listen, args.envoy_admin, not args.fail_closed), end="")
+        except (OSError, ValueError) as exc:
+            log.error("cannot render Envoy's bootstrap: %s", exc)
+            return 2
+        return 0
     try:
         return asyncio.run(Epp(config).serve())
     except OSError as exc:

@@ -91,7 +91,7 @@ def _ip_port(ip: str, port: int) -> str:
     return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
 
 
-async def _resolved(endpoint: str) -> str:
+async def resolved(endpoint: str) -> str:
     """host:port with the host resolved to an address (Envoy's ORIGINAL_DST cluster takes an address, while a
     fleet file may name nodes by DNS, as a Kubernetes StatefulSet's pods are); read again on every poll, so a
     pod that comes back at another address is followed."""
@@ -157,7 +157,7 @@ class NodePoller:
                 info.ParseFromString(response.content)
                 state.info = info
             if not state.destination or not _is_ip(split_host_port(state.spec.endpoint)[0]):
-                state.destination = await _resolved(state.spec.endpoint)
+                state.destination = await resolved(state.spec.endpoint)
             texts = await self._metrics()
         except (httpx.HTTPError, OSError, ValueError) as exc:
             self._down(f"{type(exc).__name__}: {exc}")

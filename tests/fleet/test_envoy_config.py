@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import yaml
 from fleet_envoy import EPP_HEALTHY_STAT, access_log_entries, envoy_args, envoy_binary, validate, write_bootstrap
 from fleet_fake_epp import PICK_HEADER, FakeEppServer
 from service_processes import free_port
@@ -338,3 +340,23 @@ def access_log_wait(path: Path, count: int, timeout_s: float = 10) -> list[dict]
         if len(entries) >= count or time.monotonic() > deadline:
             return entries
         time.sleep(0.05)
+
+
+@needs_envoy
+def test_kvserve_epp_prints_a_bootstrap_envoy_accepts(tmp_path: Path) -> None:
+    """`kvserve epp --fleet F --envoy-config`: what a user runs to put Envoy in front of the EPP."""
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(
+        "listen: 0.0.0.0:9002\nnodes:\n"
+        "  - {name: a, endpoint: '10.77.0.11:8080'}\n  - {name: b, endpoint: 'localhost:8081'}\n"
+    )
+    args = [sys.executable, "-m", "launcher.cli", "epp", "--fleet", str(fleet), "--envoy-config"]
+    rendered = subprocess.run([*args, "--fail-closed"], capture_output=True, text=True, timeout=60, check=True).stdout
+    bootstrap = yaml.safe_load(rendered)
+    clusters = {cluster["name"]: cluster for cluster in bootstrap["static_resources"]["clusters"]}
+    assert "127.0.0.1" in str(clusters["epp"]) and "9002" in str(clusters["epp"])  # the wildcard bind: this host
+    assert "localhost" not in rendered  # node names resolved: Envoy's static cluster takes addresses
+    config = tmp_path / "envoy.yaml"
+    config.write_text(rendered)
+    result = validate(ENVOY, config)
+    assert result.returncode == 0, result.stdout + result.stderr

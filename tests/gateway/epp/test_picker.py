@@ -11,7 +11,7 @@ import pytest
 from gateway.epp.ext_proc import BODY_PIECE_BYTES, body_responses
 from gateway.epp.fleet_config import FleetConfig, NodeSpec
 from gateway.epp.fleet_index import FleetIndex
-from gateway.epp.node_state import NodeLoad, NodeState, _resolved, parse_load
+from gateway.epp.node_state import NodeLoad, NodeState, parse_load, resolved
 from gateway.epp.picker import Picker, ReadRequest, Refusal
 from protos import rank_worker_pb2 as pb
 
@@ -81,7 +81,7 @@ def test_body_answers_carry_the_body_in_pieces(size: int) -> None:
 def test_a_node_named_by_dns_is_sent_to_by_address() -> None:
     # Envoy's ORIGINAL_DST cluster takes an address: a fleet file's DNS names (a StatefulSet's pods) are resolved
     # (only names /etc/hosts answers: a test sends no DNS query off this machine)
-    assert asyncio.run(_resolved("localhost:8080")) in ("127.0.0.1:8080", "[::1]:8080")
-    assert asyncio.run(_resolved("10.1.2.3:8080")) == "10.1.2.3:8080"
+    assert asyncio.run(resolved("localhost:8080")) in ("127.0.0.1:8080", "[::1]:8080")
+    assert asyncio.run(resolved("10.1.2.3:8080")) == "10.1.2.3:8080"
     assert NodeState(NodeSpec(name="n", endpoint="10.1.2.3:8080")).destination == "10.1.2.3:8080"
     assert NodeState(NodeSpec(name="n", endpoint="node-0.nodes.ns.svc:8080")).destination == ""  # until polled

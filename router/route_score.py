@@ -19,15 +19,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from contracts.config import DEFAULTS
-
-# A running sequence slows the rank's prefill down by roughly this many prompt tokens' worth of work.
-RUNNING_SEQUENCE_TOKENS = 256
-# An overloaded session rank is left only for a rank whose score is at most this fraction of its own:
-# moving a session throws its L0 prefix away, so "slightly better" is not worth it.
-ESCAPE_SCORE_RATIO = 0.5
-# The cached share that makes a request warm: the ranks' scheduling default, from the one config.
-WARM_PREFIX_FRACTION = DEFAULTS.scheduling.warm_prefix_fraction
+from contracts.placement import ESCAPE_SCORE_RATIO, RUNNING_SEQUENCE_TOKENS, WARM_PREFIX_FRACTION
 
 
 @dataclass(frozen=True)

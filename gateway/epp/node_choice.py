@@ -3,7 +3,7 @@ from the live fleet, simulator/nodes.py from the simulated one.
 
 A fleet of nodes (each one kvserve stack: gateway, router, R ranks, one L1 host cache) sits behind an Envoy
 gateway whose Endpoint Picker chooses the node of each request; inside the node its router chooses the rank as
-router/route_score.py does. Policies:
+router/route_score.py does (the constants both weigh: contracts/placement.py). Policies:
 
 - `prefix`: the prefix-aware EPP. A session's turn stays on the node of its last turn (sticky) unless that node is
   overloaded (its prefill still to do per rank, ahead of a warm turn, at least `overload_prefill_tokens`) and
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from contracts.config import DEFAULTS
-from router.route_score import ESCAPE_SCORE_RATIO, RUNNING_SEQUENCE_TOKENS, WARM_PREFIX_FRACTION
+from contracts.placement import ESCAPE_SCORE_RATIO, RUNNING_SEQUENCE_TOKENS, WARM_PREFIX_FRACTION
 
 NODE_CHOICES = ("prefix", "round_robin", "least_loaded")
 

@@ -8,8 +8,9 @@ Operations:
 - http: one plain HTTP request (readiness, metrics, Envoy's admin).
 - wait_http: an HTTP GET repeated until it answers `status` (and holds `contains`), within `timeout_s`.
 
-The SDKs never retry (max_retries=0): every failure is reported as it happened. Only the standard library, httpx
-and the SDKs are imported: this runs as a script, not as part of the test suite.
+The SDKs retry only when a request says so (`max_retries`, 0 by default): every other failure is reported as it
+happened. Only the standard library, httpx and the SDKs are imported: this runs as a script, not as part of the
+test suite.
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ def anthropic_call(request: dict[str, Any]) -> dict[str, Any]:
     import anthropic
 
     client = anthropic.Anthropic(
-        base_url=request["base_url"], api_key=request["api_key"], max_retries=0, timeout=request.get("timeout_s", 300)
+        base_url=request["base_url"],
+        api_key=request["api_key"],
+        max_retries=request.get("max_retries", 0),
+        timeout=request.get("timeout_s", 300),
     )
     arguments = {
         "model": request.get("model", "default"),
@@ -61,7 +65,7 @@ def openai_call(request: dict[str, Any]) -> dict[str, Any]:
     client = openai.OpenAI(
         base_url=request["base_url"] + "/v1",
         api_key=request["api_key"],
-        max_retries=0,
+        max_retries=request.get("max_retries", 0),
         timeout=request.get("timeout_s", 300),
     )
     messages = request["messages"]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The CUDA tests in one device call (carry [".whl"]): the Triton kernel files (tests/rank_worker/test_cuda_*.py,
 # every case, the slow ones too: on a GPU they are quick) and the CUDA cases of the other rank worker files
-# (marked cuda, or named cuda/gpu), then a GPU smoke of the whole stack (`kvserve up` on the DeepSeek-V2-Lite
+# (named cuda or gpu), then a GPU smoke of the whole stack (`kvserve up` on the DeepSeek-V2-Lite
 # shape with random weights, one chat request through the gateway). Logs under $OUT (cuda-tests*.log,
 # stack-smoke.json and its logs' tarball), each with the commit and the diff hash it ran.
 #     DEADLINE=420 bash bench/cuda_tests.sh
@@ -12,6 +12,8 @@ DEADLINE=${DEADLINE:-420}
 left() { echo $((DEADLINE - SECONDS)); }
 say() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 source "$(dirname "$0")/stack_lib.sh"
+# flash-attn 4 when its chunks came (bench/peer_h200.sh chunk with .fa4/chunk00..02): its test cases then run too
+if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1; then source "$(dirname "$0")/fa4_env.sh" || true; fi
 export PYTHONUNBUFFERED=1
 { python3 -c 'import json, sys; sys.path.insert(0, "bench"); from provenance import provenance; print(json.dumps(provenance(".")))'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } > "$OUT/provenance.txt" 2>&1
@@ -23,12 +25,8 @@ echo "pytest rc=$?" >> "$OUT/cuda-tests-kernels.log"
 tail -n 6 "$OUT/cuda-tests-kernels.log"
 
 say "CUDA cases of the other rank worker files"
-timeout -k 10 $(( $(left) - 150 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker \
-  --ignore-glob='tests/rank_worker/test_cuda_*.py' -m cuda > "$OUT/cuda-tests-marked.log" 2>&1
-echo "pytest rc=$?" >> "$OUT/cuda-tests-marked.log"
-tail -n 6 "$OUT/cuda-tests-marked.log"
 timeout -k 10 $(( $(left) - 120 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker \
-  --ignore-glob='tests/rank_worker/test_cuda_*.py' -m "not cuda" -k "cuda or gpu" > "$OUT/cuda-tests-named.log" 2>&1
+  --ignore-glob='tests/rank_worker/test_cuda_*.py' -k "cuda or gpu" > "$OUT/cuda-tests-named.log" 2>&1
 echo "pytest rc=$?" >> "$OUT/cuda-tests-named.log"
 tail -n 6 "$OUT/cuda-tests-named.log"
 

@@ -25,7 +25,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from gateway.epp.fleet_config import DESTINATION_HEADER, DESTINATION_METADATA_NAMESPACE
-from gateway.epp.picker import Decision, Picker, ReadRequest, Refusal, error_api, read_request
+from gateway.epp.picker import Decision, Picker, ReadRequest, Refusal, error_api, read_request, refusal_for
 from gateway.http.errors import ApiError, render_error
 
 log = logging.getLogger(__name__)
@@ -150,6 +150,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         except Refusal as refusal:
             self._on_decision(None, str(refusal.error.status), time.monotonic() - started)
             return [immediate_response(path, refusal.error)]
+        except Exception as exc:  # a bug of ours is this request's 500, never a broken stream for Envoy to judge
+            log.exception("epp failed to decide for %s", path)
+            error = refusal_for(exc).error
+            self._on_decision(None, str(error.status), time.monotonic() - started)
+            return [immediate_response(path, error)]
         self._on_decision(decision, decision.choice.reason, time.monotonic() - started)
         responses = [destination_response(decision.node.destination)]
         if body is not None:

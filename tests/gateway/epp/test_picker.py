@@ -5,10 +5,11 @@ loaded otherwise, what was sent since the last load read counted; and the ext_pr
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
-from gateway.epp.ext_proc import BODY_PIECE_BYTES, body_responses
+from gateway.epp.ext_proc import BODY_PIECE_BYTES, ExtProcServicer, body_responses
 from gateway.epp.fleet_config import FleetConfig, NodeSpec
 from gateway.epp.fleet_index import FleetIndex
 from gateway.epp.node_state import NodeLoad, NodeState, parse_load, resolved
@@ -85,3 +86,19 @@ def test_a_node_named_by_dns_is_sent_to_by_address() -> None:
     assert asyncio.run(resolved("10.1.2.3:8080")) == "10.1.2.3:8080"
     assert NodeState(NodeSpec(name="n", endpoint="10.1.2.3:8080")).destination == "10.1.2.3:8080"
     assert NodeState(NodeSpec(name="n", endpoint="node-0.nodes.ns.svc:8080")).destination == ""  # until polled
+
+
+def test_a_fault_of_the_epps_own_is_that_requests_500_in_its_apis_shape() -> None:
+    picker, _ = _fleet()
+
+    def broken() -> list:
+        raise RuntimeError("a bug")
+
+    picker.prompters = broken  # type: ignore[method-assign]
+    outcomes: list[str] = []
+    servicer = ExtProcServicer(picker, 1024, lambda decision, outcome, seconds: outcomes.append(outcome))
+    [answer] = asyncio.run(servicer._decide({":path": "/v1/chat/completions"}, b"{}"))
+    immediate = answer.immediate_response
+    assert immediate.status.code == 500 and outcomes == ["500"]
+    error = json.loads(immediate.body)["error"]
+    assert error["type"] == "api_error" and "a bug" not in error["message"]  # OpenAI's shape, no internals

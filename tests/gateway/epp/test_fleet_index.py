@@ -5,7 +5,8 @@ per-node match (the best rank's L0 run, then the node's L1)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import zmq.asyncio
@@ -79,37 +80,45 @@ async def _rebound(port: int, replay: int) -> VllmKvEventPublisher:
             await asyncio.sleep(0.05)
 
 
+@contextlib.asynccontextmanager
+async def _following(port: int, replay: int) -> AsyncIterator[tuple[FleetIndex, KvEventSubscriber]]:
+    """A subscriber (node "a") following the publisher at these ports into a fresh index, while in the block."""
+    index = FleetIndex()
+    context = zmq.asyncio.Context()
+    source = KvEventSource(endpoint=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
+    subscriber = KvEventSubscriber(context, source, "a", index)
+    task = asyncio.create_task(subscriber.run())
+    try:
+        yield index, subscriber
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        context.term()
+
+
 @pytest.mark.parametrize("medium", [MEDIUM_GPU, MEDIUM_CPU])
 def test_subscriber_follows_a_publisher_from_before_it_connected(medium: str) -> None:
     async def scenario() -> None:
         port, replay = free_port(), free_port()
         publisher = _publisher(port, replay, medium)
-        publisher.publish([stored(*H[:3])])  # before the subscriber exists: only replay can bring it
-        await _until(lambda: publisher.sequence >= 1)
-        index = FleetIndex()
-        context = zmq.asyncio.Context()
-        source = KvEventSource(endpoint=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
-        subscriber = KvEventSubscriber(context, source, "a", index)
-        task = asyncio.create_task(subscriber.run())
         try:
-            await _until(lambda: index.blocks("a") == 3)
-            match = index.match("a", H)
-            assert (match.l0_blocks, match.l1_blocks) == ((3, 0) if medium == MEDIUM_GPU else (0, 3))
-            # live events after that (the SUB socket joins a little later: publish until one arrives)
-            publisher.publish([stored(H[3])])
-            publisher.publish([removed(H[0])])
-            await _until(
-                lambda: (
-                    index.blocks("a") == 3
-                    and index.match("a", H[1:]).l0_blocks + index.match("a", H[1:]).l1_blocks == 3
+            publisher.publish([stored(*H[:3])])  # before the subscriber exists: only replay can bring it
+            await _until(lambda: publisher.sequence >= 1)
+            async with _following(port, replay) as (index, subscriber):
+                await _until(lambda: index.blocks("a") == 3)
+                match = index.match("a", H)
+                assert (match.l0_blocks, match.l1_blocks) == ((3, 0) if medium == MEDIUM_GPU else (0, 3))
+                publisher.publish([stored(H[3])])  # live events after that
+                publisher.publish([removed(H[0])])
+                await _until(
+                    lambda: (
+                        index.blocks("a") == 3
+                        and index.match("a", H[1:]).l0_blocks + index.match("a", H[1:]).l1_blocks == 3
+                    )
                 )
-            )
-            assert subscriber.counts.gaps == 0
+                assert subscriber.counts.gaps == 0
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             publisher.close()
-            context.term()
 
     asyncio.run(scenario())
 
@@ -118,31 +127,23 @@ def test_a_restarted_publisher_is_forgotten() -> None:
     async def scenario() -> None:
         port, replay = free_port(), free_port()
         publisher = _publisher(port, replay)
-        index = FleetIndex()
-        context = zmq.asyncio.Context()
-        source = KvEventSource(endpoint=f"tcp://127.0.0.1:{port}", replay=f"tcp://127.0.0.1:{replay}")
-        subscriber = KvEventSubscriber(context, source, "a", index)
-        task = asyncio.create_task(subscriber.run())
         try:
-            for n in range(5):
-                publisher.publish([stored(H[n])])
-            await _until(lambda: index.blocks("a") == 5)
-            publisher.close()
-            publisher = await _rebound(port, replay)  # the node restarted: its sequence starts again at 0
-
-            # A batch sent before the SUB socket has reconnected is lost: send one at a time until one arrives
-            # (while its sequence is still below the old publisher's last, which is what shows a restart).
-            for _ in range(4):
-                publisher.publish([stored(H[9])])
-                await asyncio.sleep(0.3)
-                if subscriber.counts.restarts:
-                    break
-            await _until(lambda: subscriber.counts.restarts == 1 and index.blocks("a") == 1)
-            assert index.match("a", [H[9]]).l0_blocks == 1 and index.match("a", H).l0_blocks == 0
+            async with _following(port, replay) as (index, subscriber):
+                for n in range(5):
+                    publisher.publish([stored(H[n])])
+                await _until(lambda: index.blocks("a") == 5)
+                publisher.close()
+                publisher = await _rebound(port, replay)  # the node restarted: its sequence starts again at 0
+                # A batch sent before the SUB socket has reconnected is lost: send one at a time until one arrives
+                # (while its sequence is still below the old publisher's last, which is what shows a restart).
+                for _ in range(4):
+                    publisher.publish([stored(H[9])])
+                    await asyncio.sleep(0.3)
+                    if subscriber.counts.restarts:
+                        break
+                await _until(lambda: subscriber.counts.restarts == 1 and index.blocks("a") == 1)
+                assert index.match("a", [H[9]]).l0_blocks == 1 and index.match("a", H).l0_blocks == 0
         finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
             publisher.close()
-            context.term()
 
     asyncio.run(scenario())

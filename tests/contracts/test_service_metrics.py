@@ -15,7 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.metrics_http import serve_metrics
+from gateway.epp.fleet_config import FleetConfig, NodeSpec
 from kvstore.l1_store import ArenaInfo, L1Store
+from protos import rank_worker_pb2 as pb
 from rank_worker.engine.interface import EngineStats, RequestStats
 from rank_worker.metrics import L1Copies, RankMetrics, prompt_tokens_by_source
 from router.durable_state import DurableState
@@ -173,6 +175,28 @@ def test_the_kvstore_reports_its_arena() -> None:
     assert value(families, "kvserve:l1_slots", state="stored") == 0
 
 
+def epp_metrics():  # type: ignore[no-untyped-def]
+    """The EPP's registry over one node, with a decision and a refusal counted."""
+    from gateway.epp.main import Epp
+    from gateway.epp.picker import Picker, ReadRequest
+
+    epp = Epp(FleetConfig(nodes=[NodeSpec(name="a", endpoint="127.0.0.1:9")]))
+    node = epp.nodes[0]
+    node.ready, node.info = True, pb.ModelInfoResponse(served_model_name="m", block_size=16)
+    epp.metrics.decided(Picker.choose(epp.picker, ReadRequest("", "", {}, {}), "/v1/models"), "load", 0.001)
+    epp.metrics.decided(None, "503", 0.0)
+    epp.zmq.term()
+    return epp.metrics
+
+
+def test_the_epp_reports_its_choices_and_nodes() -> None:
+    families = scrape(epp_metrics().registry)
+    assert value(families, "kvserve:epp_decisions", "kvserve:epp_decisions_total", reason="load") == 1
+    assert value(families, "kvserve:epp_refusals", "kvserve:epp_refusals_total", status="503") == 1
+    assert value(families, "kvserve:epp_node_ready", node="a") == 1
+    assert value(families, "kvserve:epp_node_indexed_blocks", node="a") == 0
+
+
 def test_the_dashboard_queries_only_exported_series() -> None:
     state, durable = router_state()
     from kvstore.metrics import kvstore_registry
@@ -182,6 +206,7 @@ def test_the_dashboard_queries_only_exported_series() -> None:
         rank_metrics().registry,
         router_registry(state, durable),
         kvstore_registry(L1Store(ArenaInfo("arena", "/nonexistent", 1 << 20), pin_ttl_s=60)),
+        epp_metrics().registry,
     ):
         exported |= {sample.name for _, samples in scrape(registry).values() for sample in samples}
     dashboard = json.loads(DASHBOARD.read_text())

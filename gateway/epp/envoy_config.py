@@ -18,8 +18,9 @@ copy of the body): a request whose stream to a dead EPP fails after that gets 50
 must be known down before a stream opens: Envoy health-checks its grpc.health.v1 (the ext_proc service, SERVING
 while a node is ready) every `health_check_interval_s` and, fail-open, ejects it on its first refused connection
 and never sends to it while it is ejected or failing its checks (no panic routing); such a request then fails open
-at once. A request racing the EPP's death can still get 503, quickly. A hung EPP holds a request at most
-`message_timeout_s`, and is marked down by its health checks.
+at once. A request racing the EPP's death can still get 503, quickly. A hung EPP (SIGSTOPped) is marked down by
+its health checks, but a request already streaming to it was held until the client gave up in a test
+(docs/fleet.md, "Open: a hung EPP"): `message_timeout_s` did not bound it.
 
 Responses are never cut by a timeout of Envoy's: no route timeout (a CPU prefill takes minutes, and the gateway
 keeps SSE streams alive with pings), only an idle stream timeout. Every request gets one JSON access log line: its

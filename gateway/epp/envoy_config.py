@@ -115,8 +115,8 @@ def _ext_proc_filter(fail_open: bool, message_timeout_s: float) -> dict[str, Any
             },
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": FAIL_CLOSED_STATUS},
-            # The EPP answers the headers only once the whole body is in (it needs the prompt), so this bounds
-            # the body's upload plus the decision, and how long a hung EPP holds a request.
+            # Each message's wait for the EPP's answer (not enforced on a FULL_DUPLEX_STREAMED body in Envoy
+            # 1.40: a hung EPP held a request past it; docs/fleet.md).
             "message_timeout": _seconds(message_timeout_s),
             "route_cache_action": "CLEAR",
         },

@@ -18,9 +18,10 @@ copy of the body): a request whose stream to a dead EPP fails after that gets 50
 must be known down before a stream opens: Envoy health-checks its grpc.health.v1 (the ext_proc service, SERVING
 while a node is ready) every `health_check_interval_s` and, fail-open, ejects it on its first refused connection
 and never sends to it while it is ejected or failing its checks (no panic routing); such a request then fails open
-at once. A request racing the EPP's death can still get 503, quickly. A hung EPP (SIGSTOPped) is marked down by
-its health checks, but a request already streaming to it was held until the client gave up in a test
-(docs/fleet.md, "Open: a hung EPP"): `message_timeout_s` did not bound it.
+at once. A request racing the EPP's death can still get 503, quickly. A hung EPP (SIGSTOPped) answers no HTTP/2
+ping: Envoy closes its connection within 3 s, the requests streaming on it get 503, and its health checks mark it
+down. (`message_timeout_s` alone does not bound that wait with a FULL_DUPLEX_STREAMED body: a test saw a request
+held until the client gave up.)
 
 Responses are never cut by a timeout of Envoy's: no route timeout (a CPU prefill takes minutes, and the gateway
 keeps SSE streams alive with pings), only an idle stream timeout. Every request gets one JSON access log line: its
@@ -116,7 +117,7 @@ def _ext_proc_filter(fail_open: bool, message_timeout_s: float) -> dict[str, Any
             "failure_mode_allow": fail_open,
             "status_on_error": {"code": FAIL_CLOSED_STATUS},
             # Each message's wait for the EPP's answer (not enforced on a FULL_DUPLEX_STREAMED body in Envoy
-            # 1.40: a hung EPP held a request past it; docs/fleet.md).
+            # 1.40: the EPP cluster's HTTP/2 pings are what bound a hung EPP).
             "message_timeout": _seconds(message_timeout_s),
             "route_cache_action": "CLEAR",
         },
@@ -231,7 +232,11 @@ def envoy_bootstrap(
     epp_cluster["typed_extension_protocol_options"] = {
         "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
             "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-            "explicit_http_config": {"http2_protocol_options": {}},
+            # HTTP/2 pings on the connection to the EPP: a hung EPP (its socket still taking bytes) answers none,
+            # and the connection, with the requests streaming on it, is closed (then failed open or closed)
+            "explicit_http_config": {
+                "http2_protocol_options": {"connection_keepalive": {"interval": "1s", "timeout": "2s"}}
+            },
         }
     }
     epp_cluster["health_checks"] = [

@@ -353,6 +353,11 @@ class Fleet:
         self.epp.send_signal(signal.SIGKILL)
         self.epp.wait(timeout=10)
 
+    def hang_epp(self, hung: bool) -> None:
+        """SIGSTOP the EPP (it holds its sockets and answers nothing) or SIGCONT it."""
+        assert self.epp is not None
+        self.epp.send_signal(signal.SIGSTOP if hung else signal.SIGCONT)
+
     def epp_log_size(self) -> int:
         return self.epp_log.stat().st_size if self.epp_log.exists() else 0
 

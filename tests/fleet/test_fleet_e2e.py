@@ -37,6 +37,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 NODES = ["node-a", "node-b"]
 CACHE_FRACTION = 0.95  # of the previous turn's prompt, read from cache by every turn after a session's first
+HUNG_EPP_S = 15.0  # Envoy's pings to the EPP: 1 s apart, 2 s for an answer; then the stream fails
 QUICK_S = 5.0  # an answer Envoy or the EPP gives itself (a refusal, a failure) takes no longer
 SYSTEM_WORDS = 250  # ~280 tokens: a cold turn takes ~1 s of a CPU core, a warm one ~0.5 s
 VOCABULARY = (
@@ -298,6 +299,34 @@ def test_with_the_epp_killed_envoy_fails_open_or_closed_as_configured(epp: Fleet
         assert answer["elapsed_s"] < QUICK_S, answer
     epp.start_epp()  # the tests after this one route through it again
     assert session.run_turn(epp)["ok"]
+
+
+def test_with_the_epp_hung_nothing_hangs_and_it_is_used_again_once_it_answers(epp: Fleet) -> None:
+    session = Session("epp-hung")
+    assert session.run_turn(epp)["ok"]
+    epp.hang_epp(True)
+    try:
+        # A request as it hangs: Envoy's pings on its connection to the EPP go unanswered and it closes it (then
+        # fails open or closed), or its health checks have already seen the EPP silent: answered, never held
+        for mode in ("open", "closed"):
+            answer = Session(f"epp-hanging-{mode}").run_turn(epp, mode)
+            assert answer["ok"] or answer["status"] == FAIL_CLOSED_STATUS, answer
+            assert answer["elapsed_s"] < HUNG_EPP_S, answer
+            status = answer.get("status") or 200
+            print(f"fail-{mode} Envoy, a request as the EPP hung: {status}, {answer['elapsed_s']:.2f} s")
+        epp.wait_epp_health(healthy=False, timeout_s=30)
+        before = access_log_length(epp, "open")
+        opened = [Session(f"epp-hung-{n}", api=("anthropic", "openai")[n % 2]) for n in range(2)]
+        run_sessions(epp, opened, turns=1)
+        assert {entry["cluster"] for entry in new_requests(epp, "open", before, count=len(opened))} == {"nodes"}
+        answer = Session("epp-hung-closed").run_turn(epp, mode="closed")
+        assert not answer["ok"] and answer["status"] == FAIL_CLOSED_STATUS and answer["elapsed_s"] < QUICK_S, answer
+    finally:
+        epp.hang_epp(False)
+    epp.wait_epp_health(healthy=True, timeout_s=60)
+    before = access_log_length(epp, "open")
+    assert session.run_turn(epp)["ok"] and session.run_turn(epp, mode="closed")["ok"]
+    assert new_requests(epp, "open", before, count=1)[0]["cluster"] == "epp_destination"
 
 
 def test_a_node_killed_mid_load_its_sessions_go_on_elsewhere(epp: Fleet) -> None:

@@ -14,26 +14,18 @@ from __future__ import annotations
 
 import collections
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
-from pydantic import BaseModel
-
-from gateway.api.anthropic.convert import to_chat as anthropic_to_chat
-from gateway.api.anthropic.respond import error_document as anthropic_error
-from gateway.api.anthropic.routes import API as ANTHROPIC_API
-from gateway.api.anthropic.routes import AnthropicMessages
-from gateway.api.anthropic.schema import MessagesRequest
-from gateway.api.openai.convert import to_chat as openai_to_chat
-from gateway.api.openai.respond import error_document as openai_error
-from gateway.api.openai.routes import API as OPENAI_API
-from gateway.api.openai.routes import OpenAiChatCompletions
-from gateway.api.openai.schema import ChatCompletionRequest
+from gateway.api.anthropic.routes import MESSAGES
+from gateway.api.openai.routes import CHAT_COMPLETIONS
 from gateway.epp.fleet_config import FleetConfig
 from gateway.epp.fleet_index import FleetIndex
 from gateway.epp.node_choice import NodeCandidate, NodeChoice, NodePolicy, choose_node
 from gateway.epp.node_state import NodeState
+from gateway.flow import ChatApi
+from gateway.http.apis import RegisteredApi
+from gateway.http.app import APIS
 from gateway.http.body_parse import body_from_bytes
 from gateway.http.errors import ApiError, ModelNotAvailable, api_error_for
 from gateway.prompt.chat import ChatRequest
@@ -48,49 +40,20 @@ from protos import rank_worker_pb2 as pb
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class EppApi:
-    """One API the EPP reads, as its gateway routes read it."""
-
-    name: str
-    chat_path: str
-    path_prefix: str
-    schema: type[BaseModel]
-    session_header: str
-    to_chat: Callable[[Any, str], ChatRequest]
-    error_document: Callable[[ApiError], dict[str, Any]]
+# The chat APIs the node gateways serve, by the name each registered (gateway/http/apis.py): their schemas,
+# session headers and conversions are the ones the EPP reads a request with.
+CHAT_APIS: dict[str, ChatApi] = {api.name: api for api in (MESSAGES, CHAT_COMPLETIONS)}
 
 
-EPP_APIS = (
-    EppApi(
-        ANTHROPIC_API.name,
-        ANTHROPIC_API.chat_path,
-        ANTHROPIC_API.path_prefix,
-        MessagesRequest,
-        AnthropicMessages.session_header,
-        anthropic_to_chat,
-        anthropic_error,
-    ),
-    EppApi(
-        OPENAI_API.name,
-        OPENAI_API.chat_path,
-        OPENAI_API.path_prefix,
-        ChatCompletionRequest,
-        OpenAiChatCompletions.session_header,
-        openai_to_chat,
-        openai_error,
-    ),
-)
+def chat_api(path: str) -> ChatApi | None:
+    """The API whose generation endpoint `path` is (Envoy's :path keeps the query: Claude Code sends ?beta=true)."""
+    registered = APIS.chat_api(path.partition("?")[0])
+    return CHAT_APIS[registered.name] if registered is not None else None
 
 
-def chat_api(path: str) -> EppApi | None:
-    path = path.partition("?")[0].rstrip("/") or "/"
-    return next((api for api in EPP_APIS if api.chat_path == path), None)
-
-
-def error_api(path: str) -> EppApi:
-    """The API whose error shape answers a refusal on `path` (the first one's for a path of none)."""
-    return next((api for api in EPP_APIS if path.startswith(api.path_prefix)), EPP_APIS[0])
+def error_api(path: str) -> RegisteredApi:
+    """The API whose error shape answers a refusal on `path`, as the gateway picks it for a path."""
+    return APIS.for_path(path)
 
 
 class Refusal(Exception):
@@ -174,6 +137,9 @@ class Picker:
             overload_prefill_tokens=config.overload_prefill_tokens,
         )
         self._prompters: dict[bytes, Prompter] = {}  # a model info's bytes -> its prompter
+        # node -> (the model info its prompter was found for, that prompter): a model info (its tokenizer's JSON
+        # is megabytes) is serialized once when a node's poller fetches it, not for each request
+        self._node_prompters: dict[str, tuple[pb.ModelInfoResponse, Prompter]] = {}
         self._sessions: collections.OrderedDict[str, str] = collections.OrderedDict()  # session -> node name
         self._turn = 0
 
@@ -181,7 +147,7 @@ class Picker:
         """One per distinct model info among the ready nodes (usually one: a pool serves one model)."""
         found: list[Prompter] = []
         for node in self.ready_nodes():
-            prompter = self._prompter(node.info)
+            prompter = self._prompter(node)
             if prompter not in found:
                 found.append(prompter)
         return found
@@ -194,7 +160,7 @@ class Picker:
         if not ready:
             raise Refusal(ApiError(503, "api_error", "no kvserve node is ready; retry later", 5))
         if request.model:
-            ready = [node for node in ready if self._prompter(node.info).serves(request.model)]
+            ready = [node for node in ready if self._prompter(node).serves(request.model)]
             if not ready:
                 raise refusal_for(ModelNotAvailable(f"Model {request.model} is not served by any ready node"))
         shed = self.config.shed_prefill_tokens
@@ -206,7 +172,7 @@ class Picker:
         for node in ready:
             l0 = l1 = 0
             if request.model:
-                prompter_id = id(self._prompter(node.info))
+                prompter_id = id(self._prompter(node))
                 prompt_tokens = request.prompt_tokens.get(prompter_id, 0)
                 match = self.index.match(node.name, request.hashes.get(prompter_id, []))
                 block_size = node.info.block_size
@@ -236,10 +202,15 @@ class Picker:
                 self._sessions.popitem(last=False)
         return Decision(node, choice, request.session, prompt_tokens, cached[node.name])
 
-    def _prompter(self, info: pb.ModelInfoResponse | None) -> Prompter:
+    def _prompter(self, node: NodeState) -> Prompter:
+        info = node.info
         assert info is not None
+        cached = self._node_prompters.get(node.name)
+        if cached is not None and cached[0] is info:
+            return cached[1]
         key = info.SerializeToString(deterministic=True)
         prompter = self._prompters.get(key)
         if prompter is None:
             prompter = self._prompters[key] = Prompter(info)
+        self._node_prompters[node.name] = (info, prompter)
         return prompter

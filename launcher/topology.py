@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from contracts.address import split_host_port
 from contracts.config import KvServeConfig
 from contracts.expert_parallel import COMPOSE_RENDEZVOUS_PORT, group_first_rank, group_name
-from contracts.service_main import client_target
+from contracts.service_main import client_target, listen_address
 from launcher.health_check import HealthCheck
 
 Mode = Literal["local", "compose"]
@@ -208,8 +209,8 @@ def rank_kv_events_endpoint(endpoint: str, rank: int) -> str:
     if rank == 0:
         return endpoint
     if endpoint.startswith("tcp://"):
-        host, _, port = endpoint.rpartition(":")
-        return f"{host}:{int(port) + 2 * rank}"
+        host, port = split_host_port(endpoint.removeprefix("tcp://"))
+        return f"tcp://{listen_address(host, port + 2 * rank)}"
     return f"{endpoint}-rank{rank}"
 
 
@@ -226,10 +227,11 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
         ports.update(config.rank_worker_metrics_port + rank for rank in range(ranks))
     for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
         if endpoint.startswith("tcp://"):
-            ports.update(int(rank_kv_events_endpoint(endpoint, rank).rpartition(":")[2]) for rank in range(ranks))
+            first = split_host_port(endpoint.removeprefix("tcp://"))[1]
+            ports.update(first + 2 * rank for rank in range(ranks))
     for endpoint in (config.kvstore_kv_events_endpoint, config.kvstore_kv_events_replay_endpoint):
         if endpoint.startswith("tcp://"):
-            ports.add(int(endpoint.rpartition(":")[2]))
+            ports.add(split_host_port(endpoint.removeprefix("tcp://"))[1])
     return frozenset(ports - {0})
 
 

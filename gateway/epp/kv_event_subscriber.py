@@ -84,12 +84,19 @@ class KvEventSubscriber:
         self._resyncs.add(task := asyncio.create_task(self._replay_from(0)))
         task.add_done_callback(self._resyncs.discard)
 
-    async def _on_batch(self, sequence: int, payload: bytes) -> None:
+    def _decoded(self, payload: bytes) -> tuple[float, list[WireEvent]] | None:
+        """The batch's (ts, events), or None for a payload that is none (counted)."""
         try:
-            ts, events = decode_batch(payload)
+            return decode_batch(payload)
         except (msgspec.DecodeError, msgspec.ValidationError):
             self.counts.bad_batches += 1
+            return None
+
+    async def _on_batch(self, sequence: int, payload: bytes) -> None:
+        decoded = self._decoded(payload)
+        if decoded is None:
             return
+        ts, events = decoded
         if self._last is not None and sequence <= self._last:
             if self._applied.get(sequence) == ts:  # a batch a replay already applied
                 return
@@ -140,12 +147,9 @@ class KvEventSubscriber:
                     continue  # the live batch that asked for this replay comes next
                 if self._last is not None and sequence <= self._last:
                     continue
-                try:
-                    ts, events = decode_batch(frames[2])
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    self.counts.bad_batches += 1
-                    continue
-                self._apply(sequence, ts, events)
+                decoded = self._decoded(frames[2])
+                if decoded is not None:
+                    self._apply(sequence, *decoded)
         except TimeoutError:
             log.debug("replay from %s timed out", self.source.replay)
         finally:

@@ -20,6 +20,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from contracts.address import split_host_port
+from contracts.service_main import listen_address
 from gateway.epp.fleet_config import NodeSpec
 from gateway.http.app import MODEL_INFO_PATH
 from protos import rank_worker_pb2 as pb
@@ -56,7 +57,7 @@ class NodeState:
     def __post_init__(self) -> None:
         host, port = split_host_port(self.spec.endpoint)
         if _is_ip(host):
-            self.destination = _ip_port(host, port)
+            self.destination = listen_address(host, port)
 
     @property
     def name(self) -> str:
@@ -87,22 +88,18 @@ def _is_ip(host: str) -> bool:
     return True
 
 
-def _ip_port(ip: str, port: int) -> str:
-    return f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}"
-
-
 async def resolved(endpoint: str) -> str:
     """host:port with the host resolved to an address (Envoy's ORIGINAL_DST cluster takes an address, while a
     fleet file may name nodes by DNS, as a Kubernetes StatefulSet's pods are); read again on every poll, so a
     pod that comes back at another address is followed."""
     host, port = split_host_port(endpoint)
     if _is_ip(host):
-        return _ip_port(host, port)
+        return listen_address(host, port)
     infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
     if not infos:
         raise OSError(f"{host} does not resolve")
     ipv4 = [info for info in infos if info[0] == socket.AF_INET]
-    return _ip_port(str((ipv4 or infos)[0][4][0]), port)
+    return listen_address(str((ipv4 or infos)[0][4][0]), port)
 
 
 def parse_load(texts: list[str]) -> NodeLoad:
@@ -156,8 +153,7 @@ class NodePoller:
                 info = pb.ModelInfoResponse()
                 info.ParseFromString(response.content)
                 state.info = info
-            if not state.destination or not _is_ip(split_host_port(state.spec.endpoint)[0]):
-                state.destination = await resolved(state.spec.endpoint)
+            state.destination = await resolved(state.spec.endpoint)
             texts = await self._metrics()
         except (httpx.HTTPError, OSError, ValueError) as exc:
             self._down(f"{type(exc).__name__}: {exc}")

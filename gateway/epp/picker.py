@@ -30,8 +30,7 @@ from gateway.http.body_parse import body_from_bytes
 from gateway.http.errors import ApiError, ModelNotAvailable, api_error_for
 from gateway.prompt.chat import ChatRequest
 from gateway.prompt.conversation_rules import check_conversation
-from gateway.prompt.prompt_format import PromptFormat
-from gateway.prompt.prompt_size import refuse_what_does_not_fit
+from gateway.prompt.prompt_format import PromptFormat, prompt_of
 from gateway.prompt.served_model import ServedModel
 from gateway.ranks.prompt_hashes import prompt_block_hashes, route_block_hashes
 from gateway.ranks.session_key import routing_session_id
@@ -81,8 +80,7 @@ class Prompter:
 
     def block_hashes(self, chat: ChatRequest) -> tuple[int, list[bytes]]:
         """The prompt's size in tokens and the hashes of its blocks a cache may serve."""
-        ids = self.model.encode(self.prompts.render(chat))
-        refuse_what_does_not_fit(len(ids), self.model.max_model_len)
+        _, ids = prompt_of(self.model, self.prompts, chat)
         hashes = prompt_block_hashes(self.info, ids)
         return len(ids), route_block_hashes(self.info, len(ids), hashes)
 

@@ -10,6 +10,7 @@ from gateway.parsing.stop_strings import StopMatcher
 from gateway.prompt.chat import ChatRequest
 from gateway.prompt.deepseek_prompt import EOS as DEEPSEEK_EOS
 from gateway.prompt.family import prompt_opens_reasoning
+from gateway.prompt.prompt_size import refuse_what_does_not_fit
 from gateway.prompt.render import ModelTemplate, render_prompt
 from gateway.prompt.served_model import ServedModel
 
@@ -52,3 +53,13 @@ def end_of_turn_texts(template: ModelTemplate, vocab: set[str]) -> tuple[str, ..
         return ()
     eos = template.eos_token or DEEPSEEK_EOS
     return () if eos in vocab else (eos,)
+
+
+def prompt_of(model: ServedModel, prompts: PromptFormat, chat: ChatRequest) -> tuple[str, list[int]]:
+    """The rendered prompt and its token ids, once the model name and the prompt's size are checked: what the
+    gateway sends a rank, and what the fleet's EPP hashes (gateway/epp/picker.py) to find the node holding it."""
+    model.check_name(chat.model)
+    text = prompts.render(chat)
+    ids = model.encode(text)
+    refuse_what_does_not_fit(len(ids), model.max_model_len)
+    return text, ids

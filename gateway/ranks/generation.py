@@ -12,7 +12,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import grpc
 
@@ -20,16 +19,13 @@ from gateway.http.errors import BadRequest, InvalidRequest, Overloaded, StreamBr
 from gateway.parsing.events import OutputEvent, ToolCallStart
 from gateway.prompt.chat import ChatRequest
 from gateway.prompt.detokenizer import IncrementalDetokenizer
-from gateway.prompt.prompt_size import refuse_what_does_not_fit
+from gateway.prompt.prompt_format import PromptFormat, prompt_of
 from gateway.prompt.served_model import ServedModel
 from gateway.ranks.prompt_hashes import prompt_block_hashes, route_block_hashes
 from gateway.ranks.rank_choice import RankChoice, RankChooser
 from gateway.ranks.rank_client import RankClient, RankFailed, RankRefused, RankStream, RequestFailed, rank_at_fault
 from gateway.ranks.rank_recovery import FailedRanks, RankRevivals, until_a_rank_takes_it
 from gateway.ranks.session_key import routing_session_id
-
-if TYPE_CHECKING:
-    from gateway.prompt.prompt_format import PromptFormat
 from protos import rank_worker_pb2 as pb
 from protos import router_pb2 as router_pb
 
@@ -138,11 +134,7 @@ class Generation:
 
     def prompt(self, chat: ChatRequest) -> tuple[str, list[int]]:
         """The rendered prompt and its token ids, once the model name and the prompt's size are checked."""
-        self.model.check_name(chat.model)
-        text = self.prompts.render(chat)
-        ids = self.model.encode(text)
-        refuse_what_does_not_fit(len(ids), self.model.max_model_len)
-        return text, ids
+        return prompt_of(self.model, self.prompts, chat)
 
     async def open(self, prepared: PreparedRequest, arrived: float | None = None) -> OpenGeneration:
         """Find a rank that accepts the request. Refusals raise here, before any response is sent, except that no

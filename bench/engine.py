@@ -242,6 +242,16 @@ class LogitTap:
         del self.model.forward  # back to the class method
 
 
+def prefill_attention(attention) -> str:
+    """What ran a prefill chunk's attention: the MLA backend's prefill goes through flash-attn 4 where it is
+    installed and compiled at start-up, else through SDPA (about 3x slower on a chunk over a long cached prefix:
+    bench/results/2026-12-05-h100-peer-dsv2-engine); the other backends prefill with their own kernel."""
+    fa4 = getattr(attention, "fa4_prefill", None)
+    if fa4 is None:
+        return attention.name
+    return "fa4" if fa4 else "sdpa"
+
+
 def git_commit() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
@@ -342,6 +352,7 @@ def main() -> None:
         "settings": {
             "block_size": engine.settings.engine.block_size,
             "attention_backend": engine.attention.name,
+            "prefill_attention": prefill_attention(engine.attention),
             "kv_cache_dtype": str(engine.kv_cache.dtype).removeprefix("torch."),
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "solo_prefill_tokens": engine.scheduler.policy.solo_prefill_tokens,

@@ -102,6 +102,16 @@ if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then source "$(dirnam
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 
 left() { echo $((DEADLINE - SECONDS)); }
+# The seconds a command may take, keeping $1 seconds for what follows it and PACK_MARGIN for the packing; fails
+# with a message when none are left (a DEADLINE below the reserve gave timeout a negative number)
+run_for() {
+  local budget=$(($(left) - PACK_MARGIN - $1))
+  if [ "$budget" -le 0 ]; then
+    say "not started: ${budget} s left after the ${1} s reserve and PACK_MARGIN (DEADLINE=$DEADLINE)" >&2
+    return 1
+  fi
+  echo "$budget"
+}
 say() { echo "[$(date +%H:%M:%S) +${SECONDS}s] $*"; }
 pack() {  # everything this machine measured so far, in one file per phase (a call returns at most 8 files)
   cp "$STATE"/vllm-serve.log "$WORK"/ 2>/dev/null || true
@@ -269,7 +279,9 @@ phase() {
       vllm_install || return 1
       wait_gpu_free
       say "bench/peer_vllm.py"
-      timeout -k 20 $(($(left) - PACK_MARGIN - 60)) env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
+      rm -f "$WORK/vllm-engine.json"  # a run that fails must not send back an earlier call's file as its own
+      budget=$(run_for 60) &&
+      timeout -k 20 "$budget" env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
         --shape "$SHAPE" --commit "$COMMIT" --max-num-batched-tokens "$VLLM_MAX_BATCHED" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \
         --out "$WORK/vllm-engine.json" > "$WORK/vllm-engine.log" 2>&1
       tail -n 20 "$WORK/vllm-engine.log"
@@ -287,13 +299,16 @@ phase() {
       ours_stop
       wait_gpu_free
       say "bench/engine.py --shape $ENGINE_SHAPE"
-      timeout -k 20 $(($(left) - PACK_MARGIN - 120)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
+      rm -f "$WORK/ours-engine.json"  # a run that fails must not send back an earlier call's file as its own
+      budget=$(run_for 120) &&
+      timeout -k 20 "$budget" python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
         --random-weights "$RANDOM_WEIGHTS" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \
         --out "$WORK/ours-engine.json" > "$WORK/ours-engine.log" 2>&1
       tail -n 30 "$WORK/ours-engine.log"
       if [ -f "$WORK/ours-engine.json" ] && [ -z "${ONLY_MEASURES:-}" ]; then
         say "bench/engine.py --dtype float32 --only-match"
-        timeout -k 20 $(($(left) - PACK_MARGIN - 30)) python3 bench/engine.py --shape "$ENGINE_SHAPE" --dtype float32 \
+        budget=$(run_for 30) &&
+        timeout -k 20 "$budget" python3 bench/engine.py --shape "$ENGINE_SHAPE" --dtype float32 \
           --random-weights "$RANDOM_WEIGHTS" --only-match --merge-into "$WORK/ours-engine.json" > "$WORK/ours-match-float32.log" 2>&1
         tail -n 3 "$WORK/ours-match-float32.log"
       fi

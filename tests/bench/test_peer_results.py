@@ -23,6 +23,7 @@ from bench.peer_results import (
     engine_keys_missing,
     engine_rows,
     engine_runs,
+    median_ratios,
     passing_ratio,
     ratio_spread,
     with_reference,
@@ -283,6 +284,18 @@ def test_engine_quick_writes_every_key_peer_results_reads(tmp_path: Path) -> Non
     assert {r["batch"] for r in result["decode"]} == {1, 16, 64, 128}
     assert [r["context"] for r in result["ttft"]] == [QUICK.measures[1].cached, QUICK.measures[4].cached]
     assert result["prefill"]
+    # a Llama shape prefills with its attention backend's own kernel, and the file says which
+    assert result["settings"]["prefill_attention"] == result["settings"]["attention_backend"]
+
+
+def test_engine_results_say_whether_an_mla_prefill_ran_through_fa4_or_sdpa() -> None:
+    import torch
+
+    from bench.engine import prefill_attention
+    from rank_worker.model.attention.mla_triton import MlaTritonAttention
+
+    assert prefill_attention(MlaTritonAttention(fa4_shape=(16, 192, 128, torch.bfloat16))) == "fa4"
+    assert prefill_attention(MlaTritonAttention(fa4_shape=None)) == "sdpa"  # FA4 absent, or its compile failed
 
 
 def test_peer_vllm_over_vllms_offline_api_writes_every_key_peer_results_reads(tmp_path: Path) -> None:
@@ -421,3 +434,37 @@ def test_engine_runs_list_every_run_once_and_spread_the_ratio_over_runs_of_the_s
     assert [r["side"] for r in runs].count("ours") == 3 and [r["side"] for r in runs].count("vllm") == 2
     spread = ratio_spread(runs, code)["decode_4k_b1"]
     assert spread == {"min": pytest.approx(0.6), "max": pytest.approx(0.875), "ours_runs": 2, "vllm_runs": 2}
+
+
+def test_median_ratios_judge_a_measure_over_the_session_runs_and_flag_too_few_near_the_target(tmp_path: Path) -> None:
+    code = {"commit": "a" * 40, "diff_sha256": None, "dirty": False}
+    other_code = {"commit": "b" * 40, "diff_sha256": None, "dirty": False}
+
+    def put(folder: str, side: str, seconds: float, prompts: str = "ours", provenance: dict | None = None) -> None:
+        doc = engine_result(side, {"decode_4k_b1": seconds}, provenance=provenance)
+        for entry in doc["measures"].values():
+            entry["prompt_sha256"] = prompts
+        write(tmp_path / folder, f"{'ours' if side == 'kvserve' else 'vllm'}-engine.json", doc)
+
+    calls = [(0.0040, 0.0038), (0.0041, 0.0037), (0.0039, 0.00385), (0.0060, 0.0039)]
+    for i, (ours_s, vllm_s) in enumerate(calls):
+        put(f"call-{i}", "kvserve", ours_s, provenance=code)
+        put(f"call-{i}", "vllm", vllm_s)
+    put("other-code", "kvserve", 0.001, provenance=other_code)  # another engine's run: not counted
+    put("other-prompts", "vllm", 0.0001, prompts="other token ids")  # not on ours' token ids: not counted
+    runs = engine_runs(sorted(tmp_path.iterdir()))
+    row = median_ratios(runs, code, target=0.9)["decode_4k_b1"]
+    # the median over 4 runs a side: ours 0.00405, vLLM 0.003825 (ours' outlier of 0.0060 does not move it)
+    assert row["ours_s"] == pytest.approx(0.00405) and row["vllm_s"] == pytest.approx(0.003825)
+    assert row["ratio"] == pytest.approx(0.003825 / 0.00405)
+    assert (row["ours_runs"], row["vllm_runs"]) == (4, 4)
+    assert row["meets_target"] is True
+    assert row["enough_runs"] is False  # 0.94 is within 0.05 of 0.9: that takes 5 runs a side
+    put("call-5", "kvserve", 0.00402, provenance=code)
+    put("call-5", "vllm", 0.00383)
+    again = median_ratios(engine_runs(sorted(tmp_path.iterdir())), code, target=0.9)["decode_4k_b1"]
+    assert (again["ours_runs"], again["vllm_runs"]) == (5, 5) and again["enough_runs"] is True
+    far = median_ratios(runs, code, target=0.5)["decode_4k_b1"]  # far from its target, 4 runs are enough
+    assert far["enough_runs"] is True and far["meets_target"] is True
+    slow = median_ratios(runs, code, target=1.2)["decode_4k_b1"]
+    assert slow["meets_target"] is False

@@ -71,6 +71,10 @@ def _plan(k: int, decode_context: int, decode_steps: int, repeats: int) -> Plan:
             Measure(f"decode_4k_b{batch}", "decode", batch=batch, context=decode_context, steps=decode_steps)
             for batch in (1, 16, 64, 128)
         ),
+        # a few sequences at a coding agent's context (its turns run at 60-100K tokens): the decode attention
+        # over long contexts, which the 4K rows hardly read (issue 34: per-agent decode there ran at ~0.5x
+        # vLLM's); 4 x 64K fits beside llama-8b's weights on an H100
+        Measure("decode_64k_b4", "decode", batch=4, context=64 * k, steps=decode_steps),
     )
     return Plan(measures=measures, repeats=repeats, warmup_tokens=8 * k)
 

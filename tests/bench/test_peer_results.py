@@ -281,7 +281,10 @@ def test_engine_quick_writes_every_key_peer_results_reads(tmp_path: Path) -> Non
     spread = measures["decode_4k_b16"]["distinct_tokens"]  # random prompts on random weights: rows differ
     assert spread["batch"] == 16 and 1 <= spread["min"] <= spread["mean"] <= spread["max"] <= 16
     # the simulator's step-time fit reads these (simulator/step_time.py)
-    assert {r["batch"] for r in result["decode"]} == {1, 16, 64, 128}
+    assert {(r["batch"], r["context"]) for r in result["decode"]} == {
+        *((b, QUICK.measures[7].context) for b in (1, 16, 64, 128)),
+        (4, 64 * 16),  # the long-context row, in the quick plan's units
+    }
     assert [r["context"] for r in result["ttft"]] == [QUICK.measures[1].cached, QUICK.measures[4].cached]
     assert result["prefill"]
     # a Llama shape prefills with its attention backend's own kernel, and the file says which

@@ -7,6 +7,7 @@
 #   bash bench/peer_h200.sh ours-agents      # agent steps against our stack; stops it when done
 #   bash bench/peer_h200.sh status           # what is installed, running and done on this machine
 #   bash bench/peer_h200.sh stop             # stop both servers (their logs go into stop.tar.gz)
+#   bash bench/peer_h200.sh caches-out       # vLLM's and Triton's compile caches back in parts (.caches/ for later)
 # Several phases may share one call: `bash bench/peer_h200.sh chunk vllm-engine` (one deadline for all).
 # Servers start with setsid, so they outlive the call and keep starting up into the next one on the same warm
 # machine; agent steps already done (/tmp/peer-state) are skipped, so repeat an -agents phase until it prints
@@ -134,6 +135,37 @@ stop_group() {  # pidfile, signal: the server's session leader first, then its w
   kill -KILL -- -"$pid" 2>/dev/null || true
   rm -f "$1"
   wait_gpu_free
+}
+
+# --- compile caches ---
+# vLLM's first start on a bare machine took 268 s for the DeepSeek shape, its next ones 41-63 s (2026-12-05, H100):
+# torch.compile's artifacts and the Triton kernels it JIT-compiles (fused_moe and others) are cached on disk and a
+# machine starts bare every lease. `caches-out` sends them back in 15 MB parts (keep them in .caches/, ignored);
+# carried with the `chunk` calls of a later lease (one part a call, beside a .peer chunk where they fit), they are
+# unpacked once all have come (a partial set does not unpack and is left alone). Same GPU generation only (SM90:
+# H100 and H200 alike); a cache from other code or settings is simply not hit.
+CACHE_DIRS=(.cache/vllm .triton/cache .cache/flashinfer)
+CACHE_ACC=${CACHE_ACC:-/tmp/cacheacc}  # the parts carried so far (and, once unpacked, $CACHE_ACC/restored)
+caches_restore() {
+  [ -f "$CACHE_ACC/restored" ] && return 0
+  ls "$CACHE_ACC"/caches.part* >/dev/null 2>&1 || return 0
+  if cat "$CACHE_ACC"/caches.part* | gzip -t 2>/dev/null && cat "$CACHE_ACC"/caches.part* | tar xzf - -C "$HOME"; then
+    touch "$CACHE_ACC/restored" && say "compile caches restored: $(du -sh "$HOME/.cache/vllm" 2>/dev/null | cut -f1) of vLLM's"
+  else
+    say "the cache parts so far do not make a whole tarball: waiting for the rest"
+  fi
+}
+caches_out() {
+  local dirs=() d
+  for d in "${CACHE_DIRS[@]}"; do [ -d "$HOME/$d" ] && dirs+=("$d"); done
+  [ ${#dirs[@]} -gt 0 ] || { say "no compile caches on this machine"; return 0; }
+  tar czf /tmp/caches.tar.gz -C "$HOME" "${dirs[@]}" || return 1
+  local mb; mb=$(du -m /tmp/caches.tar.gz | cut -f1)
+  if [ "$mb" -gt 105 ]; then  # a call sends back 8 files of 16 MiB at most: 7 parts and the phase's own tarball
+    say "compile caches are ${mb} MB, more than a call sends back: not sent"
+    return 0
+  fi
+  split -b 15M -d /tmp/caches.tar.gz "$OUT/caches.part" && say "compile caches: ${mb} MB in $(ls "$OUT"/caches.part* | wc -l) parts"
 }
 
 # --- vLLM ---
@@ -271,7 +303,15 @@ phase() {
         [ -f "$c" ] || continue
         mkdir -p /tmp/fa4acc && cp "$c" /tmp/fa4acc/ && say "$c -> /tmp/fa4acc ($(du -m "$c" | cut -f1) MB)"
       done
-      ls -la /tmp/acc /tmp/fa4acc 2>/dev/null
+      for c in .caches/caches.part*; do  # the compile caches an earlier lease sent back (phase caches-out)
+        [ -f "$c" ] || continue
+        mkdir -p "$CACHE_ACC" && cp "$c" "$CACHE_ACC"/ && say "$c -> $CACHE_ACC ($(du -m "$c" | cut -f1) MB)"
+      done
+      caches_restore
+      ls -la /tmp/acc /tmp/fa4acc "$CACHE_ACC" 2>/dev/null || true  # (a folder not made yet is no failure)
+      ;;
+    caches-out)
+      caches_out
       ;;
     vllm-engine)
       ours_stop
@@ -333,7 +373,7 @@ phase() {
       say "steps done: vllm $(cat "$STATE/vllm-done" 2>/dev/null | tr '\n' ' '); ours $(cat "$STATE/ours-done" 2>/dev/null | tr '\n' ' ')"
       say "GPU memory used: $(gpu_memory_mib) MiB"
       ;;
-    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, status, stop)"; return 2 ;;
+    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, caches-out, status, stop)"; return 2 ;;
   esac
 }
 

@@ -1,0 +1,62 @@
+"""bench/peer_h200.sh's compile caches: `caches-out` sends a machine's caches back in parts, and the `chunk` calls
+of a later lease unpack them once every part has come, never a partial set (run here, the GPU not needed)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peer_h200.sh"
+
+
+def phase(name: str, cwd: Path, home: Path, tmp: Path) -> str:
+    env = {
+        **os.environ,
+        "HOME": str(home),
+        "OUT": str(tmp / "out"),
+        "PEER_STATE": str(tmp / "state"),
+        "PEER_WORK": str(tmp / "work"),
+        "CACHE_ACC": str(tmp / "acc"),
+    }
+    done = subprocess.run(["bash", str(SCRIPT), name], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout + done.stderr
+
+
+@pytest.mark.skipif(shutil.which("split") is None or shutil.which("gzip") is None, reason="needs split and gzip")
+def test_caches_come_back_in_parts_and_unpack_only_whole(tmp_path: Path) -> None:
+    lease_one, lease_two = tmp_path / "home-one", tmp_path / "home-two"
+    blob = os.urandom(20_000_000)  # incompressible: two 15 MB parts
+    (lease_one / ".cache" / "vllm" / "torch_compile_cache").mkdir(parents=True)
+    (lease_one / ".cache" / "vllm" / "torch_compile_cache" / "graph").write_bytes(blob)
+    (lease_one / ".triton" / "cache").mkdir(parents=True)
+    (lease_one / ".triton" / "cache" / "fused_moe.cubin").write_bytes(b"kernel")
+    lease_two.mkdir()
+    said = phase("caches-out", tmp_path, lease_one, tmp_path / "one")
+    parts = sorted((tmp_path / "one" / "out").glob("caches.part*"))
+    assert [p.name for p in parts] == ["caches.part00", "caches.part01"], said
+    assert all(p.stat().st_size <= 16 * 2**20 for p in parts)  # what one call may send back a file
+
+    tree = tmp_path / "tree"  # the working tree of a later lease: the parts carried into .caches/, one a call
+    (tree / ".caches").mkdir(parents=True)
+    shutil.copy(parts[0], tree / ".caches")
+    said = phase("chunk", tree, lease_two, tmp_path / "two")
+    assert "do not make a whole tarball" in said
+    assert not any(lease_two.iterdir())  # nothing of a partial set unpacked
+    shutil.copy(parts[1], tree / ".caches")
+    said = phase("chunk", tree, lease_two, tmp_path / "two")
+    assert "compile caches restored" in said
+    assert (lease_two / ".cache" / "vllm" / "torch_compile_cache" / "graph").read_bytes() == blob
+    assert (lease_two / ".triton" / "cache" / "fused_moe.cubin").read_bytes() == b"kernel"
+    assert "compile caches restored" not in phase("chunk", tree, lease_two, tmp_path / "two")  # once
+
+
+def test_caches_out_on_a_machine_without_caches_sends_nothing(tmp_path: Path) -> None:
+    (tmp_path / "home").mkdir()
+    said = phase("caches-out", tmp_path, tmp_path / "home", tmp_path / "run")
+    assert "no compile caches" in said
+    assert not list((tmp_path / "run").rglob("caches.part*"))

@@ -36,6 +36,8 @@
 #   VLLM_MAX_MODEL_LEN=1048576 STEPS=4,8 TURNS=24 STEP_EST=420 STEP_MAX=500 RANDOM_WEIGHTS=uniform \
 #   VLLM_ROUTING=uniform_random [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 64"] \
 #   bash bench/peer_h200.sh vllm-engine ...
+# (vLLM's CPU offload has been reported to refuse MLA models in some versions and backends: if `vllm serve` with
+# it does not come up, its log says why; the variant then did not run, which the results must say.)
 # llama-8b past the GPU pool (issue 34, point 2): the default shape and config (its L1 48 GB), more agents than the
 # pool holds at context scale 0.1, vLLM once plain and once offloading to the same host memory as our L1:
 #   STEPS=64,80,96,112 TURNS=12 [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 48"] bash bench/peer_h200.sh ...

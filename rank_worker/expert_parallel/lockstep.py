@@ -53,8 +53,14 @@ class Lockstep:
         self._waker.start()
 
     def set_wake(self, wake: Callable[[], None]) -> None:
-        """The engine loop's wake-up, called when a peer announces work while this rank is idle."""
-        self._wake = wake
+        """The engine loop's wake-up, called when a peer announces work while this rank is idle. A peer may have
+        announced before this rank's loop existed (it was still building its engine): the wake thread saw the
+        key with no one to wake, so the loop is woken now, or it would sleep while the group waits for it."""
+        with self._cond:
+            self._wake = wake
+            pending = self._go_pending
+        if pending:
+            wake()
 
     def wants_step(self) -> bool:
         """Whether this rank must step although it has nothing of its own: the group is working."""

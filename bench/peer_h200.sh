@@ -324,7 +324,7 @@ phase() {
       vllm_install || return 1
       wait_gpu_free
       say "bench/peer_vllm.py"
-      rm -f "$WORK/vllm-engine.json"  # a run that fails must not send back an earlier call's file as its own
+      rm -f "$WORK/vllm-engine.json" "$WORK/vllm-engine.log"  # a failed run must not pass off an earlier call's files
       budget=$(run_for 60) &&
       timeout -k 20 "$budget" env PYTHONPATH=/tmp/vsite python3 bench/peer_vllm.py \
         --shape "$SHAPE" --commit "$COMMIT" --max-num-batched-tokens "$VLLM_MAX_BATCHED" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \
@@ -344,7 +344,7 @@ phase() {
       ours_stop
       wait_gpu_free
       say "bench/engine.py --shape $ENGINE_SHAPE"
-      rm -f "$WORK/ours-engine.json"  # a run that fails must not send back an earlier call's file as its own
+      rm -f "$WORK/ours-engine.json" "$WORK/ours-engine.log"  # a failed run must not pass off an earlier call's files
       budget=$(run_for 120) &&
       timeout -k 20 "$budget" python3 bench/engine.py --shape "$ENGINE_SHAPE" --commit "$COMMIT" \
         --random-weights "$RANDOM_WEIGHTS" ${ONLY_MEASURES:+--only-measures "$ONLY_MEASURES"} \

@@ -218,7 +218,8 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
     """The ports the config gives the build's services; a port picked free for another must not be one of them
     (the OS reports them free until their service starts)."""
     redis_port = urlsplit(config.redis_url).port
-    ports = {DEFAULT_REDIS_PORT if redis_port is None else redis_port, config.kvstore_port, config.router_port}
+    ports: set[int | None] = {DEFAULT_REDIS_PORT if redis_port is None else redis_port, config.kvstore_port}
+    ports.add(config.router_port)
     ports.add(config.gateway_port)
     ports.update((config.kvstore_metrics_port, config.router_metrics_port))
     if config.rank_worker_port:
@@ -226,13 +227,14 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
     if config.rank_worker_metrics_port:
         ports.update(config.rank_worker_metrics_port + rank for rank in range(ranks))
     for endpoint in (config.kv_events_endpoint, config.kv_events_replay_endpoint):
-        if endpoint.startswith("tcp://"):
-            first = split_host_port(endpoint.removeprefix("tcp://"))[1]
-            ports.update(first + 2 * rank for rank in range(ranks))
-    for endpoint in (config.kvstore_kv_events_endpoint, config.kvstore_kv_events_replay_endpoint):
-        if endpoint.startswith("tcp://"):
-            ports.add(split_host_port(endpoint.removeprefix("tcp://"))[1])
-    return frozenset(ports - {0})
+        ports.update(_tcp_port(rank_kv_events_endpoint(endpoint, rank)) for rank in range(ranks))
+    ports.update(map(_tcp_port, (config.kvstore_kv_events_endpoint, config.kvstore_kv_events_replay_endpoint)))
+    return frozenset(ports - {0, None})
+
+
+def _tcp_port(endpoint: str) -> int | None:
+    """A tcp:// endpoint's port; None for an ipc or inproc one."""
+    return split_host_port(endpoint.removeprefix("tcp://"))[1] if endpoint.startswith("tcp://") else None
 
 
 def _redis(stack: _Stack) -> ServiceSpec:

@@ -260,10 +260,10 @@ def test_an_overloaded_node_gets_no_new_sessions(epp: Fleet) -> None:
             messages=[{"role": "user", "content": "Summarise."}],
             max_tokens=1,
         )
-        for n in range(4)
+        for n in range(8)  # a backlog well above the three fresh sessions' prompts while they are placed
     ]
     deadline = time.monotonic() + 60
-    while rank_waiting_prefill(epp, busy) < 2000:
+    while rank_waiting_prefill(epp, busy) < 4000:
         assert time.monotonic() < deadline, "the flood never queued on the rank"
         time.sleep(0.1)
     sessions = [Session(f"fresh-{n}") for n in range(3)]

@@ -158,21 +158,26 @@ def _profile_peak_bytes(
     config: KvServeConfig, model: CausalLM, device: torch.device, dtype: torch.dtype, max_model_len: int
 ) -> int:
     """Run the longest step the rank will take (a prefill of max_num_batched_tokens, or a solo prefill's longer
-    one) through a throwaway pool and read the allocator's peak, less that pool (the real one replaces it)."""
+    one) through a throwaway pool and read the allocator's peak, less that pool (the real one replaces it). Where
+    the backend's prefill over a prefix allocates per context token (MLA), a second chunk as long over that first
+    one's prefix too: its context windows and their merge (mla_windows.py) are then in the peak."""
     engine = config.engine
     kv_dtype = pool_dtype(engine.kv_cache_dtype, dtype)
     backend = model.choose_attention(check_backend(engine.attention_backend, kv_dtype), device, dtype, kv_dtype)
     limits = EngineSettings(num_blocks=1, max_model_len=max_model_len, engine=engine, scheduling=config.scheduling)
     tokens = max(engine.max_num_batched_tokens, solo_prefill_tokens(limits, backend))
+    # two chunks of `tokens` (the first cold) where a chunk over a prefix costs more than a cold one, as far as
+    # max_model_len lets a context pass the first chunk
+    prompt = max(tokens, min(2 * tokens, max_model_len)) if backend.prefix_expands else tokens
+    chunk = {"max_num_batched_tokens": tokens} if prompt > tokens else {}
     settings = EngineSettings(
-        num_blocks=-(-tokens // engine.block_size) + 1,
-        max_model_len=tokens + 1,
+        num_blocks=-(-prompt // engine.block_size) + 1,
+        max_model_len=prompt + 1,
         # the rank's block and chunk size and the peak of the kernels it will run; a prefill-only probe without
         # caching (the graphs' share is measured apart), its other keys the defaults
         engine=EngineConfig(
-            **engine.model_dump(
-                include={"block_size", "max_num_batched_tokens", "attention_backend", "kv_cache_dtype"}
-            ),
+            **engine.model_dump(include={"block_size", "max_num_batched_tokens", "attention_backend", "kv_cache_dtype"})
+            | chunk,
             prefix_cache=False,
             cuda_graphs=False,
         ),
@@ -184,7 +189,7 @@ def _profile_peak_bytes(
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     probe = PagedEngine(model, settings)
-    probe.add_request(EngineRequest("profile", [1] * tokens, SamplingParams(max_tokens=1, ignore_eos=True)))
+    probe.add_request(EngineRequest("profile", [1] * prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
     while probe.has_unfinished():
         probe.step()
     torch.cuda.synchronize(device)

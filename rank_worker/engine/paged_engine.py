@@ -135,6 +135,8 @@ class PagedEngine(Engine):
         # The model picks: an MLA model takes its own backends (MLA Triton decode on CUDA, else its SDPA path).
         self.attention = model.choose_attention(attention_setting, device, dtype, kv_dtype)
         solo = solo_prefill_tokens(settings, self.attention)
+        max_step_tokens = max(settings.engine.max_num_batched_tokens, solo)
+        self.attention.context_window_tokens = max_step_tokens
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None
         if l1_client is not None and settings.engine.prefix_cache:
@@ -159,7 +161,7 @@ class PagedEngine(Engine):
             self.attention,
             max_num_seqs=settings.engine.max_num_seqs,
             max_num_batched_tokens=settings.engine.max_num_batched_tokens,
-            max_step_tokens=max(settings.engine.max_num_batched_tokens, solo),
+            max_step_tokens=max_step_tokens,
             max_model_len=settings.max_model_len,
             scratch_block=settings.num_blocks,
             cuda_graphs=settings.engine.cuda_graphs,

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from pathlib import Path
 
 import pytest
 import torch
 from deepseek_checkpoints import VOCAB, write_deepseek
-from engine_fixtures import generate_greedy, random_prompt
+from engine_fixtures import generate_greedy, generate_one, greedy, make_engine, random_prompt
 
 from rank_worker.engine.factory import build_model
 from rank_worker.engine.model_runner import kv_pool_shape
@@ -201,9 +202,12 @@ def test_a_deepseek_step_through_the_kernel_backend_matches_the_pytorch_path(
         monkeypatch.setattr(moe, "route_runs", lambda x: x.shape[0] <= moe.moe_kernels.ROUTE_MAX_TOKENS)
     torch.manual_seed(4)
     model = _tiny_deepseek(model_type, tmp_path, **overrides)
-    results = _deepseek_step(model, (MlaSdpaAttention(), MlaTritonAttention()), torch.float32)
+    windows = MlaTritonAttention()  # the warm chunk's 30 cached latents in windows of 8 (mla_windows.py)
+    windows.name, windows.context_window_tokens = "mla_triton_windows", 8
+    results = _deepseek_step(model, (MlaSdpaAttention(), MlaTritonAttention(), windows), torch.float32)
     assert model.fused and model.layers[0].self_attn.fused
     torch.testing.assert_close(results["mla_triton"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(results["mla_triton_windows"], results["mla_sdpa"], rtol=1e-4, atol=1e-4)
 
 
 def _deepseek_step(model, backends, dtype) -> dict:
@@ -253,8 +257,9 @@ needs_fa4 = pytest.mark.skipif(
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3"])
 def test_mla_prefill_through_fa4_matches_the_sdpa_prefill_in_bf16(model_type, tmp_path) -> None:
     """The same step with the kernel backend's prefill through FA4 (one varlen launch over the expanded K/V of
-    a warm and a cold chunk) and through SDPA, in bf16: logits close; auto takes FA4 for prefill here, and
-    after its warm-up the step compiles nothing."""
+    a warm and a cold chunk; or, bounded to windows of 8 context tokens, a launch per window merged by FA4's
+    log-sum-exp) and through SDPA, in bf16: logits close; auto takes FA4 for prefill here, and after its
+    warm-up the step compiles nothing."""
     from flash_attn.cute import interface
 
     def compiled() -> int:
@@ -270,11 +275,41 @@ def test_mla_prefill_through_fa4_matches_the_sdpa_prefill_in_bf16(model_type, tm
     torch.manual_seed(4)
     fa4 = MlaTritonAttention((cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, torch.bfloat16))
     fa4.name = "mla_fa4"
-    results = _deepseek_step(model, (MlaTritonAttention(), fa4), torch.bfloat16)
+    windows = MlaTritonAttention((cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, torch.bfloat16))
+    windows.name, windows.context_window_tokens = "mla_fa4_windows", 8
+    results = _deepseek_step(model, (MlaTritonAttention(), fa4, windows), torch.bfloat16)
     assert compiled() == before
     reference = results["mla_triton"].float()
-    error = float((results["mla_fa4"].float() - reference).norm() / reference.norm())
-    assert error < 2e-2, error
+    for name in ("mla_fa4", "mla_fa4_windows"):
+        error = float((results[name].float() - reference).norm() / reference.norm())
+        assert error < 2e-2, (name, error)
+
+
+@needs_cuda
+def test_the_pool_sizing_probe_covers_a_chunk_over_a_long_prefix(tmp_path) -> None:
+    """DeepSeek-V2-Lite's shape in two layers, chunks of 512: a chunk over a 7.7K-token prefix takes no more
+    memory than the pool's sizing probe measured (its prefix expanded a window at a time; expanded whole it
+    took ~14 KB a token, 110 MB here, past the probe's peak: the out-of-memory failures of 2026-12-05)."""
+    import json
+
+    from contracts.config import KvServeConfig
+    from rank_worker.engine.factory import _profile_peak_bytes, build_random_model
+
+    shape = json.loads((Path(__file__).parents[2] / "bench/shapes/dsv2-lite-chat/config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(shape | {"num_hidden_layers": 2}))
+    model = build_random_model(str(tmp_path / "config.json"), max_positions=16384)
+    config = KvServeConfig(model=str(tmp_path), engine={"max_num_batched_tokens": 512, "cuda_graphs": False})
+    probe = _profile_peak_bytes(config, model, DEVICE, torch.bfloat16, 16384)
+    engine = make_engine(
+        model, num_blocks=600, block_size=16, max_model_len=16384, max_num_batched_tokens=512, cuda_graphs=False
+    )
+    assert engine.attention.context_window_tokens == 512
+    pool = engine.kv_cache.numel() * engine.kv_cache.element_size()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    generate_one(engine, random_prompt(8192, VOCAB, seed=3), greedy(1))
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - pool <= probe
 
 
 @needs_cuda

@@ -35,6 +35,13 @@ class AttentionBackend(ABC):
     # prefill in one step than in max_num_batched_tokens chunks (the engine's solo_prefill_tokens when unset);
     # 0: chunks. A backend sets it where a whole cold prompt reads K/V faster than chunks over their pages.
     solo_prefill_tokens: int = 0
+    # Whether prefill over a cached prefix allocates per context token (MLA expands its latents into per-head K/V),
+    # so the pool's sizing probe must run a chunk over a prefix, not only a cold one (factory._profile_peak_bytes)
+    prefix_expands: bool = False
+    # The most context tokens such a backend expands at a time (mla_windows.py); None: a chunk's whole context.
+    # The engine sets its longest step, the one its pool's sizing probe runs. Backends that read K/V in place
+    # ignore it.
+    context_window_tokens: int | None = None
 
     @abstractmethod
     def plan(self, batch: ForwardBatch) -> None:

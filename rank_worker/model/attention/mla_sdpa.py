@@ -20,12 +20,14 @@ from torch.nn.attention.bias import causal_lower_right
 
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
+from rank_worker.model.attention.mla_windows import attention_with_lse, context_range, needs_windows, windowed_prefill
 from rank_worker.model.attention.sdpa_backend import plan_decode_tables
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice
 
 
 class MlaSdpaAttention(AttentionBackend):
     name = "mla_sdpa"
+    prefix_expands = True  # a chunk's context latents become per-head K/V: bounded by context_window_tokens
 
     def plan(self, batch: ForwardBatch) -> None:
         plan_decode_tables(batch)
@@ -87,12 +89,46 @@ class MlaSdpaAttention(AttentionBackend):
         nope = q_nope.shape[2]
         for piece in batch.prefills:
             rows = slice(piece.token_start, piece.token_start + piece.num_new)
-            context = chunk_context(piece, latent, latent_cache, batch, q_nope.dtype)
+            if needs_windows(piece, self.context_window_tokens):
+                out[rows] = self.windowed(piece, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale)
+                continue
+            context = context_range(piece, 0, piece.context_len, latent, latent_cache, batch, q_nope.dtype)
             if piece.context_len == piece.num_new:
                 mask, causal = None, True  # nothing cached before this chunk
             else:
                 mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
             out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
+
+    def windowed(
+        self,
+        piece: PrefillSlice,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        kv_b_proj: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:
+        """A chunk whose context is past context_window_tokens, a window of it at a time (mla_windows.py): [n, H, v]."""
+        assert self.context_window_tokens is not None
+        rows = slice(piece.token_start, piece.token_start + piece.num_new)
+        heads, nope = q_nope.shape[1], q_nope.shape[2]
+        return windowed_prefill(
+            piece,
+            torch.cat([q_nope[rows], q_pe[rows]], dim=-1),
+            lambda context: expand_latents(context, kv_b_proj, heads, nope),
+            lambda start, end: context_range(piece, start, end, latent, latent_cache, batch, q_nope.dtype),
+            self.context_window_tokens,
+            self.window_attention,
+            scale,
+        )
+
+    def window_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mla_windows.WindowAttention: PyTorch's here (SDPA gives no log-sum-exp), FA4's in MlaTritonAttention."""
+        return attention_with_lse(q, k, v, scale, causal)
 
     def decode_latent(
         self, q_lat: torch.Tensor, q_pe: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, scale: float
@@ -100,19 +136,6 @@ class MlaSdpaAttention(AttentionBackend):
         """The decode rows in latent space: q_lat [B, H, r] (q_nope W_UK), q_pe [B, H, rope] over each row's
         [c, k_pe] in the pool -> [B, H, r], the attention-weighted latents (W_UV is applied after)."""
         return _absorbed_decode(q_lat, q_pe, latent_cache, batch, scale)
-
-
-def chunk_context(
-    piece: PrefillSlice, latent: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch, dtype: torch.dtype
-) -> torch.Tensor:
-    """A chunk's context latents [context_len, r + rope] in the model's dtype: its own (this step's) for a cold
-    chunk, else gathered from the pool through its block-table row (an fp8 pool dequantised)."""
-    if piece.context_len == piece.num_new:
-        return latent[piece.token_start : piece.token_start + piece.num_new]
-    block_size = latent_cache.shape[1]
-    table = batch.block_tables[piece.table_row, : -(-piece.context_len // block_size)].long()
-    context = latent_cache[table].reshape(-1, latent_cache.shape[-1])[: piece.context_len]
-    return kv_quant.dequantize(context, dtype)
 
 
 def expand_latents(context: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int) -> tuple:

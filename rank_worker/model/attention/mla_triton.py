@@ -5,7 +5,9 @@ nope + rope dims, v: v dims), by mla_sdpa.py's SDPA as on the CPU or, where flas
 varlen launch per layer for all of a step's chunks (q and the expanded
 K/V concatenated, cu_seqlens for both; FA4's causal mask is aligned bottom-right, our chunk-over-prefix mask;
 head dims 192/128 in DeepSeek's shapes). SDPA takes a warm chunk's mask as an explicit lower-right bias, which
-sends it off the flash kernel.
+sends it off the flash kernel. A step whose chunks' contexts together pass context_window_tokens runs a chunk at a
+time instead, one past the window in windows of its context (mla_windows.py; FA4 returns each window's
+log-sum-exp for the merge).
 
 A decode-only step runs the W_UK fold, the kernel and the W_UV product: fixed shapes given the batch size, no
 host sync, nothing gathered, so it can be recorded in a CUDA graph (the MoE's routed experts run sync-free
@@ -22,10 +24,14 @@ import torch
 
 from rank_worker.model.attention.fa4_backend import WARM_UP_STEPS
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention
-from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, chunk_context, expand_latents
-from rank_worker.model.forward_batch import ForwardBatch, require_adjacent
+from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, expand_latents
+from rank_worker.model.attention.mla_windows import context_range, needs_windows
+from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice, require_adjacent
 
 log = logging.getLogger(__name__)
+
+# (new tokens, prefix window) of the window launches warm_up compiles
+WINDOW_WARM_UP = [(2, 18), (300, 2300)]
 
 
 class MlaTritonAttention(MlaSdpaAttention):
@@ -68,7 +74,32 @@ class MlaTritonAttention(MlaSdpaAttention):
             return
         pieces = sorted(batch.prefills, key=lambda p: p.token_start)
         require_adjacent(pieces, "mla_triton")
-        contexts = [chunk_context(p, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
+        window = self.context_window_tokens
+        if window is None or sum(p.context_len for p in pieces) <= window:
+            self._fa4_launch(pieces, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+            return
+        # Past the window: a chunk at a time, each over at most a window of its context (mla_windows.py)
+        for piece in pieces:
+            if needs_windows(piece, window):
+                rows = slice(piece.token_start, piece.token_start + piece.num_new)
+                out[rows] = self.windowed(piece, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale)
+            else:
+                self._fa4_launch([piece], q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+
+    def _fa4_launch(
+        self,
+        pieces: list[PrefillSlice],
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        latent: torch.Tensor,
+        latent_cache: torch.Tensor,
+        kv_b_proj: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+        out: torch.Tensor,
+    ) -> None:
+        """Adjacent chunks, each over its whole context expanded, in one FA4 varlen launch into out."""
+        contexts = [context_range(p, 0, p.context_len, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
         context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
         k, v = expand_latents(context, kv_b_proj, q_nope.shape[1], q_nope.shape[2])
         start, end = pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new
@@ -87,6 +118,19 @@ class MlaTritonAttention(MlaSdpaAttention):
             scale,
             out[start:end],
         )
+
+    def window_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """mla_windows.WindowAttention by one FA4 launch, which returns the log-sum-exp ([H, n]) beside out."""
+        if not self.fa4_prefill:
+            return super().window_attention(q, k, v, scale, causal)
+        n, m = q.shape[0], k.shape[0]
+        bounds = torch.tensor([0, n, 0, m], dtype=torch.int32).to(q.device, non_blocking=True)
+        out = q.new_empty(n, q.shape[1], v.shape[-1])
+        lse = _fa4_varlen(q, k, v, bounds[:2], bounds[2:], n, m, scale, out, causal=causal, return_lse=True)
+        assert lse is not None
+        return out, lse.transpose(0, 1)
 
     def warm_up(self, kv_cache: torch.Tensor) -> float:
         """Compile FA4's variants for fa4_backend.WARM_UP_STEPS' steps now (start-up); returns the seconds."""
@@ -114,6 +158,13 @@ class MlaTritonAttention(MlaSdpaAttention):
             out = torch.empty(qo[-1], heads, v_dim, dtype=dtype, device=device)
             max_q, max_k = max(n for n, _ in chunks), max(c for _, c in chunks)
             _fa4_varlen(q, k, v, bounds[: len(qo)], bounds[len(qo) :], max_q, max_k, qk_dim**-0.5, out)
+        # the windows' launches (mla_windows.py): a chunk's own tokens (causal) and a prefix window (every key),
+        # each with its log-sum-exp, short and past one q tile
+        for (new, context), causal in itertools.product(WINDOW_WARM_UP, (True, False)):
+            q = torch.zeros(new, heads, qk_dim, dtype=dtype, device=device)
+            k = torch.zeros(new if causal else context, heads, qk_dim, dtype=dtype, device=device)
+            v = torch.zeros(k.shape[0], heads, v_dim, dtype=dtype, device=device)
+            self.window_attention(q, k, v, qk_dim**-0.5, causal)
         torch.cuda.synchronize(device)
 
 
@@ -134,11 +185,15 @@ def whole_query(q_nope: torch.Tensor, q_pe: torch.Tensor) -> torch.Tensor:
     return q_nope.as_strided((*q_nope.shape[:-1], nope + q_pe.shape[-1]), q_nope.stride()).contiguous()
 
 
-def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor) -> None:
-    """FA4 over concatenated chunks: q [n, H, qk], k [m, H, qk], v [m, H, v] (a strided view is fine), into out."""
+def _fa4_varlen(
+    q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: torch.Tensor, causal=True, return_lse=False
+) -> torch.Tensor | None:
+    """FA4 over concatenated chunks: q [n, H, qk], k [m, H, qk], v [m, H, v] (a strided view is fine), into out;
+    causal: aligned bottom-right (a chunk's rows see its context up to themselves), else every key. Returns the
+    log-sum-exp [H, n] (float32) where return_lse, else None."""
     from flash_attn.cute.interface import _flash_attn_fwd  # lazily: CUDA steps with FA4 installed only
 
-    _flash_attn_fwd(
+    _, lse, *_ = _flash_attn_fwd(
         q,
         k,
         v,
@@ -147,7 +202,9 @@ def _fa4_varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float, out: 
         max_seqlen_q=max_q,
         max_seqlen_k=max_k,
         softmax_scale=scale,
-        causal=True,
+        causal=causal,
         pack_gqa=False,
+        return_lse=return_lse,
         out=out,
     )
+    return lse if return_lse else None  # (FA4 computes none where not asked)

@@ -14,6 +14,8 @@ An fp8 pool (attention/kv_quant.py) is dequantised as it is gathered.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -71,57 +73,38 @@ class MlaSdpaAttention(AttentionBackend):
             o_lat = self.decode_latent(q_lat, q_pe[:n], latent_cache, batch, scale)
             torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2), out=out[:n].transpose(0, 1))
         if batch.prefills:
-            self.prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+            self.prefill_chunks(MlaPrefill(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale), out)
         return out
 
-    def prefill_chunks(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        latent_cache: torch.Tensor,
-        kv_b_proj: torch.Tensor,
-        batch: ForwardBatch,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
+    def prefill_chunks(self, step: MlaPrefill, out: torch.Tensor) -> None:
         """The step's prefill chunks, each over its context's latents expanded into per-head K/V, into out."""
-        nope = q_nope.shape[2]
-        for piece in batch.prefills:
+        for piece in step.batch.prefills:
             rows = slice(piece.token_start, piece.token_start + piece.num_new)
             if needs_windows(piece, self.context_window_tokens):
-                out[rows] = self.windowed(piece, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale)
+                out[rows] = self.windowed(piece, step)
                 continue
-            context = context_range(piece, 0, piece.context_len, latent, latent_cache, batch, q_nope.dtype)
+            k, v = step.expand(step.context(piece, 0, piece.context_len))
             if piece.context_len == piece.num_new:
                 mask, causal = None, True  # nothing cached before this chunk
             else:
                 mask, causal = causal_lower_right(piece.num_new, piece.context_len), False
-            out[rows] = _expanded_prefill(q_nope[rows], q_pe[rows], context, kv_b_proj, nope, scale, mask, causal)
+            q = torch.cat([step.q_nope[rows], step.q_pe[rows]], dim=-1)
+            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=step.scale)
+            out[rows] = o.squeeze(0).transpose(0, 1)
 
-    def windowed(
-        self,
-        piece: PrefillSlice,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        latent_cache: torch.Tensor,
-        kv_b_proj: torch.Tensor,
-        batch: ForwardBatch,
-        scale: float,
-    ) -> torch.Tensor:
+    def windowed(self, piece: PrefillSlice, step: MlaPrefill) -> torch.Tensor:
         """A chunk whose context is past context_window_tokens, a window of it at a time (mla_windows.py): [n, H, v]."""
         assert self.context_window_tokens is not None
         rows = slice(piece.token_start, piece.token_start + piece.num_new)
-        heads, nope = q_nope.shape[1], q_nope.shape[2]
         return windowed_prefill(
             piece,
-            torch.cat([q_nope[rows], q_pe[rows]], dim=-1),
-            lambda context: expand_latents(context, kv_b_proj, heads, nope),
-            lambda start, end: context_range(piece, start, end, latent, latent_cache, batch, q_nope.dtype),
+            torch.cat([step.q_nope[rows], step.q_pe[rows]], dim=-1),
+            step.expand,
+            lambda start, end: step.context(piece, start, end),
             self.context_window_tokens,
             self.window_attention,
-            scale,
+            step.scale,
         )
 
     def window_attention(
@@ -138,6 +121,29 @@ class MlaSdpaAttention(AttentionBackend):
         return _absorbed_decode(q_lat, q_pe, latent_cache, batch, scale)
 
 
+@dataclass
+class MlaPrefill:
+    """What a step's MLA prefill reads: q_nope [T, H, nope], q_pe [T, H, rope] (rotated), this step's latents
+    [T, r + rope] (already in the pool), one layer's pool view, kv_b_proj [H * (nope + v), r], the batch, the
+    softmax scale."""
+
+    q_nope: torch.Tensor
+    q_pe: torch.Tensor
+    latent: torch.Tensor
+    latent_cache: torch.Tensor
+    kv_b_proj: torch.Tensor
+    batch: ForwardBatch
+    scale: float
+
+    def context(self, piece: PrefillSlice, start: int, end: int) -> torch.Tensor:
+        """A chunk's context latents [start, end) in the model's dtype (mla_windows.context_range)."""
+        return context_range(piece, start, end, self.latent, self.latent_cache, self.batch, self.q_nope.dtype)
+
+    def expand(self, context: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context latents -> per-head (k, v) (expand_latents)."""
+        return expand_latents(context, self.kv_b_proj, self.q_nope.shape[1], self.q_nope.shape[2])
+
+
 def expand_latents(context: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, nope: int) -> tuple:
     """Context latents [m, r + rope] -> per-head k [m, H, nope + rope] (k_pe shared by every head) and v [m, H, v]
     (a view into kv_b_proj's output)."""
@@ -146,24 +152,6 @@ def expand_latents(context: torch.Tensor, kv_b_proj: torch.Tensor, heads: int, n
     kv = F.linear(c, kv_b_proj).view(context.shape[0], heads, -1)
     k = torch.cat([kv[..., :nope], k_pe.unsqueeze(1).expand(-1, heads, -1)], dim=-1)
     return k, kv[..., nope:]
-
-
-def _expanded_prefill(
-    q_nope: torch.Tensor,
-    q_pe: torch.Tensor,
-    context: torch.Tensor,
-    kv_b_proj: torch.Tensor,
-    nope: int,
-    scale: float,
-    mask: object,
-    causal: bool,
-) -> torch.Tensor:
-    """A chunk over its context's latents [m, r + rope], expanded into per-head K/V: [n, H, v]."""
-    k, v = expand_latents(context, kv_b_proj, q_nope.shape[1], nope)
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    qh, kh, vh = q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, is_causal=causal, scale=scale)
-    return o.squeeze(0).transpose(0, 1)
 
 
 def _absorbed_decode(

@@ -24,8 +24,8 @@ import torch
 
 from rank_worker.model.attention.fa4_backend import WARM_UP_STEPS
 from rank_worker.model.attention.mla_decode_kernel import mla_decode_attention
-from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention, expand_latents
-from rank_worker.model.attention.mla_windows import context_range, needs_windows
+from rank_worker.model.attention.mla_sdpa import MlaPrefill, MlaSdpaAttention
+from rank_worker.model.attention.mla_windows import needs_windows
 from rank_worker.model.forward_batch import ForwardBatch, PrefillSlice, require_adjacent
 
 log = logging.getLogger(__name__)
@@ -58,52 +58,29 @@ class MlaTritonAttention(MlaSdpaAttention):
             q_lat, q_pe, latent_cache, batch.block_tables, batch.decode_rows, batch.decode_lens, scale
         )
 
-    def prefill_chunks(
-        self,
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        latent_cache: torch.Tensor,
-        kv_b_proj: torch.Tensor,
-        batch: ForwardBatch,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
+    def prefill_chunks(self, step: MlaPrefill, out: torch.Tensor) -> None:
         if not self.fa4_prefill:
-            super().prefill_chunks(q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+            super().prefill_chunks(step, out)
             return
-        pieces = sorted(batch.prefills, key=lambda p: p.token_start)
+        pieces = sorted(step.batch.prefills, key=lambda p: p.token_start)
         require_adjacent(pieces, "mla_triton")
         window = self.context_window_tokens
         if window is None or sum(p.context_len for p in pieces) <= window:
-            self._fa4_launch(pieces, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+            self._fa4_launch(pieces, step, out)
             return
         # Past the window: a chunk at a time, each over at most a window of its context (mla_windows.py)
         for piece in pieces:
             if needs_windows(piece, window):
-                rows = slice(piece.token_start, piece.token_start + piece.num_new)
-                out[rows] = self.windowed(piece, q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale)
+                out[piece.token_start : piece.token_start + piece.num_new] = self.windowed(piece, step)
             else:
-                self._fa4_launch([piece], q_nope, q_pe, latent, latent_cache, kv_b_proj, batch, scale, out)
+                self._fa4_launch([piece], step, out)
 
-    def _fa4_launch(
-        self,
-        pieces: list[PrefillSlice],
-        q_nope: torch.Tensor,
-        q_pe: torch.Tensor,
-        latent: torch.Tensor,
-        latent_cache: torch.Tensor,
-        kv_b_proj: torch.Tensor,
-        batch: ForwardBatch,
-        scale: float,
-        out: torch.Tensor,
-    ) -> None:
+    def _fa4_launch(self, pieces: list[PrefillSlice], step: MlaPrefill, out: torch.Tensor) -> None:
         """Adjacent chunks, each over its whole context expanded, in one FA4 varlen launch into out."""
-        contexts = [context_range(p, 0, p.context_len, latent, latent_cache, batch, q_nope.dtype) for p in pieces]
-        context = contexts[0] if len(contexts) == 1 else torch.cat(contexts)
-        k, v = expand_latents(context, kv_b_proj, q_nope.shape[1], q_nope.shape[2])
+        contexts = [step.context(p, 0, p.context_len) for p in pieces]
+        k, v = step.expand(contexts[0] if len(contexts) == 1 else torch.cat(contexts))
         start, end = pieces[0].token_start, pieces[-1].token_start + pieces[-1].num_new
-        q = whole_query(q_nope[start:end], q_pe[start:end])
+        q = whole_query(step.q_nope[start:end], step.q_pe[start:end])
         qo = list(itertools.accumulate((p.num_new for p in pieces), initial=0))
         ko = list(itertools.accumulate((p.context_len for p in pieces), initial=0))
         bounds = torch.tensor(qo + ko, dtype=torch.int32).to(q.device, non_blocking=True)
@@ -115,7 +92,7 @@ class MlaTritonAttention(MlaSdpaAttention):
             bounds[len(qo) :],
             max(p.num_new for p in pieces),
             max(p.context_len for p in pieces),
-            scale,
+            step.scale,
             out[start:end],
         )
 

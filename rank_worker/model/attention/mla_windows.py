@@ -84,6 +84,7 @@ def windowed_prefill(
         part, part_lse = attend(q, k, v, scale, False)
         del k, v
         merge_into(acc, lse, part, part_lse)
+        del part, part_lse  # not held through the next window's attention (the probe runs one window)
     return acc.to(q.dtype)
 
 

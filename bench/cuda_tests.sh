@@ -5,6 +5,8 @@
 # shape with random weights, one chat request through the gateway). Logs under $OUT (cuda-tests*.log,
 # stack-smoke.json and its logs' tarball), each with the commit and the diff hash it ran.
 #     DEADLINE=420 bash bench/cuda_tests.sh
+# ONLY_TESTS: these pytest arguments alone instead (cuda-tests-only.log), for a lease with little time, e.g. FA4's MLA
+# cases after the .fa4 chunks came:  ONLY_TESTS="tests/rank_worker/test_cuda_mla.py -k fa4" bash bench/cuda_tests.sh
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda-tests}
 mkdir -p "$OUT"
@@ -17,6 +19,15 @@ if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1; then source "$(dirname "$0")/fa4_env.
 export PYTHONUNBUFFERED=1
 { python3 -c 'import json, sys; sys.path.insert(0, "bench"); from provenance import provenance; print(json.dumps(provenance(".")))'
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } > "$OUT/provenance.txt" 2>&1
+
+if [ -n "${ONLY_TESTS:-}" ]; then
+  say "pytest $ONLY_TESTS"
+  # shellcheck disable=SC2086  # the arguments split as pytest's
+  timeout -k 10 "$(left)" python3 -m pytest -p no:cacheprovider -q -rs $ONLY_TESTS > "$OUT/cuda-tests-only.log" 2>&1
+  echo "pytest rc=$?" >> "$OUT/cuda-tests-only.log"
+  tail -n 6 "$OUT/cuda-tests-only.log"
+  exit 0
+fi
 
 say "Triton kernel tests"
 timeout -k 10 $(( $(left) / 2 )) python3 -m pytest -p no:cacheprovider -q -rs -n 4 tests/rank_worker/test_cuda_*.py \

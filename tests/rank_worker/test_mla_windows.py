@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from deepseek_checkpoints import load_ours, write_deepseek
 from engine_fixtures import make_engine
 
+from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.mla_sdpa import MlaSdpaAttention
 from rank_worker.model.attention.mla_windows import (
     attention_with_lse,
@@ -49,12 +50,14 @@ def _prefill_batch(chunks: list[tuple[int, int]], num_blocks: int) -> tuple[Forw
     return batch, start
 
 
-def _attend(backend: MlaSdpaAttention, chunks: list[tuple[int, int]], seed: int) -> torch.Tensor:
+def _attend(
+    backend: MlaSdpaAttention, chunks: list[tuple[int, int]], seed: int, pool_dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """The step's prefill through backend, over a pool of random latents (a cold chunk's own latents are
     this step's): [tokens, H, v]."""
     torch.manual_seed(seed)
     num_blocks = 64
-    pool = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE)
+    pool = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE).to(pool_dtype)
     batch, tokens = _prefill_batch(chunks, num_blocks)
     latent = torch.randn(tokens, RANK + ROPE)
     q_nope, q_pe = torch.randn(tokens, HEADS, NOPE), torch.randn(tokens, HEADS, ROPE)
@@ -75,6 +78,14 @@ def test_a_windowed_prefill_gives_the_whole_context_prefill(window) -> None:
     bounded.context_window_tokens = window
     assert any(needs_windows(PrefillSlice(0, n, n + c, 0), window) for n, c in CHUNKS)
     torch.testing.assert_close(_attend(bounded, CHUNKS, seed=3), whole, rtol=1e-5, atol=1e-5)
+
+
+def test_windows_read_an_fp8_pool_as_the_whole_context_does() -> None:
+    """Every context latent, a warm chunk's own ones too, dequantised from the pool alike."""
+    bounded = MlaSdpaAttention()
+    bounded.context_window_tokens = 16
+    whole = _attend(MlaSdpaAttention(), CHUNKS, seed=4, pool_dtype=kv_quant.FP8)
+    torch.testing.assert_close(_attend(bounded, CHUNKS, seed=4, pool_dtype=kv_quant.FP8), whole, rtol=1e-5, atol=1e-5)
 
 
 def test_a_window_at_least_each_context_takes_the_whole_context_path() -> None:

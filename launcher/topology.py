@@ -218,10 +218,14 @@ def _configured_ports(config: KvServeConfig, ranks: int) -> frozenset[int]:
     """The ports the config gives the build's services; a port picked free for another must not be one of them
     (the OS reports them free until their service starts)."""
     redis_port = urlsplit(config.redis_url).port
-    ports: set[int | None] = {DEFAULT_REDIS_PORT if redis_port is None else redis_port, config.kvstore_port}
-    ports.add(config.router_port)
-    ports.add(config.gateway_port)
-    ports.update((config.kvstore_metrics_port, config.router_metrics_port))
+    ports: set[int | None] = {
+        DEFAULT_REDIS_PORT if redis_port is None else redis_port,
+        config.kvstore_port,
+        config.router_port,
+        config.gateway_port,
+        config.kvstore_metrics_port,
+        config.router_metrics_port,
+    }
     if config.rank_worker_port:
         ports.update(config.rank_worker_port + rank for rank in range(ranks))
     if config.rank_worker_metrics_port:

@@ -20,7 +20,6 @@ import datetime as dt
 import json
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
 from contracts.config import load_config  # noqa: E402
+from loadgen.provenance import provenance  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
@@ -252,13 +251,6 @@ def prefill_attention(attention) -> str:
     return "fa4" if fa4 else "sdpa"
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shape", default="llama-8b")
@@ -338,12 +330,13 @@ def main() -> None:
             merge_match(Path(args.merge_into), dtype, match)
         return
 
+    code = provenance(ROOT)
     result = {
         "schema": SCHEMA,
         "engine": "kvserve",
         "date": dt.date.today().isoformat(),
-        "commit": args.commit or git_commit(),
-        "provenance": provenance(ROOT),
+        "commit": args.commit or code["commit"],
+        "provenance": code,
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": args.shape,

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,6 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from contracts.config import load_config  # noqa: E402
+from loadgen.provenance import provenance  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
@@ -46,13 +46,6 @@ MB = 1_000_000
 def sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:
-        return "unknown"
 
 
 class ArenaFile:
@@ -218,9 +211,11 @@ def main() -> None:
     finally:
         bench.close()
 
+    code = provenance(ROOT)
     result = {
         "date": dt.date.today().isoformat(),
-        "commit": args.commit or git_commit(),
+        "commit": args.commit or code["commit"],
+        "provenance": code,
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": shape,

@@ -330,7 +330,7 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
         "date": ours.get("date") or vllm.get("date"),
         "gpu": ours.get("gpu") or vllm.get("gpu"),
         "commit": commit or ours.get("commit") or vllm.get("commit"),
-        # what each engine file says it ran: commit and the hash of the uncommitted diff (bench/provenance.py)
+        # what each engine file says it ran: commit and the hash of the uncommitted diff (loadgen/provenance.py)
         "provenance": {side: engines[side].get("provenance") for side in engines},
         "engines": {"ours": ours.get("engine", "kvserve"), "vllm": vllm.get("engine")},
         "settings": {

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, plan_for, run_plan, write_partial  # noqa: E402
-from bench.provenance import provenance  # noqa: E402
+from loadgen.provenance import provenance  # noqa: E402
 
 SHAPES = ROOT / "bench" / "shapes"
 

@@ -25,10 +25,10 @@ from rich.table import Table
 from loadgen.agent import ThinkTime
 from loadgen.content import ContentBuilder
 from loadgen.gateway_info import calibrate, count_tokens, probe_context, served_model
+from loadgen.provenance import checkout_record
 from loadgen.report import (
     TABLE_COLUMNS,
     add_pass_bar_arguments,
-    current_commit,
     largest_passing,
     step_row,
     step_stats,
@@ -171,7 +171,7 @@ def main(argv: list[str]) -> int:
     best = largest_passing(steps)
     results = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": current_commit(),
+        **checkout_record(),
         "url": args.url,
         "api": args.api,
         "model": model,

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import subprocess
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -244,12 +243,3 @@ TABLE_COLUMNS = (
     "errors",
     "verdict",
 )
-
-
-def current_commit() -> str:
-    """The checked-out commit, recorded with every result ("" outside a git checkout)."""
-    try:
-        result = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5, check=False)
-    except OSError:
-        return ""
-    return result.stdout.strip()

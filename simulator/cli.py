@@ -25,7 +25,8 @@ from rich.table import Table
 
 from contracts.config import DEFAULTS, EngineConfig, SchedulingConfig, load_config
 from loadgen.agent import ThinkTime
-from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, current_commit, step_row, thresholds_from
+from loadgen.provenance import checkout_record
+from loadgen.report import TABLE_COLUMNS, add_pass_bar_arguments, step_row, thresholds_from
 from loadgen.workload import SYNTHETIC_TARGETS, fitting_factor, load_workload, turns_replayed
 from router.route_score import RoutePolicy
 from simulator.calibration import COMPARED, compare_steps, load_measured
@@ -317,7 +318,7 @@ def main(argv: list[str]) -> int:
 
     results: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "commit": current_commit(),
+        **checkout_record(),
         "simulated": True,
         "shape": facts.name,
         "engine_results": args.engine_results,

@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from loadgen.report import current_commit  # noqa: E402
+from loadgen.provenance import checkout_record  # noqa: E402
 from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.model_runner import kv_pool_shape  # noqa: E402
 from rank_worker.model.forward_batch import DecodeGroup, ForwardBatch  # noqa: E402
@@ -95,7 +95,7 @@ def main() -> None:
     if args.out:
         result = {
             "date": time.strftime("%Y-%m-%d"),
-            "commit": current_commit(),
+            **checkout_record(),
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
             "shape": args.shape,

@@ -396,7 +396,7 @@ def test_both_engines_get_the_same_token_ids_and_the_results_say_so() -> None:
 
 
 def test_provenance_names_the_commit_and_hashes_an_uncommitted_change(tmp_path: Path) -> None:
-    from bench.provenance import provenance
+    from loadgen.provenance import provenance
 
     assert provenance(tmp_path) == {"commit": None, "diff_sha256": None, "dirty": None}  # not a checkout
     git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(tmp_path)]

@@ -18,7 +18,8 @@ from simulator.capacity import SECONDS_PER_MONTH, cost_per_million_input_tokens
 from simulator.cli import main
 from simulator.kv_capacity import kv_pool_blocks, shape_facts
 
-LLAMA_CHAT_SHAPE = Path(__file__).resolve().parents[2] / "bench" / "shapes" / "llama-8b-chat" / "config.json"
+REPO = Path(__file__).resolve().parents[2]
+LLAMA_CHAT_SHAPE = REPO / "bench" / "shapes" / "llama-8b-chat" / "config.json"
 
 
 def _trace_file(directory: Path, sessions: int = 4, turns: int = 12) -> Path:
@@ -44,6 +45,10 @@ def test_simulate_predicts_steps_the_largest_passing_n_and_its_cost(tmp_path: Pa
     assert main([*args, "--monthly-price", "20000", "--json", str(out)]) == 0
     results = json.loads(out.read_text())
     assert results["simulated"] is True and results["shape"] == "llama-8b"
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
+    # what ran: the checkout's commit and, where the tree has uncommitted changes, their hash (loadgen/provenance.py)
+    assert results["commit"] == head and results["provenance"]["commit"] == head
+    assert set(results["provenance"]) == {"commit", "diff_sha256", "dirty"}
     assert results["kv_blocks_per_rank"] == 52470  # the pool the engine benchmark measured
     assert [step["agents"] for step in results["steps"]] == [2, 4]
     for step in results["steps"]:

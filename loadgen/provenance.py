@@ -1,6 +1,7 @@
 """What a benchmark ran: the checkout's commit and a hash of its uncommitted changes, recorded in every result
 file, so that a number can be traced to the code that made it (a commit alone hides an uncommitted edit).
-Pure Python and git: bench/peer_vllm.py imports it inside vLLM's own site."""
+Pure Python and git (loadgen/__init__ imports nothing): bench/peer_vllm.py imports it inside vLLM's own site, and
+every result writer (loadgen, simulator, bench) records it."""
 
 from __future__ import annotations
 
@@ -35,3 +36,13 @@ def provenance(root: str | Path) -> dict[str, str | bool | None]:
             digest.update(path.read_bytes())
     dirty = bool(diff) or bool(names)
     return {"commit": head.decode().strip(), "diff_sha256": digest.hexdigest() if dirty else None, "dirty": dirty}
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]  # where loadgen runs from a checkout (not a git tree when installed)
+
+
+def checkout_record() -> dict[str, object]:
+    """A result file's "commit" (the checkout's commit, "" outside a git checkout) and "provenance" (provenance() of
+    the checkout this code runs from)."""
+    code = provenance(CHECKOUT)
+    return {"commit": code["commit"] or "", "provenance": code}

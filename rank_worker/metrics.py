@@ -114,6 +114,16 @@ class _EngineCollector(Collector):
         yield gauge(
             "kvserve:l1_copies_in_flight", "Blocks being offloaded to L1, not committed yet.", stats.l1_copies_in_flight
         )
+        yield counter(
+            "kvserve:oom_dropped_steps",
+            "Steps that ran out of GPU memory, dropped and scheduled again under a token cap.",
+            stats.oom_dropped_steps,
+        )
+        yield gauge(
+            "kvserve:step_token_cap",
+            "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",
+            stats.step_token_cap,
+        )
         yield gauge(
             "kvserve:waiting_prefill_tokens",
             "Uncached prompt tokens still to prefill on this rank (what it reports to the router).",

@@ -102,6 +102,8 @@ class EngineStats:
     l1_restored_tokens: int = 0
     l1_offloaded_blocks: int = 0
     l1_copies_in_flight: int = 0
+    oom_dropped_steps: int = 0  # steps that ran out of GPU memory and were scheduled again smaller
+    step_token_cap: int = 0  # the cap those left on a step's tokens (step_token_cap.py); 0: none
 
 
 @dataclass(frozen=True)

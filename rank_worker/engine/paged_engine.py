@@ -34,6 +34,7 @@ from rank_worker.engine.scheduler import ScheduledBatch, Scheduler
 from rank_worker.engine.sequence import PENDING_TOKEN, Sequence, SequenceStatus
 from rank_worker.engine.step_cost import StepLoad
 from rank_worker.engine.step_inputs import CarriedTokens
+from rank_worker.engine.step_token_cap import StepTokenCap
 from rank_worker.engine.step_trace import phase
 from rank_worker.expert_parallel.lockstep import Lockstep
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
@@ -137,6 +138,7 @@ class PagedEngine(Engine):
         solo = solo_prefill_tokens(settings, self.attention)
         max_step_tokens = max(settings.engine.max_num_batched_tokens, solo)
         self.attention.context_window_tokens = max_step_tokens
+        self.step_cap = StepTokenCap(max_step_tokens, floor=settings.engine.max_num_seqs)
         # L1 extends the prefix cache, so it needs one: without prefix caching there is nothing to key it by.
         self.l1: L1Tier | None = None
         if l1_client is not None and settings.engine.prefix_cache:
@@ -329,12 +331,38 @@ class PagedEngine(Engine):
             return []
         load, started = batch.load, time.perf_counter()  # the load before the step advances its sequences
         with phase("launch"):
-            flight = _InFlight(batch, self.runner.launch(batch), load, started)
+            try:
+                launched = self.runner.launch(batch)
+            except torch.OutOfMemoryError as exc:
+                if self.lockstep is not None:
+                    raise  # the group's exchanges are out of step: no rank can retry alone
+                self._out_of_memory(batch, exc)
+                return []
+            flight = _InFlight(batch, launched, load, started)
         self._pump_offloads()
         if self.settings.engine.pipeline_steps:
             self._in_flight = flight
             return []
         return self._complete(flight)
+
+    def _out_of_memory(self, batch: ScheduledBatch, exc: torch.OutOfMemoryError) -> None:
+        """A step ran out of GPU memory at launch. Nothing of it counted (its sequences advance when it is read, and
+        what it wrote of their KV is written again), so it is dropped, and the steps after it carry at most half its
+        tokens (step_token_cap.py). One at the floor fails its own requests."""
+        tokens = batch.num_tokens
+        if not self.step_cap.lower(tokens):
+            raise RequestsFailedError([seq.request_id for seq, _ in batch.entries], exc)
+        log.warning(
+            "a step of %d tokens ran out of GPU memory (%s); dropped, the next steps carry at most %d tokens",
+            tokens,
+            str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+            self.step_cap.tokens,
+        )
+        self._apply_step_cap()
+
+    def _apply_step_cap(self) -> None:
+        self.scheduler.step_token_cap = self.step_cap.tokens
+        self.attention.context_window_tokens = self.step_cap.window()  # a window expands as much as a step
 
     def _pump_offloads(self) -> None:
         """This step's share of the L1 write-through, queued behind its tokens' copy (L1Tier.pump)."""
@@ -433,6 +461,9 @@ class PagedEngine(Engine):
         read = time.perf_counter()
         # A pipelined step's GPU work starts when its predecessor's ends, which is about when that was read.
         self.scheduler.observe_step(flight.load, read - max(flight.started, self._last_read))
+        if self.step_cap.ran():
+            log.info("step token cap now %s", self.step_cap.tokens or "lifted")
+            self._apply_step_cap()
         self._last_read = read
         self._last_gpu_s = span_s(launched.gpu_span)  # type: ignore[arg-type]
         self._last_step_tokens = (batch.num_tokens, sum(n for _, n in batch.entries if n > 1))
@@ -555,6 +586,8 @@ class PagedEngine(Engine):
             l1_restored_tokens=sched.restored_tokens,
             l1_offloaded_blocks=self.l1.offloaded_blocks if self.l1 is not None else 0,
             l1_copies_in_flight=self.l1.copies_in_flight if self.l1 is not None else 0,
+            oom_dropped_steps=self.step_cap.dropped_steps,
+            step_token_cap=self.step_cap.tokens or 0,
         )
 
     def close(self) -> None:

@@ -159,6 +159,8 @@ class Scheduler:
         self.clock = clock  # the clock of arrival times (tests and the simulator set their own)
         self.step_cost = step_cost or StepCostModel()  # fed by observe_step with every step the model ran
         self.overrun_s = 0.0  # decode_payback: decoders' time still owed by steps that ran past the budget
+        # Tokens a step may carry after one ran out of GPU memory (step_token_cap.py); None: the budget's own.
+        self.step_token_cap: int | None = None
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         # Out of `running` (their last step is still on the device) but holding their row and blocks until removed.
@@ -259,7 +261,10 @@ class Scheduler:
         """The next step's batch. preempt=False (a step scheduled while its predecessor still runs on the device,
         which writes the running sequences' blocks): a running sequence that gets no blocks is left out of this
         step (batch.skipped) and nobody new is admitted, rather than preempting anyone."""
-        step = _Step(budget=self.max_num_batched_tokens, now=self.clock(), preempt=preempt)
+        budget = self.max_num_batched_tokens
+        if self.step_token_cap is not None:
+            budget = min(budget, self.step_token_cap)
+        step = _Step(budget=budget, now=self.clock(), preempt=preempt)
         budget_ms = self.policy.step_budget_ms()
         if budget_ms > 0:
             decoding = [(seq, 1) for seq in self.running if seq.num_uncomputed_tokens == 1]
@@ -397,6 +402,8 @@ class Scheduler:
     def _solo_tokens(self, seq: Sequence, step: _Step) -> int:
         """The one-step chunk of a solo prefill for seq (see the module's doc), or 0: not one."""
         cap = self.policy.solo_prefill_tokens or 0
+        if self.step_token_cap is not None:
+            cap = min(cap, self.step_token_cap)
         alone = not self.running and not step.batch.entries
         if cap <= step.budget or not alone or seq.num_computed_tokens or seq.num_uncomputed_tokens <= step.budget:
             return 0

@@ -102,6 +102,8 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l1_restore_seconds": "counter",
         "kvserve:l1_offload_bytes": "counter",
         "kvserve:l1_offload_seconds": "counter",
+        "kvserve:oom_dropped_steps": "counter",
+        "kvserve:step_token_cap": "gauge",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -114,6 +116,11 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
     assert value(families, "kvserve:l1_restore_bytes", "kvserve:l1_restore_bytes_total") == 4096
     for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):  # 0 before the first request
         assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total", source=source) == 0
+    shrunk = scrape(
+        RankMetrics("smol", "rank-0", lambda: engine_stats(oom_dropped_steps=3, step_token_cap=2048)).registry
+    )
+    assert value(shrunk, "kvserve:oom_dropped_steps", "kvserve:oom_dropped_steps_total") == 3
+    assert value(shrunk, "kvserve:step_token_cap") == 2048
 
 
 def test_a_finished_request_is_counted_by_source_and_timed() -> None:

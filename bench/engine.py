@@ -361,6 +361,8 @@ def main() -> None:
     }
 
     def done(name: str, entry: dict) -> None:
+        if engine.step_cap.dropped_steps:  # it timed the shorter steps the engine went on with (step_token_cap.py)
+            raise SystemExit(f"{name}: a step ran out of GPU memory and was dropped; not recorded")
         result["measures"][name] = entry
         print(f"{name}: {entry['seconds']:.4f} s {entry.get('cached_tokens', '')}", flush=True)
         write_partial(args.out, result)

@@ -190,13 +190,25 @@ def _profile_peak_bytes(
     torch.cuda.reset_peak_memory_stats(device)
     probe = PagedEngine(model, settings)
     probe.add_request(EngineRequest("profile", [1] * prompt, SamplingParams(max_tokens=1, ignore_eos=True)))
-    while probe.has_unfinished():
-        probe.step()
+    run_probe(probe, tokens)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - probe.kv_cache.numel() * probe.kv_cache.element_size()
     del probe
     torch.cuda.empty_cache()
     return peak
+
+
+def run_probe(probe: PagedEngine, tokens: int) -> None:
+    """Step the sizing probe to its end. A serving engine drops a step that runs out of memory and goes on with
+    shorter ones (step_token_cap.py); the probe must not: its peak would be a shorter step's, and the pool sized
+    after it too large for the steps the rank will take."""
+    while probe.has_unfinished():
+        probe.step()
+        if probe.step_cap.dropped_steps:
+            raise RuntimeError(
+                f"the rank's longest step ({tokens} tokens) runs out of GPU memory beside the weights alone: "
+                "lower max_num_batched_tokens, or solo_prefill_tokens where it is past it"
+            )
 
 
 def build_random_model(config_json: str, max_positions: int, seed: int = 0) -> CausalLM:

@@ -161,3 +161,17 @@ def test_through_the_loop_the_one_that_runs_out_fails_alone(model: torch.nn.Modu
     finally:
         loop.stop()
     assert engine.stats().used_blocks == 0  # the failed request's blocks went back
+
+
+def test_the_sizing_probe_refuses_to_measure_a_shorter_step(model: torch.nn.Module) -> None:
+    from rank_worker.engine.factory import run_probe
+
+    probe = _engine(model, pipeline=False)
+    probe.runner.model = RunsOut(model, over=40)
+    probe.add_request(EngineRequest("profile", [1] * 300, greedy(1)))
+    with pytest.raises(RuntimeError, match=f"longest step \\({BUDGET} tokens\\) runs out of GPU memory"):
+        run_probe(probe, BUDGET)
+    fits = _engine(model, pipeline=False)
+    fits.add_request(EngineRequest("profile", [1] * 300, greedy(1)))
+    run_probe(fits, BUDGET)
+    assert not fits.has_unfinished() and fits.finished_requests == 1

@@ -123,6 +123,18 @@ def test_each_criterion_fails_on_its_own() -> None:
     assert stats["failed"] == ["errors"] and stats["errors"] == pytest.approx(1 / 11, abs=1e-4)
 
 
+def test_the_cache_bar_is_the_optimum_of_the_answered_calls() -> None:
+    # cold first turns answered (nothing to reuse), the warm turns failed: over every call the optimum would be the
+    # warm turns' 95% and the answered calls' 0% hit would fail "cache_hit" beside "errors"
+    answered = [_record(agent=a, warm=False, cached=0) for a in range(4)]
+    failed = [_record(agent=a, warm=True, error="api_error", ttft=None, output=0) for a in range(4)]
+    stats = step_stats(answered + failed, 4)
+    assert stats["cache_hit"] == 0.0 and stats["expected_cache_hit"] == 0.0
+    assert stats["failed"] == ["errors"]
+    warm_answered = step_stats([_record(agent=a, warm=True, cached=930) for a in range(4)] + failed, 4)
+    assert warm_answered["expected_cache_hit"] == 0.95 and warm_answered["failed"] == ["errors"]  # 0.93 >= 0.97 x 0.95
+
+
 def test_thresholds_are_adjustable() -> None:
     records = [_record(agent=a, ttft=20.0) for a in range(4)]
     assert "ttft_p95" in step_stats(records, 4)["failed"]

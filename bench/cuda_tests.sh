@@ -14,7 +14,7 @@ DEADLINE=${DEADLINE:-420}
 left() { echo $((DEADLINE - SECONDS)); }
 say() { echo "[$(date +%T) +${SECONDS}s] $*"; }
 source "$(dirname "$0")/stack_lib.sh"
-# flash-attn 4 when its chunks came (bench/peer_h200.sh chunk with .fa4/chunk00..02): its test cases then run too
+# flash-attn 4 when its chunks came (bench/peer_h200.sh chunk with .fa4/chunk00..01): its test cases then run too
 if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1; then source "$(dirname "$0")/fa4_env.sh" || true; fi
 export PYTHONUNBUFFERED=1
 { python3 -c 'import json, sys; sys.path.insert(0, "loadgen"); from provenance import provenance; print(json.dumps(provenance(".")))'

@@ -3,11 +3,11 @@
 # wheels from /tmp/fa4acc into /tmp/fa4site (once per warm machine) and puts that site first on PYTHONPATH.
 # Returns non-zero when the chunks are not there or do not install.
 if [ ! -f /tmp/fa4site/flash_attn/cute/__init__.py ]; then
-  if [ "$(ls /tmp/fa4acc/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-3}" ]; then
-    echo "bench/fa4_env.sh: not every chunk is in /tmp/fa4acc yet (send .fa4/chunk00..chunk02 first)"
+  if [ "$(ls /tmp/fa4acc/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-2}" ]; then  # 2: packed (pack_chunks.py)
+    echo "bench/fa4_env.sh: not every chunk is in /tmp/fa4acc yet (send .fa4/chunk00..chunk01 first)"
     return 1 2>/dev/null || exit 1
   fi
-  rm -rf /tmp/fa4w && mkdir -p /tmp/fa4w && cat /tmp/fa4acc/chunk0* | tar xf - -C /tmp/fa4w &&
+  rm -rf /tmp/fa4w && python3 "$(dirname "${BASH_SOURCE[0]}")/unpack_chunks.py" /tmp/fa4acc /tmp/fa4w &&
     timeout 60 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/fa4site \
       /tmp/fa4w/*.whl || { echo "bench/fa4_env.sh: install failed"; return 1 2>/dev/null || exit 1; }
 fi

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Build .fa4/, the flash-attn 4 (CuTe DSL) kit for the GPU machine, which cannot reach a package registry:
 # flash-attn-4 4.0.0b36 and what it needs that the machine lacks (nvidia-cutlass-dsl 4.8.1 with its CUDA 13
-# libraries, quack-kernels, apache-tvm-ffi >= 0.1.11), wheels for Python 3.12, tarred and split into
-# .fa4/chunk00..chunk02 (36 MB each: a call carries at most 64 MiB, the working tree's ~14 MB included). The
+# libraries, quack-kernels, apache-tvm-ffi >= 0.1.11), wheels for Python 3.12, packed by bench/pack_chunks.py
+# (stored wheels, xz over the set: 102 MB -> 67 MB) into .fa4/chunk00..chunk01 (at most 46 MiB each: a call
+# carries at most 64 MiB, the working tree's ~15 MB included). The
 # machine has torch, einops and cuda-bindings. FA4 compiles its kernels at first use (CuTe DSL, seconds; no
 # nvcc), so nothing is prebuilt.
 #
 #     bash bench/fa4_kit.sh          # idempotent
 # Then, one device call per chunk (carry [".fa4/chunk00"]): mkdir -p /tmp/fa4acc && cp .fa4/chunk00 /tmp/fa4acc/
-# and in a later call: source bench/fa4_env.sh (installs into /tmp/fa4site and sets PYTHONPATH).
+# and in a later call: source bench/fa4_env.sh (installs into /tmp/fa4site and sets PYTHONPATH). A kit built
+# before the packing (3 plain chunks) packs in place: python3 bench/pack_chunks.py .fa4
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 KIT=.fa4
@@ -30,4 +32,5 @@ mkdir -p "$KIT"
 tar cf "$work/fa4.tar" -C "$work/wheels" .
 split -b 36M -d "$work/fa4.tar" "$KIT/chunk"
 rm -rf "$work"
+python3 bench/pack_chunks.py "$KIT"
 ls -l "$KIT"

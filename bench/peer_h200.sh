@@ -17,12 +17,14 @@
 # engine JSONs (default OUT: bench/results/<date>-<machine>-peer-<shape>/raw, PEER_TAG appended);
 # bench/peer_results.py assembles them into the run folder's peer.json.
 # Calls, back to back (a machine idle for 30 s is given back, and with it /tmp):
-#   carry [".peer/chunk00"] .. [".peer/chunk06"]: bash bench/peer_h200.sh chunk
-#   carry [".peer/chunk07"]:                      bash bench/peer_h200.sh chunk vllm-engine
-# (the working tree, ~14 MB, travels beside each carried chunk within the 64 MiB a call takes: split the
-# vllm-peer kit's chunks to 45 MB, `cat .peer/chunk* > t && rm .peer/chunk* && split -b 45M -d t .peer/chunk`)
+#   carry [".peer/chunk00"] .. [".peer/chunk04"]: bash bench/peer_h200.sh chunk
+#   carry [".peer/chunk05", ".fa4/chunk01", ".caches"]: bash bench/peer_h200.sh chunk vllm-engine
+# (the working tree, ~15 MB, travels beside the carried chunks within the 64 MiB a call takes. The kits are packed
+# by bench/pack_chunks.py: stored wheels, xz over the set, 46 MiB chunks; vLLM's 366 MB in 6 chunks, the last 2 MB,
+# flash-attn 4's 102 MB in 2, the second 19 MB. A kit of plain tar chunks, as ../shared/tools/vllm-peer builds it,
+# packs in place: `python bench/pack_chunks.py .peer`, ~7 minutes here; either kind installs.)
 #   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
-#   carry [".fa4/chunk00"] .. [".fa4/chunk02"]:   bash bench/peer_h200.sh chunk         (flash-attn 4, for ours)
+#   carry [".fa4/chunk00"]:                       bash bench/peer_h200.sh chunk         (flash-attn 4, for ours)
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
 # (FlashInfer instead of FA4: carry [".whl", ".fi"] and no .fa4 chunks.)
@@ -102,7 +104,7 @@ if have_kit; then
 fi
 # FlashInfer's wheels and prebuilt FA3 module when carried (.fi): attention_backend auto then takes it
 if [ -d .fi ]; then source "$(dirname "$0")/fi_env.sh" || exit 1; fi
-# flash-attn 4 when its chunks came (carry .fa4/chunk00 .. chunk02, one a call, with the chunk phase): auto then takes it
+# flash-attn 4 when its chunks came (carry .fa4/chunk00 and chunk01, one a call, with the chunk phase): auto then takes it
 # for our prefill. Not beside .fi: FA4 needs a newer tvm-ffi than the FlashInfer kit's, and it would shadow it.
 if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then source "$(dirname "$0")/fa4_env.sh" || true; fi
 export PYTHONPATH=${PYTHONPATH:-$PWD}
@@ -178,8 +180,8 @@ vllm_install() {
   [ -f /tmp/vsite/vllm/__init__.py ] && return 0
   ls /tmp/acc/chunk* >/dev/null 2>&1 || { say "no /tmp/acc/chunk*: send the chunks first (phase chunk)"; return 1; }
   say "installing vLLM from $(ls /tmp/acc | wc -l) chunks"
-  rm -rf /tmp/vw /tmp/vsite && mkdir -p /tmp/vw
-  cat /tmp/acc/chunk* | tar xf - -C /tmp/vw || { say "the chunks do not make a whole tar: send them again"; return 1; }
+  rm -rf /tmp/vw /tmp/vsite
+  python3 "$(dirname "$0")/unpack_chunks.py" /tmp/acc /tmp/vw || return 1  # a tar, or xz (bench/pack_chunks.py)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite /tmp/vw/*.whl || return 1
   rm -rf /tmp/vw
   say "vLLM installed"

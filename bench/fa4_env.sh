@@ -13,5 +13,7 @@ if [ ! -f /tmp/fa4site/flash_attn/cute/__init__.py ]; then
 fi
 export PYTHONPATH="/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}"
 export TVM_FFI_DISABLE_TORCH_C_DLPACK=1
-export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4cache
-mkdir -p /tmp/fa4cache
+# FA4's compiled kernels on disk, where bench/peer_h200.sh's caches-out takes them for the next lease (its CACHE_DIRS):
+# ~20 s of compiling at each bare start (DeepSeek-V2-Lite's MLA prefill, H100, 2026-12-05)
+export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR="$HOME/.cache/fa4-cute"
+mkdir -p "$FLASH_ATTENTION_CUTE_DSL_CACHE_DIR"

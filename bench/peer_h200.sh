@@ -146,12 +146,13 @@ stop_group() {  # pidfile, signal: the server's session leader first, then its w
 
 # --- compile caches ---
 # vLLM's first start on a bare machine took 268 s for the DeepSeek shape, its next ones 41-63 s (2026-12-05, H100):
-# torch.compile's artifacts and the Triton kernels it JIT-compiles (fused_moe and others) are cached on disk and a
+# torch.compile's artifacts and the Triton kernels it JIT-compiles (fused_moe and others; ours's too, and ours's FA4
+# kernels, ~20 s of its 57 s start) are cached on disk and a
 # machine starts bare every lease. `caches-out` sends them back in 15 MB parts (keep them in .caches/, ignored);
 # carried with the `chunk` calls of a later lease (one part a call, beside a .peer chunk where they fit), they are
 # unpacked once all have come (a partial set does not unpack and is left alone). Same GPU generation only (SM90:
 # H100 and H200 alike); a cache from other code or settings is simply not hit.
-CACHE_DIRS=(.cache/vllm .triton/cache .cache/flashinfer)
+CACHE_DIRS=(.cache/vllm .triton/cache .cache/flashinfer .cache/fa4-cute)  # the last: ours's FA4 (fa4_env.sh)
 CACHE_ACC=${CACHE_ACC:-/tmp/cacheacc}  # the parts carried so far (and, once unpacked, $CACHE_ACC/restored)
 caches_restore() {
   [ -f "$CACHE_ACC/restored" ] && return 0

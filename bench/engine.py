@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench.peer_plan import SCHEMA, Measure, plan_for, run_plan, write_partial  # noqa: E402
 from contracts.config import load_config  # noqa: E402
-from loadgen.provenance import provenance  # noqa: E402
+from loadgen.provenance import checkout_record  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
@@ -330,13 +330,11 @@ def main() -> None:
             merge_match(Path(args.merge_into), dtype, match)
         return
 
-    code = provenance(ROOT)
     result = {
         "schema": SCHEMA,
         "engine": "kvserve",
         "date": dt.date.today().isoformat(),
-        "commit": args.commit or code["commit"],
-        "provenance": code,
+        **checkout_record(args.commit),
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": args.shape,

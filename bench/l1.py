@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from contracts.config import load_config  # noqa: E402
-from loadgen.provenance import provenance  # noqa: E402
+from loadgen.provenance import checkout_record  # noqa: E402
 from rank_worker.engine.factory import build_engine  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import PagedEngine  # noqa: E402
@@ -211,11 +211,9 @@ def main() -> None:
     finally:
         bench.close()
 
-    code = provenance(ROOT)
     result = {
         "date": dt.date.today().isoformat(),
-        "commit": args.commit or code["commit"],
-        "provenance": code,
+        **checkout_record(args.commit),
         "gpu": gpu,
         "torch": torch.__version__,
         "shape": shape,

@@ -41,8 +41,8 @@ def provenance(root: str | Path) -> dict[str, str | bool | None]:
 CHECKOUT = Path(__file__).resolve().parents[1]  # where loadgen runs from a checkout (not a git tree when installed)
 
 
-def checkout_record() -> dict[str, object]:
-    """A result file's "commit" (the checkout's commit, "" outside a git checkout) and "provenance" (provenance() of
-    the checkout this code runs from)."""
+def checkout_record(commit: str | None = None) -> dict[str, object]:
+    """A result file's "commit" (the one given, e.g. by a GPU call whose copy's HEAD is older than its code, else
+    the checkout's; "" outside a git checkout) and "provenance" (provenance() of the checkout this code runs from)."""
     code = provenance(CHECKOUT)
-    return {"commit": code["commit"] or "", "provenance": code}
+    return {"commit": commit or code["commit"] or "", "provenance": code}

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 RECOVERY_STEPS = 500  # steps that ran under a cap before it doubles (seconds to minutes of serving)
+MIN_WINDOW_SHARE = 8  # the prefill window shrinks with the cap down to longest_step // this
 
 
 @dataclass
@@ -51,5 +52,9 @@ class StepTokenCap:
 
     def window(self) -> int:
         """The prefill window of a prefix-expanding attention (context_window_tokens): the longest step, or the
-        cap where one holds, since a window's expansion is what the step's own tokens would cost."""
-        return self.longest_step if self.tokens is None else min(self.tokens, self.longest_step)
+        cap where one holds, since a window's expansion is what the step's own tokens would cost; never under an
+        eighth of the longest step (a long prefix would go in thousands of launches a layer). A window of at least
+        the cap keeps a cold chunk, at most a step long, in one window (mla_windows.needs_windows)."""
+        if self.tokens is None:
+            return self.longest_step
+        return min(max(self.tokens, self.longest_step // MIN_WINDOW_SHARE), self.longest_step)

@@ -72,6 +72,7 @@ def test_the_cap_halves_the_failed_step_doubles_back_and_stops_at_the_floor() ->
     assert cap.lower(900) and cap.tokens == 450 and cap.window() == 450
     assert cap.lower(450) and cap.tokens == 225 and cap.dropped_steps == 2
     assert cap.lower(12) and cap.tokens == 8  # never under the floor
+    assert cap.window() == 125  # the window stops at an eighth of the longest step
     assert not cap.lower(8) and cap.tokens == 8 and cap.dropped_steps == 3  # nothing smaller left: no change
     moves = [cap.ran() for _ in range(9)]
     assert moves == [False, False, True] * 3 and cap.tokens == 64  # 8 -> 16 -> 32 -> 64, every 3 steps

@@ -68,8 +68,10 @@ SERVE_SHAPE=${SERVE_SHAPE:-$SHAPE}       # the one `vllm serve` serves for the a
 # bench/engine.py's --shape for ours: the very shape vLLM measures (llama-8b-chat's vocabulary is 49152, plain
 # llama-8b's 128256: a larger lm_head to read every decode step, and other prompt ids)
 ENGINE_SHAPE=${ENGINE_SHAPE:-$SHAPE}
-# The token budget of a step on both sides: bench/engine.py's default, given to vLLM's offline run and to
-# `vllm serve` (vLLM's own default on an H200 is 16384; VLLM_MAX_BATCHED=0 measures that instead)
+# The token budget of a step on both sides: bench/engine.py's default, given to vLLM's offline run, to `vllm serve`
+# and to `kvserve up` (KVSERVE_MAX_NUM_BATCHED_TOKENS over the config's; before 2026-12-06 ours's agent steps ran
+# the config's, EngineConfig's 4096). vLLM's own default on an H200 is 16384: VLLM_MAX_BATCHED=0 measures that
+# instead, ours then keeping its config's.
 VLLM_MAX_BATCHED=${VLLM_MAX_BATCHED:-32768}
 # ours' random draw for the engine measures: `uniform` is vLLM's dummy draw, which is what makes MoE routing (so
 # the experts a decode step reads) alike on both sides; the dense Llama shape costs the same under either
@@ -220,6 +222,9 @@ vllm_stop() { group_alive "$STATE/vllm.pid" && say "stopping vllm serve"; stop_g
 
 # --- our stack ---
 ours_up() { grep -qs "Ctrl-C" "$STATE/ours-up.log" && group_alive "$STATE/ours.pid"; }
+ours_budget() {  # the environment that gives `kvserve up` vLLM's step budget (nothing where vLLM runs its default)
+  [ "$VLLM_MAX_BATCHED" != 0 ] && echo "KVSERVE_MAX_NUM_BATCHED_TOKENS=$VLLM_MAX_BATCHED"
+}
 ours_start() {
   ours_up && return 0
   group_alive "$STATE/ours.pid" && return 0
@@ -229,7 +234,8 @@ ours_start() {
   say "starting kvserve up"
   rm -rf /tmp/kvserve-run
   # shellcheck disable=SC2016
-  setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir /tmp/kvserve-run' \
+  # shellcheck disable=SC2046  # ours_budget's assignment, or nothing
+  env $(ours_budget) setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir /tmp/kvserve-run' \
     > "$STATE/ours-up.log" 2>&1 < /dev/null &
   sleep 2
 }
@@ -380,6 +386,7 @@ phase() {
       say "kvserve: $(ours_up && echo up || (group_alive "$STATE/ours.pid" && echo starting) || echo down)"
       say "steps done: vllm $(cat "$STATE/vllm-done" 2>/dev/null | tr '\n' ' '); ours $(cat "$STATE/ours-done" 2>/dev/null | tr '\n' ' ')"
       say "GPU memory used: $(gpu_memory_mib) MiB"
+      say "step budget: vllm serve ${VLLM_MAX_BATCHED/#0/its default}; kvserve up ${VLLM_MAX_BATCHED/#0/its config\'s} ($(ours_budget))"
       ;;
     *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, caches-out, status, stop)"; return 2 ;;
   esac

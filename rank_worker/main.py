@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from contracts import service_main
-from contracts.config import KvServeConfig
+from contracts.config import EngineConfig, KvServeConfig
 from contracts.internal_auth import InternalAuthError
 from contracts.metrics_http import serve_metrics
 from contracts.vllm_kv_events import MEDIUM_GPU, publisher_from_config
@@ -172,7 +172,7 @@ async def serve(config: KvServeConfig) -> int:
     servicer.attach(engine_loop, engine.model_info, rank_id, metrics)
     for service in ("", SERVICE_NAME):
         await health_servicer.set(service, health_pb2.HealthCheckResponse.SERVING)
-    _log_ready(engine.model_info, engine_loop.stats(), address)
+    _log_ready(engine.model_info, engine_loop.stats(), config.engine, address)
     _log_l1(config, engine_loop.stats())
     router_link = None
     if config.router:
@@ -241,13 +241,16 @@ def _log_l1(config: KvServeConfig, stats: EngineStats) -> None:
         log.warning("L1 host cache: the kvstore at %s is not attached yet; serving from L0 meanwhile", config.kvstore)
 
 
-def _log_ready(info: ModelInfo, stats: EngineStats, address: str) -> None:
+def _log_ready(info: ModelInfo, stats: EngineStats, engine: EngineConfig, address: str) -> None:
+    # the step's limits too: a benchmark's side by side must be able to show both sides ran the same budget
     log.info(
-        "KV pool: %d blocks x %d tokens = %d tokens; max_model_len %d",
+        "KV pool: %d blocks x %d tokens = %d tokens; max_model_len %d; max_num_batched_tokens %d, max_num_seqs %d",
         stats.total_blocks,
         stats.block_size,
         stats.total_blocks * stats.block_size,
         info.max_model_len,
+        engine.max_num_batched_tokens,
+        engine.max_num_seqs,
     )
     log.info("ready: serving %s (%s) on %s", info.served_model_name, info.model_id, address)
 

@@ -24,6 +24,7 @@ from protos import rank_worker_pb2_grpc as pb_grpc
 NUM_KV_BLOCKS = 256
 MAX_MODEL_LEN = 1024
 BLOCK_SIZE = 16
+STEP_BUDGET = 512  # KVSERVE_MAX_NUM_BATCHED_TOKENS, as bench/peer_h200.sh gives `kvserve up` vLLM's budget
 CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 
@@ -35,7 +36,11 @@ def worker_log(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def worker(worker_log: Path) -> Iterator[str]:
     port = free_port()
-    settings = {"KVSERVE_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS), "KVSERVE_MAX_MODEL_LEN": str(MAX_MODEL_LEN)}
+    settings = {
+        "KVSERVE_NUM_KV_BLOCKS": str(NUM_KV_BLOCKS),
+        "KVSERVE_MAX_MODEL_LEN": str(MAX_MODEL_LEN),
+        "KVSERVE_MAX_NUM_BATCHED_TOKENS": str(STEP_BUDGET),
+    }
     with start_rank_worker(worker_log, port, **settings) as process:
         yield f"127.0.0.1:{port}"
         process.send_signal(signal.SIGTERM)
@@ -118,6 +123,12 @@ def test_model_info(model_info: pb.ModelInfoResponse, tokenizer: Tokenizer) -> N
     assert "<|im_start|>" in model_info.chat_template
     assert model_info.eos_token_ids and model_info.eos_token
     assert tokenizer.get_vocab_size() <= model_info.vocab_size
+
+
+def test_the_ready_line_names_the_pool_and_the_step_limits(stub: pb_grpc.RankWorkerStub, worker_log: Path) -> None:
+    text = worker_log.read_text(errors="replace")
+    assert f"KV pool: {NUM_KV_BLOCKS} blocks x {BLOCK_SIZE} tokens" in text
+    assert f"max_model_len {MAX_MODEL_LEN}; max_num_batched_tokens {STEP_BUDGET}, max_num_seqs " in text
 
 
 def test_stats_fields(stub: pb_grpc.RankWorkerStub) -> None:

@@ -1,5 +1,6 @@
-"""bench/peer_h200.sh's compile caches: `caches-out` sends a machine's caches back in parts, and the `chunk` calls
-of a later lease unpack them once every part has come, never a partial set (run here, the GPU not needed)."""
+"""bench/peer_h200.sh run here (the GPU not needed): its compile caches (`caches-out` sends a machine's caches back in
+parts, and the `chunk` calls of a later lease unpack them once every part has come, never a partial set), and the
+one step budget it gives both servers."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "peer_h200.sh"
 
 
-def phase(name: str, cwd: Path, home: Path, tmp: Path) -> str:
+def phase(name: str, cwd: Path, home: Path, tmp: Path, **more: str) -> str:
     env = {
         **os.environ,
+        **more,
         "HOME": str(home),
         "OUT": str(tmp / "out"),
         "PEER_STATE": str(tmp / "state"),
@@ -60,3 +62,12 @@ def test_caches_out_on_a_machine_without_caches_sends_nothing(tmp_path: Path) ->
     said = phase("caches-out", tmp_path, tmp_path / "home", tmp_path / "run")
     assert "no compile caches" in said
     assert not list((tmp_path / "run").rglob("caches.part*"))
+
+
+def test_both_servers_get_one_step_budget(tmp_path: Path) -> None:
+    said = phase("status", tmp_path, tmp_path, tmp_path)
+    assert "step budget: vllm serve 32768; kvserve up 32768 (KVSERVE_MAX_NUM_BATCHED_TOKENS=32768)" in said
+    said = phase("status", tmp_path, tmp_path, tmp_path, VLLM_MAX_BATCHED="16384")
+    assert "kvserve up 16384 (KVSERVE_MAX_NUM_BATCHED_TOKENS=16384)" in said
+    said = phase("status", tmp_path, tmp_path, tmp_path, VLLM_MAX_BATCHED="0")  # vLLM's default: ours its config's
+    assert "step budget: vllm serve its default; kvserve up its config's ()" in said

@@ -69,7 +69,7 @@ SERVE_SHAPE=${SERVE_SHAPE:-$SHAPE}       # the one `vllm serve` serves for the a
 # llama-8b's 128256: a larger lm_head to read every decode step, and other prompt ids)
 ENGINE_SHAPE=${ENGINE_SHAPE:-$SHAPE}
 # The token budget of a step on both sides: bench/engine.py's default, given to vLLM's offline run, to `vllm serve`
-# and to `kvserve up` (KVSERVE_MAX_NUM_BATCHED_TOKENS over the config's; before 2026-12-06 ours's agent steps ran
+# and to `kvserve up` (KVSERVE_MAX_NUM_BATCHED_TOKENS over the config's; before e873209 ours's agent steps ran
 # the config's, EngineConfig's 4096). vLLM's own default on an H200 is 16384: VLLM_MAX_BATCHED=0 measures that
 # instead, ours then keeping its config's.
 VLLM_MAX_BATCHED=${VLLM_MAX_BATCHED:-32768}

@@ -60,12 +60,13 @@ def test_a_step_that_runs_out_of_cuda_memory_is_run_again_smaller() -> None:
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     limit = torch.cuda.memory_reserved() + extra // 2  # room for a step of about half the prompt, not all of it
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(limit / total, device)
+    index = torch.cuda.current_device()  # the fraction takes an index ("cuda" alone is refused)
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(limit / total, index)
     try:
         got = _run(engine, prompt)
     finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        torch.cuda.set_per_process_memory_fraction(1.0, index)
     stats = engine.stats()
     assert stats.oom_dropped_steps >= 1 and 0 < stats.step_token_cap <= PROMPT // 2
     assert got == expected

@@ -7,6 +7,7 @@
 #     DEADLINE=420 bash bench/cuda_tests.sh
 # ONLY_TESTS: these pytest arguments alone instead (cuda-tests-only.log), for a lease with little time, e.g. FA4's MLA
 # cases after the .fa4 chunks came:  ONLY_TESTS="tests/rank_worker/test_cuda_mla.py -k fa4" bash bench/cuda_tests.sh
+# (its words split as the shell's: a -k expression with spaces, quoted or not, does not survive; name files)
 set -uo pipefail
 OUT=${OUT:-/tmp/cuda-tests}
 mkdir -p "$OUT"
@@ -17,7 +18,7 @@ source "$(dirname "$0")/stack_lib.sh"
 # flash-attn 4 when its chunks came (bench/peer_h200.sh chunk with .fa4/chunk00..01): its test cases then run too
 if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1; then source "$(dirname "$0")/fa4_env.sh" || true; fi
 export PYTHONUNBUFFERED=1
-{ python3 -c 'import json, sys; sys.path.insert(0, "loadgen"); from provenance import provenance; print(json.dumps(provenance(".")))'
+{ python3 "$(dirname "$0")/../loadgen/provenance.py" .
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; } > "$OUT/provenance.txt" 2>&1
 
 if [ -n "${ONLY_TESTS:-}" ]; then

@@ -395,8 +395,8 @@ phase() {
 [ $# -gt 0 ] || { echo "usage: bash bench/peer_h200.sh PHASE [PHASE...]"; exit 2; }
 nvidia-smi --query-gpu=name --format=csv,noheader > "$WORK/gpu.txt" 2>/dev/null || true
 # what this machine's code is, in every tarball: the commit and the hash of its uncommitted diff (loadgen/provenance.py)
-python3 -c 'import json, sys; sys.path.insert(0, sys.argv[1]); from provenance import provenance; print(json.dumps(provenance(".")))' \
-  "$(dirname "$0")/../loadgen" > "$WORK/provenance.json" 2>/dev/null || echo "commit $COMMIT" > "$WORK/provenance.json"
+python3 "$(dirname "$0")/../loadgen/provenance.py" . > "$WORK/provenance.json" 2>/dev/null ||
+  echo "commit $COMMIT" > "$WORK/provenance.json"
 status=0
 for p in "$@"; do
   phase "$p" || status=$?

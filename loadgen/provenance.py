@@ -1,12 +1,14 @@
 """What a benchmark ran: the checkout's commit and a hash of its uncommitted changes, recorded in every result
 file, so that a number can be traced to the code that made it (a commit alone hides an uncommitted edit).
-Pure Python and git (loadgen/__init__ imports nothing): bench/peer_vllm.py imports it inside vLLM's own site, and
-every result writer (loadgen, simulator, bench) records it."""
+Pure Python and git (loadgen/__init__ imports nothing): bench/peer_vllm.py imports it inside vLLM's own site,
+every result writer (loadgen, simulator, bench) records it, and the GPU shell scripts run it as a script."""
 
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -46,3 +48,7 @@ def checkout_record(commit: str | None = None) -> dict[str, object]:
     the checkout's; "" outside a git checkout) and "provenance" (provenance() of the checkout this code runs from)."""
     code = provenance(CHECKOUT)
     return {"commit": commit or code["commit"] or "", "provenance": code}
+
+
+if __name__ == "__main__":  # the GPU scripts: `python3 loadgen/provenance.py [ROOT]` prints provenance(ROOT) as JSON
+    print(json.dumps(provenance(sys.argv[1] if len(sys.argv) > 1 else ".")))

@@ -67,6 +67,7 @@ def test_caches_out_on_a_machine_without_caches_sends_nothing(tmp_path: Path) ->
 def test_both_servers_get_one_step_budget(tmp_path: Path) -> None:
     said = phase("status", tmp_path, tmp_path, tmp_path)
     assert "step budget: vllm serve 32768; kvserve up 32768 (KVSERVE_MAX_NUM_BATCHED_TOKENS=32768)" in said
+    assert '"diff_sha256"' in (tmp_path / "work" / "provenance.json").read_text()  # every call records its code
     said = phase("status", tmp_path, tmp_path, tmp_path, VLLM_MAX_BATCHED="16384")
     assert "kvserve up 16384 (KVSERVE_MAX_NUM_BATCHED_TOKENS=16384)" in said
     said = phase("status", tmp_path, tmp_path, tmp_path, VLLM_MAX_BATCHED="0")  # vLLM's default: ours its config's

@@ -323,9 +323,10 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
     agents = agent_rows(steps)
     best, ratio, kind, note = passing_ratio(agents)
     ours, vllm = engines.get("ours", {}), engines.get("vllm", {})
-    shape = ours.get("shape") or vllm.get("shape") or "llama-8b"
     compared = [row for row in rows if row["ratio"] is not None]
     run = next((s["run"] for side in SIDES for s in steps[side].values()), {})
+    # agent steps alone carry no engine file: their served model name is the shape they ran
+    shape = ours.get("shape") or vllm.get("shape") or run.get("model") or "llama-8b"
     return {
         "date": ours.get("date") or vllm.get("date"),
         "gpu": ours.get("gpu") or vllm.get("gpu"),

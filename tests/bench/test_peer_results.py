@@ -471,3 +471,9 @@ def test_median_ratios_judge_a_measure_over_the_session_runs_and_flag_too_few_ne
     assert far["enough_runs"] is True and far["meets_target"] is True
     slow = median_ratios(runs, code, target=1.2)["decode_4k_b1"]
     assert slow["meets_target"] is False
+
+
+def test_agent_steps_without_engine_files_name_the_shape_they_served(tmp_path: Path) -> None:
+    for side in ("ours", "vllm"):
+        write(tmp_path, f"{side}-agents-8.json", agent_step(8, True) | {"model": "dsv2-lite-1m-chat"})
+    assert assemble(tmp_path)["settings"]["shape"].startswith("dsv2-lite-1m-chat config")

@@ -134,6 +134,12 @@ def _run_settings(doc: dict[str, Any]) -> dict[str, Any]:
     return {key: doc.get(key) for key in keys} | {"trace": (doc.get("workload") or {}).get("trace")}
 
 
+def _gpu_named(raw: Path) -> str | None:
+    """The card bench/peer_h200.sh named in raw/gpu.txt (nvidia-smi's name), for agent steps with no engine file."""
+    path = raw / "gpu.txt"
+    return (path.read_text().strip().splitlines() or [None])[0] if path.is_file() else None
+
+
 def shape_config(shape: str) -> dict[str, Any] | None:
     path = ROOT / "bench" / "shapes" / shape / "config.json"
     return json.loads(path.read_text()) if path.is_file() else None
@@ -328,8 +334,8 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
     # agent steps alone carry no engine file: their served model name is the shape they ran
     shape = ours.get("shape") or vllm.get("shape") or run.get("model") or "llama-8b"
     return {
-        "date": ours.get("date") or vllm.get("date"),
-        "gpu": ours.get("gpu") or vllm.get("gpu"),
+        "date": ours.get("date") or vllm.get("date") or run.get("date"),
+        "gpu": ours.get("gpu") or vllm.get("gpu") or _gpu_named(raw),
         "commit": commit or ours.get("commit") or vllm.get("commit"),
         # what each engine file says it ran: commit and the hash of the uncommitted diff (loadgen/provenance.py)
         "provenance": {side: engines[side].get("provenance") for side in engines},
@@ -422,11 +428,9 @@ def _fmt(value: Any, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(result: dict[str, Any]) -> None:
-    from rich.console import Console
+def engine_table(result: dict[str, Any]) -> Any:
     from rich.table import Table
 
-    console = Console(width=None if sys.stdout.isatty() else 160)
     title = f"engine level ({result['gpu']}, {result['date']}): ratio = vLLM s / kvserve s, target {result['target']}"
     t = Table(title=title)
     for column in ("measure", "kvserve s", "vLLM s", "ratio", "target", "MFU kvserve / vLLM"):
@@ -442,7 +446,16 @@ def print_tables(result: dict[str, Any]) -> None:
             target,
             mfus,
         )
-    console.print(t)
+    return t
+
+
+def print_tables(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=None if sys.stdout.isatty() else 160)
+    if result["engine"]:
+        console.print(engine_table(result))
     t = Table(title="agent level: TTFT p50/p95 s, per-agent tok/s p50/p10, per-request tok/s p10, cache hit")
     for column in ("agents", "kvserve", "verdict", "vLLM", "verdict "):
         t.add_column(column, justify="right" if column == "agents" else "left")

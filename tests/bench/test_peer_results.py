@@ -473,7 +473,10 @@ def test_median_ratios_judge_a_measure_over_the_session_runs_and_flag_too_few_ne
     assert slow["meets_target"] is False
 
 
-def test_agent_steps_without_engine_files_name_the_shape_they_served(tmp_path: Path) -> None:
+def test_agent_steps_without_engine_files_name_the_shape_card_and_date_they_ran(tmp_path: Path) -> None:
     for side in ("ours", "vllm"):
         write(tmp_path, f"{side}-agents-8.json", agent_step(8, True) | {"model": "dsv2-lite-1m-chat"})
-    assert assemble(tmp_path)["settings"]["shape"].startswith("dsv2-lite-1m-chat config")
+    (tmp_path / "gpu.txt").write_text("NVIDIA H100 80GB HBM3\n")
+    result = assemble(tmp_path)
+    assert result["settings"]["shape"].startswith("dsv2-lite-1m-chat config")
+    assert (result["gpu"], result["date"]) == ("NVIDIA H100 80GB HBM3", "2026-12-02T10:00:00Z")

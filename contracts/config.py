@@ -57,11 +57,13 @@ class SchedulingConfig(BaseModel):
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
     # Over a long context that floor alone can take several budgets (DeepSeek-V2-Lite, H200: 80-270 ms steps
-    # beside 4 agents' decoders at 250-400K tokens). Off until the agent benchmark has measured it.
+    # beside 4 agents' decoders at 250-400K tokens). Off by default; the DeepSeek agent config turns it on. With it
+    # a 50 ms budget held 8 agents' decoders at 17 tok/s, under the 20 of the bar (H100, 2026-12-06).
     decode_payback: bool = Field(
         False,
         description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "
-        "decode-only steps (no prefill, no admission) until they average the budget again",
+        "decode-only steps (no prefill, no admission) until they average the budget again; they then get at most "
+        "one token per budget, so leave the budget headroom under the rate they need (40 ms for 20 tok/s)",
     )
 
     # FA4 reads a whole cold prompt's K/V as its own contiguous rows (TMA loads) but chunks after the first

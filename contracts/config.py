@@ -15,7 +15,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict, YamlConfigSettingsSource
 
 # The decode step budget where decode_step_budget_ms is unset and the rank runs on CUDA (see the key).
-GPU_DECODE_STEP_BUDGET_MS = 50.0
+GPU_DECODE_STEP_BUDGET_MS = 40.0
 
 
 class SchedulingConfig(BaseModel):
@@ -39,10 +39,13 @@ class SchedulingConfig(BaseModel):
         description="warm_first: a cold request or prefill that has gone this long without a token is starved: "
         "admitted with the warm ones, and a minimum chunk of its own every step from then on",
     )
-    # 50 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
-    # beside them; on the H200 a 4K-token chunk held every decoder for 150-470 ms. Off on the CPU by default:
-    # there a decode step alone takes longer than 50 ms (SmolLM2-135M: ~160 ms), so the budget would only cut
-    # every prefill beside a decoder to min_prefill_chunk_tokens and multiply time to first token.
+    # 40 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
+    # beside them, with room to spare; on the H200 a 4K-token chunk held every decoder for 150-470 ms. 50 ms until
+    # 2026-12-06: with decode_payback the decoders average at most one token per budget, so 50 ms put them at the
+    # bar itself (8 DeepSeek agents ran 17.1 and 20.3 tok/s, bench/results/2026-12-06-h100-peer-dsv2-agents).
+    # Off on the CPU by default: there a decode step alone takes longer than 50 ms (SmolLM2-135M: ~160 ms), so the
+    # budget would only cut every prefill beside a decoder to min_prefill_chunk_tokens and multiply time to first
+    # token.
     decode_step_budget_ms: float | None = Field(
         None,
         ge=0.0,
@@ -56,11 +59,14 @@ class SchedulingConfig(BaseModel):
     min_prefill_chunk_tokens: int = Field(
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
-    # Over a long context that floor alone can take several budgets (DeepSeek-V2-Lite, H200: 80-270 ms steps
-    # beside 4 agents' decoders at 250-400K tokens). Off by default; the DeepSeek agent config turns it on. With it
-    # a 50 ms budget held 8 agents' decoders at 17 tok/s, under the 20 of the bar (H100, 2026-12-06).
+    # Over a long context, or past the pool, that floor alone can take more than a budget (DeepSeek-V2-Lite, H200:
+    # 80-270 ms steps beside 4 agents' decoders at 250-400K tokens; llama-8b on an H100 past its pool, simulated:
+    # 61 ms beside 14 decoders), and without payback the decoders then get a token per such step. On by default
+    # since 2026-12-06 (it acts only where a budget is on, so on a GPU): simulated at 40 ms it lifts 8 DeepSeek
+    # agents from 19.2 to 23.4 tok/s and 24 llama-8b agents past an H100's pool from 19.8 to 27.8
+    # (bench/results/2026-12-06-cpu-simulate-*); measured on a GPU only at 50 ms so far.
     decode_payback: bool = Field(
-        False,
+        True,
         description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "
         "decode-only steps (no prefill, no admission) until they average the budget again; they then get at most "
         "one token per budget, so leave the budget headroom under the rate they need (40 ms for 20 tok/s)",

@@ -36,12 +36,13 @@ order (warm ones first under warm_first), and each step still gets min_prefill_c
 prefill is never starved by decoders whose own steps fill the budget. With nobody decoding (or a budget of 0)
 prefill takes the whole max_num_batched_tokens, as one long step stalls no one.
 
-Paying back an overrun (decode_payback, off by default): over a long context even min_prefill_chunk_tokens can
-take several budgets (DeepSeek-V2-Lite on the H200: 1-1.5K tokens over 250-400K cached took 80-270 ms a step,
-so 4 agents' decoders got a token per such step). With the option on, the time a step carrying prefill beside
-decoders measured past the budget is owed to the decoders, and the next steps decode only (no prefill, no
-admission) until what they leave of their budget has paid it back: the decoders average about one token a budget,
-the prefill runs a little slower.
+Paying back an overrun (decode_payback, on by default): over a long context, or beside many decoders past the
+pool, even min_prefill_chunk_tokens can take more than a budget (DeepSeek-V2-Lite on the H200: 1-1.5K tokens
+over 250-400K cached took 80-270 ms a step, so 4 agents' decoders got a token per such step). With the option
+on, the time a step carrying prefill beside decoders measured past the budget is owed to the decoders, and the
+next steps decode only (no prefill, no admission) until what they leave of their budget has paid it back: the
+decoders average about one token a budget (so the budget must sit under the rate they need, with room for the
+gaps between steps), the prefill runs a little slower.
 
 A solo prefill: a prompt with nothing cached, admitted when nothing else runs on the rank, is taken in one step
 up to solo_prefill_tokens (past max_num_batched_tokens; that step carries nothing else), where the attention

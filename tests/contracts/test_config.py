@@ -35,11 +35,11 @@ def test_the_scheduling_section_takes_flat_and_nested_keys_in_the_usual_preceden
     config_file.write_text("max_cold_prefills: 3\nscheduling_policy: fifo\nscheduling:\n  warm_prefix_fraction: 0.7\n")
     monkeypatch.setenv("KVSERVE_CONFIG", str(config_file))
     monkeypatch.setenv("KVSERVE_MAX_COLD_PREFILLS", "5")
-    monkeypatch.setenv("KVSERVE_DECODE_PAYBACK", "true")
+    monkeypatch.setenv("KVSERVE_DECODE_PAYBACK", "false")  # its default is true
     config = load_config(cold_max_wait_secs=7.0)
     scheduling = config.scheduling
     assert (scheduling.scheduling_policy, scheduling.warm_prefix_fraction) == ("fifo", 0.7)  # the file's
-    assert (scheduling.max_cold_prefills, scheduling.decode_payback) == (5, True)  # the environment's
+    assert (scheduling.max_cold_prefills, scheduling.decode_payback) == (5, False)  # the environment's
     assert scheduling.cold_max_wait_secs == 7.0  # the argument's
     assert load_config(max_cold_prefills=1).scheduling.max_cold_prefills == 1
     assert KvServeConfig.model_validate({"min_prefill_chunk_tokens": 64}).scheduling.min_prefill_chunk_tokens == 64

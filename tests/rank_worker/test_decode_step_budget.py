@@ -47,8 +47,12 @@ def _scheduler(
     policy: str = "warm_first", budget_ms: float = 30.0, min_chunk: int = 256, prior: StepCost = LINEAR
 ) -> Scheduler:
     kv = KvCacheManager(BlockPool(4000, caching=True), BLOCK, b"decode-budget-test")
+    # the budget alone: paying back overruns (on by default) is test_decode_payback.py's
     scheduling = SchedulingConfig(
-        scheduling_policy=policy, decode_step_budget_ms=budget_ms, min_prefill_chunk_tokens=min_chunk
+        scheduling_policy=policy,
+        decode_step_budget_ms=budget_ms,
+        min_prefill_chunk_tokens=min_chunk,
+        decode_payback=False,
     )
     return Scheduler(kv, 64, TOKEN_BUDGET, scheduling, Clock(), step_cost=StepCostModel(prior=prior))
 
@@ -179,7 +183,7 @@ def test_the_budget_is_the_gpus_by_default_and_off_on_the_cpu_unless_configured(
     unset = KvServeConfig()
     assert unset.scheduling.decode_step_budget_ms is None
     assert decode_step_budget_ms(unset, torch.device("cpu")) == 0.0
-    assert decode_step_budget_ms(unset, torch.device("cuda")) == GPU_DECODE_STEP_BUDGET_MS == 50.0
+    assert decode_step_budget_ms(unset, torch.device("cuda")) == GPU_DECODE_STEP_BUDGET_MS == 40.0
     assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=80), torch.device("cpu")) == 80.0
     assert decode_step_budget_ms(KvServeConfig(decode_step_budget_ms=0), torch.device("cuda")) == 0.0
 

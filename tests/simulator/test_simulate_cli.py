@@ -144,7 +144,7 @@ def test_the_node_comes_from_the_stacks_config(tmp_path: Path) -> None:
     config.write_text(
         f"model: {LLAMA_CHAT_SHAPE}\nload_format: dummy\nmax_model_len: 65536\nmax_num_seqs: 8\n"
         "max_num_batched_tokens: 8192\nl1_host_gb: 2\nscheduling_policy: fifo\nmax_cold_prefills: 2\n"
-        "decode_payback: true\n"
+        "decode_payback: false\n"
     )
     out = tmp_path / "node.json"
     args = ["--config", str(config), "--trace-path", str(traces), "--agents", "2", "--turns", "3"]
@@ -154,7 +154,7 @@ def test_the_node_comes_from_the_stacks_config(tmp_path: Path) -> None:
     assert results["rank"]["max_num_seqs"] == 4  # the command line wins over the config
     assert results["rank"]["max_num_batched_tokens"] == 8192 and results["rank"]["max_model_len"] == 65536
     assert results["scheduling"]["max_cold_prefills"] == 2
-    assert results["scheduling"]["decode_payback"] is True
+    assert results["scheduling"]["decode_payback"] is False  # the config's, over the default
     assert results["l1_blocks"] == int(2e9 // (128 * 1024 * 16))
     # A smaller vocabulary than llama-8b's leaves more room for KV than the measured pool.
     assert results["kv_blocks_per_rank"] > 52470
@@ -163,15 +163,15 @@ def test_the_node_comes_from_the_stacks_config(tmp_path: Path) -> None:
 def test_decode_payback_from_the_command_line_wins_over_the_config(tmp_path: Path) -> None:
     traces = _trace_file(tmp_path / "traces", sessions=2, turns=3)
     config = tmp_path / "stack.yaml"
-    config.write_text(f"model: {LLAMA_CHAT_SHAPE}\nload_format: dummy\ndecode_payback: true\n")
+    config.write_text(f"model: {LLAMA_CHAT_SHAPE}\nload_format: dummy\ndecode_payback: false\n")
     out = tmp_path / "node.json"
     args = ["--config", str(config), "--trace-path", str(traces), "--agents", "2", "--turns", "3", "--json", str(out)]
-    assert main([*args, "--no-decode-payback"]) == 0
-    assert json.loads(out.read_text())["scheduling"]["decode_payback"] is False
-    assert main(args[2:]) == 0  # no config: the config's default (off)
-    assert json.loads(out.read_text())["scheduling"]["decode_payback"] is False
-    assert main([*args[2:], "--decode-payback"]) == 0
+    assert main([*args, "--decode-payback"]) == 0
     assert json.loads(out.read_text())["scheduling"]["decode_payback"] is True
+    assert main(args[2:]) == 0  # no config: the config's default (on)
+    assert json.loads(out.read_text())["scheduling"]["decode_payback"] is True
+    assert main([*args[2:], "--no-decode-payback"]) == 0
+    assert json.loads(out.read_text())["scheduling"]["decode_payback"] is False
 
 
 @pytest.mark.parametrize("tool", ["simulate", "agents"])

@@ -59,12 +59,12 @@ class SchedulingConfig(BaseModel):
     min_prefill_chunk_tokens: int = Field(
         1024, ge=1, description="prefill tokens every step gets, whatever decode_step_budget_ms says"
     )
-    # Over a long context, or past the pool, that floor alone can take more than a budget (DeepSeek-V2-Lite, H200:
-    # 80-270 ms steps beside 4 agents' decoders at 250-400K tokens; llama-8b on an H100 past its pool, simulated:
-    # 61 ms beside 14 decoders), and without payback the decoders then get a token per such step. On by default
-    # since 2026-12-06 (it acts only where a budget is on, so on a GPU): simulated at 40 ms it lifts 8 DeepSeek
-    # agents from 19.2 to 23.4 tok/s and 24 llama-8b agents past an H100's pool from 19.8 to 27.8
-    # (bench/results/2026-12-06-cpu-simulate-*); measured on a GPU only at 50 ms so far.
+    # Over a long context, or beside many decoders past the pool, that floor alone can take more than a budget
+    # (DeepSeek-V2-Lite, H200: 80-270 ms steps beside 4 agents' decoders at 250-400K tokens), and without payback
+    # the decoders then get a token per such step. On by default since 2026-12-06 (it acts only where a budget is
+    # on, so on a GPU): with the 40 ms budget the simulator lifts 8 DeepSeek agents from 19.2 to 23.4 tok/s (it
+    # predicts DeepSeek within 1.12x) and 24 llama-8b agents past an H100's pool from 20.0 to 27.2 (uncalibrated
+    # for llama-8b: the direction only; bench/results/2026-12-06-cpu-simulate-*). Measured on a GPU only at 50 ms.
     decode_payback: bool = Field(
         True,
         description="a step with prefill that ran past decode_step_budget_ms is paid back to the decoders by "

@@ -110,7 +110,18 @@ fi
 if [ -d .fi ]; then source "$(dirname "$0")/fi_env.sh" || exit 1; fi
 # flash-attn 4 when its chunks came (carry .fa4/chunk00 and chunk01, one a call, with the chunk phase): auto then takes it
 # for our prefill. Not beside .fi: FA4 needs a newer tvm-ffi than the FlashInfer kit's, and it would shadow it.
-if ls /tmp/fa4acc/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then source "$(dirname "$0")/fa4_env.sh" || true; fi
+# Again after the chunk phase, for a call that brings the last chunk and starts our stack (`chunk ours-agents`): on
+# 2026-12-06 such a call set the environment before the chunk came, and the rank ran MLA prefill through SDPA.
+FA4_ACC=${FA4_ACC:-/tmp/fa4acc}
+FA4_LOADED=0
+load_fa4() {
+  [ "$FA4_LOADED" = 1 ] && return 0
+  if ls "$FA4_ACC"/chunk0* >/dev/null 2>&1 && [ ! -d .fi ]; then
+    source "$(dirname "$0")/fa4_env.sh" && FA4_LOADED=1
+  fi
+  return 0
+}
+load_fa4
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 
 left() { echo $((DEADLINE - SECONDS)); }
@@ -317,14 +328,15 @@ phase() {
       done
       for c in .fa4/chunk*; do  # flash-attn 4's kit (bench/fa4_kit.sh), for ours
         [ -f "$c" ] || continue
-        mkdir -p /tmp/fa4acc && cp "$c" /tmp/fa4acc/ && say "$c -> /tmp/fa4acc ($(du -m "$c" | cut -f1) MB)"
+        mkdir -p "$FA4_ACC" && cp "$c" "$FA4_ACC"/ && say "$c -> $FA4_ACC ($(du -m "$c" | cut -f1) MB)"
       done
       for c in .caches/caches.part*; do  # the compile caches an earlier lease sent back (phase caches-out)
         [ -f "$c" ] || continue
         mkdir -p "$CACHE_ACC" && cp "$c" "$CACHE_ACC"/ && say "$c -> $CACHE_ACC ($(du -m "$c" | cut -f1) MB)"
       done
       caches_restore
-      ls -la /tmp/acc /tmp/fa4acc "$CACHE_ACC" 2>/dev/null || true  # (a folder not made yet is no failure)
+      load_fa4
+      ls -la /tmp/acc "$FA4_ACC" "$CACHE_ACC" 2>/dev/null || true  # (a folder not made yet is no failure)
       ;;
     caches-out)
       caches_out
@@ -388,6 +400,7 @@ phase() {
       say "kvserve: $(ours_up && echo up || (group_alive "$STATE/ours.pid" && echo starting) || echo down)"
       say "steps done: vllm $(cat "$STATE/vllm-done" 2>/dev/null | tr '\n' ' '); ours $(cat "$STATE/ours-done" 2>/dev/null | tr '\n' ' ')"
       say "GPU memory used: $(gpu_memory_mib) MiB"
+      say "flash-attn 4 for our prefill: $([ "$FA4_LOADED" = 1 ] && echo on || echo off)"
       say "step budget: vllm serve ${VLLM_MAX_BATCHED/#0/its default}; kvserve up ${VLLM_MAX_BATCHED/#0/its config\'s} ($(ours_budget))"
       ;;
     *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, caches-out, status, stop)"; return 2 ;;

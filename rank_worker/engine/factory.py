@@ -293,6 +293,15 @@ def build_engine(
         kv_dtype,
     )
     budget_ms = decode_step_budget_ms(config, device)
+    # in the log, so that a benchmark's logs show the scheduling a run had (its defaults differ by device and date)
+    policy = config.scheduling
+    log.info(
+        "scheduling: %s, decode step budget %s, decode payback %s, min prefill chunk %d tokens",
+        policy.scheduling_policy,
+        f"{budget_ms:g} ms" if budget_ms > 0 else "off",
+        "on" if policy.decode_payback else "off",
+        policy.min_prefill_chunk_tokens,
+    )
     settings = EngineSettings(
         num_blocks=num_blocks,
         max_model_len=max_model_len,

@@ -9,6 +9,7 @@ is still one contiguous chunk for the L1 copies.
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Iterable
 
@@ -28,6 +29,8 @@ from rank_worker.model.llama import RMSNorm, init_random_weights
 from rank_worker.model.mla import LatentAttention
 from rank_worker.model.moe import GatedMLP, MoE, Rearranged, empty_param
 from rank_worker.model.yarn_rope import DeepseekRotary
+
+log = logging.getLogger(__name__)
 
 _EXPERT_TENSOR = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
@@ -89,6 +92,13 @@ class DeepseekForCausalLM(nn.Module):
 
             cfg = self.cfg
             fa4 = (cfg.num_heads, cfg.qk_head_dim, cfg.v_head_dim, dtype) if fa4_backend.usable(device, dtype) else None
+            if fa4 is None:
+                # said at start: SDPA's prefill over a long prefix is slow enough to stall every decoder (a 1024-token
+                # chunk over 100-400K tokens took 2-40 s on an H100, 2026-12-06), and nothing else shows it
+                log.warning(
+                    "MLA prefill runs SDPA, not flash-attn 4 (it needs an SM90 GPU, 16-bit weights and the cuda "
+                    "extra's flash-attn-4): long prompts prefill far slower"
+                )
             return MlaTritonAttention(fa4)
         return MlaSdpaAttention()
 

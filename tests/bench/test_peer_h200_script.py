@@ -1,6 +1,6 @@
 """bench/peer_h200.sh run here (the GPU not needed): its compile caches (`caches-out` sends a machine's caches back in
 parts, and the `chunk` calls of a later lease unpack them once every part has come, never a partial set), and the
-one step budget it gives both servers."""
+one step budget it gives both servers, and flash-attn 4 taken up by the very call that brings its last chunk."""
 
 from __future__ import annotations
 
@@ -23,8 +23,12 @@ def phase(name: str, cwd: Path, home: Path, tmp: Path, **more: str) -> str:
         "PEER_STATE": str(tmp / "state"),
         "PEER_WORK": str(tmp / "work"),
         "CACHE_ACC": str(tmp / "acc"),
+        "FA4_ACC": str(tmp / "fa4acc"),
+        "FA4_SITE": str(tmp / "fa4site"),
     }
-    done = subprocess.run(["bash", str(SCRIPT), name], cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        ["bash", str(SCRIPT), *name.split()], cwd=cwd, env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     return done.stdout + done.stderr
 
@@ -72,3 +76,16 @@ def test_both_servers_get_one_step_budget(tmp_path: Path) -> None:
     assert "kvserve up 16384 (KVSERVE_MAX_NUM_BATCHED_TOKENS=16384)" in said
     said = phase("status", tmp_path, tmp_path, tmp_path, VLLM_MAX_BATCHED="0")  # vLLM's default: ours its config's
     assert "step budget: vllm serve its default; kvserve up its config's ()" in said
+
+
+def test_a_call_that_brings_the_last_fa4_chunk_runs_our_stack_with_it(tmp_path: Path) -> None:
+    # On 2026-12-06 `chunk ours-agents` set its environment before the chunk phase copied .fa4/chunk01, and the rank
+    # ran MLA prefill through SDPA (40 s steps). The site stands installed here: what is tested is the order.
+    tree, run = tmp_path / "tree", tmp_path / "run"
+    (tree / ".fa4").mkdir(parents=True)
+    (run / "fa4site" / "flash_attn" / "cute").mkdir(parents=True)
+    (run / "fa4site" / "flash_attn" / "cute" / "__init__.py").write_text("")
+    (tree / ".fa4" / "chunk01").write_bytes(b"the last chunk, carried by this call")
+    assert "flash-attn 4 for our prefill: off" in phase("status", tree, tmp_path, run)  # no chunk on the machine yet
+    said = phase("chunk status", tree, tmp_path, run)
+    assert "flash-attn 4 for our prefill: on" in said

@@ -98,3 +98,22 @@ def test_the_config_key_reaches_the_engines_scheduler(tmp_path) -> None:
         config = KvServeConfig(model=model, load_format="dummy", device="cpu", num_kv_blocks=NUM_BLOCKS)
         config = config.model_copy(update={"scheduling": config.scheduling.model_copy(update={"decode_payback": on})})
         assert build_engine(config).scheduler.policy.decode_payback is on
+
+
+def test_the_rank_logs_the_scheduling_it_runs(tmp_path, caplog) -> None:
+    # a benchmark's logs must show the budget and payback a run had: their defaults differ by device and date
+    (tmp_path / "config.json").write_text(json.dumps(TINY_LLAMA))
+    config = KvServeConfig(
+        model=str(tmp_path / "config.json"), load_format="dummy", device="cpu", num_kv_blocks=NUM_BLOCKS
+    )
+    config = config.model_copy(
+        update={
+            "scheduling": config.scheduling.model_copy(update={"decode_step_budget_ms": 25.0, "decode_payback": False})
+        }
+    )
+    with caplog.at_level("INFO", logger="rank_worker.engine.factory"):
+        build_engine(config)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scheduling:")]
+    assert lines == [
+        "scheduling: warm_first, decode step budget 25 ms, decode payback off, min prefill chunk 1024 tokens"
+    ]

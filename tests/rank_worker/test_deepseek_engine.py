@@ -192,6 +192,24 @@ def test_attention_backend_is_the_mla_path_and_kernels_are_refused(checkpoint) -
     assert MlaTritonAttention.graph_safe
 
 
+def test_a_gpu_without_flash_attn_4_says_mla_prefill_runs_sdpa(checkpoint, monkeypatch, caplog) -> None:
+    """Where the MLA kernel runs but flash-attn 4 does not (not installed, not SM90), prefill falls back to SDPA,
+    which over a long prefix is slow enough to stall every decoder: the rank says so at start. A CUDA device is
+    pretended (nothing runs on it: choosing a backend launches nothing)."""
+    from rank_worker.model.attention import decode_kernel, fa4_backend
+
+    _, model, _, _ = checkpoint
+    monkeypatch.setattr(decode_kernel, "available", lambda: True)
+    for usable in (False, True):
+        monkeypatch.setattr(fa4_backend, "usable", lambda device, dtype, usable=usable: usable)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="rank_worker.model.deepseek"):
+            chosen = model.choose_attention("auto", torch.device("cuda"), torch.bfloat16)
+        assert type(chosen) is MlaTritonAttention and chosen.fa4_prefill is usable
+        warned = [r.getMessage() for r in caplog.records if "MLA prefill runs SDPA" in r.getMessage()]
+        assert len(warned) == (0 if usable else 1)
+
+
 def test_routed_experts_without_a_host_sync_match_the_loop_over_the_experts_hit(checkpoint) -> None:
     """MoE.every_expert (what a CUDA graph records) against experts_hit (the eager path) on the same routing."""
     _, model, _, _ = checkpoint

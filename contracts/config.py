@@ -42,7 +42,8 @@ class SchedulingConfig(BaseModel):
     # 40 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
     # beside them, with room to spare; on the H200 a 4K-token chunk held every decoder for 150-470 ms. 50 ms until
     # 2026-12-06: with decode_payback the decoders average at most one token per budget, so 50 ms put them at the
-    # bar itself (8 DeepSeek agents ran 17.1 and 20.3 tok/s, bench/results/2026-12-06-h100-peer-dsv2-agents).
+    # bar itself (8 DeepSeek agents ran 17.1 and 20.3 tok/s, bench/results/2026-12-06-h100-peer-dsv2-agents); at
+    # 40 ms with payback the same load ran 22.5 (bench/results/2026-12-06-h100-peer-dsv2-new-defaults).
     # Off on the CPU by default: there a decode step alone takes longer than 50 ms (SmolLM2-135M: ~160 ms), so the
     # budget would only cut every prefill beside a decoder to min_prefill_chunk_tokens and multiply time to first
     # token.

@@ -51,6 +51,14 @@
 # agents. The simulator puts a 24-turn step at ~285 s (4 agents) and ~385 s (8) on our side
 # (bench/results/2026-12-04-cpu-simulate-dsv2-lite/plan-24-turns.json): one step a call, hence STEP_EST and
 # STEP_MAX.
+# One 1800 s lease for the DeepSeek side by side on a bare machine (no compile caches: .caches/ is not kept between
+# sessions), as the calls took on an H100 on 2026-12-06: [".fa4/chunk00"] chunk (<1 s); [".fa4/chunk01", ".whl"]
+# `chunk ours-agents` with STEPS=8 (kvserve up ~97 s cold, 8 agents ~330 s); .peer/chunk00..04 one a call;
+# [".peer/chunk05", ".whl"] `chunk vllm-agents` with STEPS=8,4 and DEADLINE=588 (vLLM installs in ~17 s and starts in
+# ~270 s cold, so its 8-agent step, ~300 s, starts in the next call: repeat vllm-agents until "all steps done").
+# ~1,450 s of calls, the rest for a failed start (~90-135 s). Ours's 4-agent step (~250 s) only where time is left:
+# largest_passing_ratio needs vLLM's 4 and 8 and ours's 8 when ours passes 8. Side order: the last same-lease run
+# had vLLM first, so ours goes first in the next.
 set -uo pipefail
 DEADLINE=${DEADLINE:-540}      # seconds this call may use (the device's limit is 600)
 PACK_MARGIN=${PACK_MARGIN:-25} # left at the end for packing the results

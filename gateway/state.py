@@ -66,7 +66,9 @@ class GatewayState:
                 log.info("waiting for a rank worker: %s", exc)
                 await asyncio.sleep(retry_every_s)
                 continue
-            model = ServedModel.from_info(info, self.config.deployment_slug, self.started_at)
+            model = ServedModel.from_info(
+                info, self.config.deployment_slug, self.started_at, self.config.tokenize_cache_tokens
+            )
             self.generation = Generation(
                 self.ranks,
                 self.chooser,

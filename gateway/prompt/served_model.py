@@ -6,8 +6,10 @@ from dataclasses import dataclass, field
 
 from tokenizers import Tokenizer
 
+from contracts.config import TOKENIZE_CACHE_TOKENS
 from gateway.http.errors import ModelNotAvailable
 from gateway.prompt.prompt_size import PromptSizeBound
+from gateway.prompt.segment_cache import SegmentCache
 from protos import rank_worker_pb2 as pb
 
 
@@ -18,9 +20,16 @@ class ServedModel:
     names: list[str] = field(default_factory=list)  # accepted in the `model` field, the served name first
     created_at: int = 0
     size_bound: PromptSizeBound = field(default_factory=lambda: PromptSizeBound(0))  # 0: count exactly
+    segments: SegmentCache | None = None  # the ids of earlier messages' text (segment_cache.py); None: encode whole
 
     @classmethod
-    def from_info(cls, info: pb.ModelInfoResponse, deployment_slug: str = "", created_at: int = 0) -> ServedModel:
+    def from_info(
+        cls,
+        info: pb.ModelInfoResponse,
+        deployment_slug: str = "",
+        created_at: int = 0,
+        tokenize_cache_tokens: int = TOKENIZE_CACHE_TOKENS,
+    ) -> ServedModel:
         if not info.tokenizer_json:
             raise ValueError(f"model {info.model_id} has no tokenizer: the gateway cannot serve it")
         names = [info.served_model_name]
@@ -28,7 +37,9 @@ class ServedModel:
             if alias and alias not in names:
                 names.append(alias)
         tokenizer = Tokenizer.from_str(info.tokenizer_json)
-        return cls(info, tokenizer, names, created_at, PromptSizeBound.for_tokenizer_json(info.tokenizer_json))
+        bound = PromptSizeBound.for_tokenizer_json(info.tokenizer_json)
+        segments = SegmentCache.for_tokenizer_json(tokenizer, info.tokenizer_json, tokenize_cache_tokens)
+        return cls(info, tokenizer, names, created_at, bound, segments if tokenize_cache_tokens > 0 else None)
 
     @property
     def name(self) -> str:
@@ -53,8 +64,11 @@ class ServedModel:
         """The prompt's token ids; raises PromptTooLong, without tokenizing, for a text that its size alone
         shows cannot fit max_model_len."""
         self.size_bound.refuse_what_cannot_fit(text, self.max_model_len)
-        # encode_batch lets go of the GIL while it works (encode holds it): the event loop keeps serving.
-        ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
+        if self.segments is not None:
+            ids = self.segments.encode(text)
+        else:
+            # encode_batch lets go of the GIL while it works (encode holds it): the event loop keeps serving.
+            ids = self.tokenizer.encode_batch([text], add_special_tokens=False)[0].ids
         if self.info.add_bos_token and self.info.bos_token_id >= 0 and (not ids or ids[0] != self.info.bos_token_id):
             ids = [self.info.bos_token_id, *ids]
         return ids

@@ -71,6 +71,9 @@ STEP_MAX=${STEP_MAX:-300}      # a step still running after this is stopped (vLL
 # Both sides' agent API: vLLM's /v1/messages drops ignore_eos (its calls then stop early and decode less), its chat
 # completions honour it, and so do ours: both are driven through `openai` (each step also counts short_outputs)
 AGENT_API=${AGENT_API:-${VLLM_API:-openai}}
+# More load generator flags, the same for both sides: --messages sends each call as a conversation of messages, as
+# Claude Code does (a user message per turn), where the default is one growing user message
+LOADGEN_ARGS=${LOADGEN_ARGS:-}
 TRACES=${TRACES:-.whl/traces/claude_code}
 CONFIG=${CONFIG:-bench/configs/agents-h200.yaml}
 SHAPE=${SHAPE:-llama-8b-chat}            # vLLM's model folder in bench/shapes (config + tokenizer) for its engine measures
@@ -321,8 +324,10 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
 
 agents_part() {  # side: its server started if need be, the steps left in this call's time, stopped when all are done
   case $1 in
-    vllm) vllm_install && vllm_start && vllm_wait && run_steps vllm --api "$AGENT_API" && vllm_stop ;;
-    ours) ours_start && ours_wait && run_steps ours --api "$AGENT_API" && ours_stop ;;
+    # shellcheck disable=SC2086  # LOADGEN_ARGS: its words are the load generator's flags
+    vllm) vllm_install && vllm_start && vllm_wait && run_steps vllm --api "$AGENT_API" $LOADGEN_ARGS && vllm_stop ;;
+    # shellcheck disable=SC2086
+    ours) ours_start && ours_wait && run_steps ours --api "$AGENT_API" $LOADGEN_ARGS && ours_stop ;;
   esac
 }
 

@@ -100,6 +100,8 @@ async def run_agent(index: int, sessions: Iterator[tuple[AgentTrace, str]], ctx:
     await _think(ctx, delay_s)
     turns_done = 0
     for session, session_id in sessions:
+        ends: list[int] = []  # where the earlier turns that this one extends ended (--messages' cuts)
+        previous: tuple[int, ...] = ()
         for session_turn, turn in enumerate(session.turns):
             if ctx.done(turns_done):
                 return
@@ -107,20 +109,37 @@ async def run_agent(index: int, sessions: Iterator[tuple[AgentTrace, str]], ctx:
                 await _think(ctx, ctx.think.before(turn))
                 if ctx.done(turns_done):
                     return
-            await _call(index, session, session_id, session_turn, turn, turns_done, ctx)
+            extends = bool(previous) and turn.hash_ids[: len(previous)] == previous
+            ends = [*ends, len(previous)] if extends else []
+            previous = turn.hash_ids
+            await _call(index, session, session_id, session_turn, turn, turns_done, ctx, tuple(ends))
             turns_done += 1
 
 
-def _build(content: ContentBuilder, turn: TraceTurn) -> tuple[Prompt, int]:
+# Tokens an extra user/assistant pair of a --messages conversation adds besides its content: two messages' markers
+# (the calibration's template tokens cover one) and the fixed reply, a generous count
+PAIR_TOKENS = 24
+
+
+def _build(content: ContentBuilder, turn: TraceTurn, earlier: tuple[int, ...] = ()) -> tuple[Prompt, int]:
     counts = content.words_for_turn(turn)
-    return content.prompt(turn, counts), content.expected_tokens(turn, counts)
+    prompt = content.prompt(turn, counts, earlier)
+    pairs = max(0, len(prompt.user_turns) - 1)
+    return prompt, content.expected_tokens(turn, counts) + pairs * PAIR_TOKENS
 
 
 async def _call(
-    index: int, session: AgentTrace, session_id: str, session_turn: int, turn: TraceTurn, n: int, ctx: StepContext
+    index: int,
+    session: AgentTrace,
+    session_id: str,
+    session_turn: int,
+    turn: TraceTurn,
+    n: int,
+    ctx: StepContext,
+    earlier: tuple[int, ...] = (),
 ) -> None:
     # Off the event loop: a long session's first prompt takes a while to build, and the loop times streams.
-    prompt, expected_input = await asyncio.to_thread(_build, ctx.content, turn)
+    prompt, expected_input = await asyncio.to_thread(_build, ctx.content, turn, earlier)
     reuse = ctx.sent.expected_reuse(turn)
     ctx.sent.add(turn.hash_ids)
     max_tokens = ctx.max_tokens_for(turn, expected_input)

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--max-think", type=float, default=120.0, help="cap on trace think times (s)")
     work.add_argument("--max-output-tokens", type=int, default=None, help="cap on the trace's output lengths")
     work.add_argument("--no-ignore-eos", action="store_true", help="let the model stop at EOS")
+    work.add_argument(
+        "--messages",
+        action="store_true",
+        help="send each call as a conversation (a user message per turn, a fixed assistant reply between), as a "
+        "coding agent does; default: one growing user message",
+    )
     work.add_argument("--seed", type=int, default=0, help="id namespace and synthetic draws; vary it per run")
 
     steps = parser.add_argument_group("steps")
@@ -121,7 +127,7 @@ def main(argv: list[str]) -> int:
             tokens_per_word, template_tokens = calibrate(client, model)
             turns = turns_replayed(sessions, max(agent_counts), args.turns)
             factor = args.context_scale or fitting_factor(turns, max_context, template_tokens, args.max_output_tokens)
-            content = ContentBuilder(tokens_per_word=tokens_per_word, factor=factor)
+            content = ContentBuilder(tokens_per_word=tokens_per_word, factor=factor, messages=args.messages)
             first = next(session.turns[0] for session in sessions if session.turns)
             check = {
                 "expected": content.expected_tokens(first) + template_tokens,
@@ -181,6 +187,7 @@ def main(argv: list[str]) -> int:
             "trace_path": args.trace_path,
             "synthetic": args.synthetic,
             "sessions": len(sessions),
+            "conversation": "messages" if args.messages else "one_message",
         },
         "context_scale": factor,
         "tokens_per_word": round(tokens_per_word, 4),

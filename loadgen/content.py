@@ -8,7 +8,10 @@ its word count times the tokens per word measured once against the served tokeni
 
 Layout of a request (a documented choice): the first block is the system prompt, the rest are one growing
 user message. A turn whose ids share a prefix with an earlier turn therefore shares the system prompt and
-the start of the user message, and the shared text ends at the first differing block.
+the start of the user message, and the shared text ends at the first differing block. With `messages` (the load
+generator's --messages) the rest is a conversation as a coding agent sends one instead: per earlier turn that this
+one extends, a user message of the blocks that turn added and an assistant message of ASSISTANT_REPLY, then a user
+message of this turn's new blocks; the shared text is then whole messages.
 
 Context scaling multiplies the tokens of every block (block_tokens * factor, kept fractional) and keeps
 the ids: which blocks repeat, and in which order, does not change; blocks only get shorter. A block of
@@ -19,6 +22,7 @@ block can make two different id sequences look alike for a word, a negligible ex
 from __future__ import annotations
 
 import functools
+import itertools
 import random
 from dataclasses import dataclass
 
@@ -94,10 +98,17 @@ def block_text(hash_id: int, words: int) -> str:
     return "".join(" " + word for word in block_words(hash_id, words))
 
 
+# What every assistant message of a --messages conversation says: the same on every server, so the token ids sent
+# are the same on both sides of a comparison (the models' own outputs differ, so they are never sent back)
+ASSISTANT_REPLY = "Done: the tool ran."
+
+
 @dataclass(frozen=True)
 class Prompt:
     system: str
     user: str
+    # --messages: the user text cut into one message per turn, an ASSISTANT_REPLY between each two; () for one
+    user_turns: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -107,6 +118,7 @@ class ContentBuilder:
 
     tokens_per_word: float
     factor: float = 1.0
+    messages: bool = False  # a conversation of messages, one per turn (the module's layout), not one message
 
     def words_per_block(self, turn: TraceTurn) -> float:
         return turn.block_tokens * self.factor / self.tokens_per_word
@@ -121,14 +133,20 @@ class ContentBuilder:
             counts[-1] = max(0, min(counts[-1], round(wanted_words - before_last)))
         return counts
 
-    def prompt(self, turn: TraceTurn, counts: list[int] | None = None) -> Prompt:
+    def prompt(self, turn: TraceTurn, counts: list[int] | None = None, earlier: tuple[int, ...] = ()) -> Prompt:
         """System = the first block, user = the rest (one growing message); a one-block turn is all user.
-        counts: words_for_turn(turn) when the caller has it already."""
+        counts: words_for_turn(turn) when the caller has it already. earlier (with `messages`): the block counts at
+        which the earlier turns this one extends ended, where its user text is cut into messages."""
         counts = self.words_for_turn(turn) if counts is None else counts
         texts = [block_text(h, n) for h, n in zip(turn.hash_ids, counts, strict=True)]
         if len(texts) < 2:
             return Prompt(system="", user="".join(texts).strip() or "start")
-        return Prompt(system=texts[0].strip() or "system", user="".join(texts[1:]).strip() or "continue")
+        user = "".join(texts[1:]).strip() or "continue"
+        if not self.messages:
+            return Prompt(system=texts[0].strip() or "system", user=user)
+        cuts = [1, *(end for end in earlier if 1 < end < len(texts)), len(texts)]
+        parts = tuple("".join(texts[a:b]).strip() or "continue" for a, b in itertools.pairwise(cuts))
+        return Prompt(system=texts[0].strip() or "system", user=user, user_turns=parts)
 
     def expected_tokens(self, turn: TraceTurn, counts: list[int] | None = None) -> int:
         """The scaled input size this builder aims at (prompt template tokens not included)."""

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import httpx
 
-from loadgen.content import Prompt
+from loadgen.content import ASSISTANT_REPLY, Prompt
 
 Api = Literal["anthropic", "openai"]
 
@@ -33,12 +33,18 @@ def request_body(
     api: Api, model: str, prompt: Prompt, max_tokens: int, ignore_eos: bool, session_id: str
 ) -> dict[str, Any]:
     """The streaming request body; the session id goes where each API's clients put it."""
+    conversation = [{"role": "user", "content": prompt.user}]
+    if prompt.user_turns:  # --messages: one user message per turn, the fixed reply between them
+        conversation = []
+        for part in prompt.user_turns:
+            conversation += [{"role": "user", "content": part}, {"role": "assistant", "content": ASSISTANT_REPLY}]
+        conversation.pop()
     if api == "anthropic":
         body: dict[str, Any] = {
             "model": model,
             "max_tokens": max_tokens,
             "stream": True,
-            "messages": [{"role": "user", "content": prompt.user}],
+            "messages": conversation,
             "metadata": {"user_id": json.dumps({"session_id": session_id})},
         }
         if prompt.system:
@@ -50,7 +56,7 @@ def request_body(
             "max_tokens": max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
-            "messages": [*messages, {"role": "user", "content": prompt.user}],
+            "messages": [*messages, *conversation],
             "user": session_id,
         }
     if ignore_eos:

@@ -35,6 +35,18 @@ def test_a_turn_extending_another_extends_its_prompt() -> None:
     assert second.user.startswith(first.user) and len(second.user) > len(first.user)
 
 
+def test_with_messages_a_turn_is_cut_where_the_turns_it_extends_ended() -> None:
+    builder = ContentBuilder(tokens_per_word=1.3, messages=True)
+    first = builder.prompt(_turn(range(1, 30)))
+    second = builder.prompt(_turn(range(1, 45)), earlier=(29,))
+    third = builder.prompt(_turn(range(1, 60)), earlier=(29, 44))
+    assert first.user_turns == (first.user,)
+    assert second.user_turns[0] == first.user and len(second.user_turns) == 2
+    assert third.user_turns[:2] == second.user_turns  # earlier messages come again word for word
+    assert " ".join(third.user_turns).split() == third.user.split()  # the same words as one message
+    assert ContentBuilder(tokens_per_word=1.3).prompt(_turn(range(1, 60))).user_turns == ()  # the default: one message
+
+
 def test_divergent_turns_share_only_their_common_blocks() -> None:
     builder = ContentBuilder(tokens_per_word=1.0)
     a = builder.prompt(_turn([1, 2, 3, 4, 5, 6]))

@@ -7,7 +7,7 @@ import json
 
 import httpx
 
-from loadgen.content import Prompt
+from loadgen.content import ASSISTANT_REPLY, Prompt
 from loadgen.gateway_info import cached_tokens_by_tier, probe_context, served_model
 from loadgen.wire import CallOutcome, request_body, stream_call
 
@@ -42,6 +42,18 @@ def test_request_bodies_carry_session_and_ignore_eos() -> None:
     openai = request_body("openai", "m", PROMPT, 7, False, "s-9")
     assert openai["messages"][0] == {"role": "system", "content": "sys words"} and openai["user"] == "s-9"
     assert openai["stream_options"] == {"include_usage": True} and "ignore_eos" not in openai
+
+
+def test_a_conversation_of_turns_goes_as_messages_with_the_fixed_reply_between() -> None:
+    prompt = Prompt(system="sys", user="one two three", user_turns=("one", "two", "three"))
+    reply = {"role": "assistant", "content": ASSISTANT_REPLY}
+    turns = [{"role": "user", "content": "one"}, reply, {"role": "user", "content": "two"}, reply]
+    expected = [*turns, {"role": "user", "content": "three"}]
+    assert request_body("anthropic", "m", prompt, 7, True, "s")["messages"] == expected
+    assert request_body("openai", "m", prompt, 7, True, "s")["messages"] == [
+        {"role": "system", "content": "sys"},
+        *expected,
+    ]
 
 
 def test_anthropic_stream_usage_and_timing() -> None:

@@ -71,3 +71,20 @@ def test_openai_api(base_url: str, tmp_path: Path) -> None:
     assert step["answered"] == 2 and not first["warm"] and second["warm"]
     assert first["cached_tokens"] < 0.2 * first["input_tokens"]  # a new seed: nothing of the other test's run
     assert second["cached_tokens"] > 0.5 * second["input_tokens"] and second["output_tokens"] == 8
+
+
+def test_a_conversation_of_messages(base_url: str, tmp_path: Path) -> None:
+    # --messages: each call a conversation (a user message per turn, the fixed reply between them), as Claude Code
+    # sends one; the earlier messages come again word for word, so a warm call reads them from the prefix cache
+    out = tmp_path / "messages.json"
+    args = ["--url", base_url, "--agents", "1", "--turns", "3", "--seed", "2", "--messages", "--no-charts"]
+    args += ["--trace-path", str(TRACE), "--out", str(out), *SHORT]
+    assert main(args) == 0
+    results = json.loads(out.read_text())
+    assert results["workload"]["conversation"] == "messages"
+    requests = results["requests"]
+    assert [r["error"] for r in requests] == [None, None, None]
+    for record in requests[1:]:
+        assert record["warm"] and record["cached_tokens"] > 0.5 * record["input_tokens"], record
+        aimed = record["expected_input_tokens"] + results["template_tokens"]
+        assert abs(record["input_tokens"] - aimed) <= 0.15 * aimed, record  # the replies and markers are counted

@@ -69,6 +69,8 @@ class GatewayState:
             model = ServedModel.from_info(
                 info, self.config.deployment_slug, self.started_at, self.config.tokenize_cache_tokens
             )
+            if model.segments is not None:
+                model.segments.observe = self.metrics.observe_tokenized
             self.generation = Generation(
                 self.ranks,
                 self.chooser,

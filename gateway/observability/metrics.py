@@ -15,6 +15,8 @@ CACHE_TIERS: tuple[CacheTier, ...] = ("l0", "l1")
 
 SESSION_REPORT_OUTCOMES = ("sent", "failed", "dropped")
 
+TOKENIZED_SOURCES = ("cache", "encoded")
+
 # From a short warm-cache reply (~10 ms) to a long prompt prefilled cold behind a queue (minutes).
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 
@@ -34,6 +36,13 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("prompt_tokens", "Prompt tokens, cached ones included", ["api"], **own)
         self.cached_tokens = Counter("cached_tokens", "Prompt tokens served from a KV cache tier", ["tier"], **own)
         self.output_tokens = Counter("output_tokens", "Generated tokens", ["api"], **own)
+        self.tokenized_tokens = Counter(
+            "tokenized_tokens",
+            "Prompt tokens the gateway had to tokenize, by source: cache (the ids of a message seen before, "
+            "gateway/prompt/segment_cache.py) or encoded",
+            ["source"],
+            **own,
+        )
         self.errors = Counter("errors", "Errors by API error type", ["type"], **own)
         self.in_flight = Gauge("requests_in_flight", "Requests received and not yet finished", ["api"], **own)
         self.waiting_for_rank = Gauge(
@@ -58,6 +67,8 @@ class GatewayMetrics:
             self.in_flight.labels(api=api)
         for tier in CACHE_TIERS:
             self.cached_tokens.labels(tier=tier)
+        for source in TOKENIZED_SOURCES:
+            self.tokenized_tokens.labels(source=source)
 
     @contextmanager
     def track_in_flight(self, api: str) -> Iterator[None]:
@@ -95,6 +106,10 @@ class GatewayMetrics:
 
     def observe_session_report(self, outcome: str) -> None:
         self.session_reports.labels(outcome=outcome).inc()
+
+    def observe_tokenized(self, from_cache: int, encoded: int) -> None:
+        self.tokenized_tokens.labels(source="cache").inc(from_cache)
+        self.tokenized_tokens.labels(source="encoded").inc(encoded)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text for GET /metrics and its content type."""

@@ -25,6 +25,7 @@ import re
 import threading
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import xxhash
@@ -77,8 +78,10 @@ class SegmentCache:
         self._pieces: OrderedDict[bytes, array] = OrderedDict()
         self._tokens = 0
         self._lock = threading.Lock()
-        self.hits = 0  # pieces found (for tests and the curious: not exported)
+        self.hits = 0  # pieces found and pieces encoded, since the start
         self.misses = 0
+        # told each prompt's tokens taken from the cache and tokens encoded (the gateway's metrics)
+        self.observe: Callable[[int, int], None] | None = None
 
     @classmethod
     def for_tokenizer_json(
@@ -105,6 +108,7 @@ class SegmentCache:
             self.hits += len(found)
             self.misses += len(pieces) - len(found)
         missing = [i for i in range(len(pieces)) if i not in found]
+        from_cache = sum(len(ids) for ids in found.values())
         if missing:
             encoded = self._encode_all([pieces[i] for i in missing])
             fresh = {i: array("i", ids) for i, ids in zip(missing, encoded, strict=True)}
@@ -113,6 +117,8 @@ class SegmentCache:
         out: list[int] = []
         for i in range(len(pieces)):
             out.extend(found[i])
+        if self.observe is not None:
+            self.observe(from_cache, len(out) - from_cache)
         return out
 
     def _encode_all(self, texts: list[str]) -> list[list[int]]:

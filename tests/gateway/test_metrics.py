@@ -40,6 +40,10 @@ def test_every_series_is_exported_before_the_first_request() -> None:
         assert f"# HELP {name}" in text
     assert value(metrics, "kvserve_gateway_cached_tokens_total", tier="l1") == 0
     assert value(metrics, "kvserve_gateway_requests_in_flight", api="openai") == 0
+    assert value(metrics, "kvserve_gateway_tokenized_tokens_total", source="cache") == 0
+    metrics.observe_tokenized(900, 100)
+    assert value(metrics, "kvserve_gateway_tokenized_tokens_total", source="cache") == 900
+    assert value(metrics, "kvserve_gateway_tokenized_tokens_total", source="encoded") == 100
 
 
 def test_observations_show_up_in_the_exposition() -> None:

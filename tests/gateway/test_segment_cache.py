@@ -177,3 +177,28 @@ def test_threads_encoding_at_once_each_get_their_own_ids() -> None:
     for thread in threads:
         thread.join()
     assert [got[i] for i in range(len(texts))] == expected
+
+
+def test_real_claude_code_requests_encode_only_their_new_messages() -> None:
+    """The request bodies the real CLIs sent (tests/gateway/data/claude_code/, rendered as the gateway renders them):
+    each encodes to the ids of its whole prompt, and after the first most of each one's tokens come from the cache."""
+    from test_claude_code_prompt import RECORDED, recorded_prompts
+
+    from gateway.prompt.render import ModelTemplate
+
+    bundle = open_model_source("").tokenizer
+    template = ModelTemplate.for_model(
+        "HuggingFaceTB/SmolLM2-135M-Instruct", bundle.chat_template, bundle.bos_token, bundle.eos_token
+    )
+    assert RECORDED
+    for path in RECORDED:
+        segments = cache_for(smollm2_json())
+        seen: list[tuple[int, int]] = []
+        segments.observe = lambda cached, encoded, seen=seen: seen.append((cached, encoded))
+        for prompt in recorded_prompts(path, template):
+            assert segments.encode(prompt) == whole(smollm2_json(), prompt), path.name
+        assert seen[0][0] == 0  # the first request: nothing cached yet
+        later_cached = sum(cached for cached, _ in seen[1:])
+        later_encoded = sum(encoded for _, encoded in seen[1:])
+        # the recorded sessions: 99.6-99.7% (their new messages are a few hundred tokens over 12-23K)
+        assert later_cached >= 0.95 * (later_cached + later_encoded), (path.name, seen)

@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from service_processes import gateway_stack
 
@@ -88,3 +89,11 @@ def test_a_conversation_of_messages(base_url: str, tmp_path: Path) -> None:
         assert record["warm"] and record["cached_tokens"] > 0.5 * record["input_tokens"], record
         aimed = record["expected_input_tokens"] + results["template_tokens"]
         assert abs(record["input_tokens"] - aimed) <= 0.15 * aimed, record  # the replies and markers are counted
+    # the gateway tokenized the earlier messages once: their ids came from its segment cache after that
+    metrics = httpx.get(f"{base_url}/metrics", timeout=10).text
+    from_cache = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('kvserve_gateway_tokenized_tokens_total{source="cache"}')
+    ]
+    assert from_cache and float(from_cache[0].split()[-1]) > sum(r["input_tokens"] for r in requests[1:]) * 0.5

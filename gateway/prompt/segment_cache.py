@@ -38,9 +38,12 @@ def split_tokens(tokenizer_json: str) -> list[str]:
     """The added tokens a prompt can be cut before without changing its encoding (the module's rule); [] where
     none qualifies or the tokenizer's JSON cannot be read."""
     try:
-        added: list[dict[str, Any]] = json.loads(tokenizer_json).get("added_tokens") or []
+        spec = json.loads(tokenizer_json)
+        added: list[dict[str, Any]] = spec.get("added_tokens") or []
     except (ValueError, AttributeError):
         return []
+    if spec.get("truncation") or spec.get("padding"):
+        return []  # each piece would be cut or padded on its own
     contents = [str(token.get("content", "")) for token in added]
     chosen = []
     for token in added:
@@ -72,8 +75,8 @@ class SegmentCache:
     def __init__(self, tokenizer: Tokenizer, tokens: list[str], capacity_tokens: int = TOKENIZE_CACHE_TOKENS):
         self.tokenizer = tokenizer
         self.capacity_tokens = capacity_tokens
-        # cut before each split token: longest first, so that of two sharing a start the longer one is the match
-        ordered = sorted(set(tokens), key=len, reverse=True)
+        # a cut before each split token (a zero-width match: which of them matched makes no difference)
+        ordered = sorted(set(tokens))
         self._cut = re.compile("(?=" + "|".join(re.escape(t) for t in ordered) + ")") if ordered else None
         self._pieces: OrderedDict[bytes, array] = OrderedDict()
         self._tokens = 0
@@ -107,16 +110,17 @@ class SegmentCache:
                     found[i] = ids
             self.hits += len(found)
             self.misses += len(pieces) - len(found)
-        missing = [i for i in range(len(pieces)) if i not in found]
         from_cache = sum(len(ids) for ids in found.values())
+        # each new piece once, however often it comes (an end-of-message marker comes in every message)
+        missing = {keys[i]: i for i in range(len(pieces)) if i not in found}
+        fresh: dict[bytes, array] = {}
         if missing:
-            encoded = self._encode_all([pieces[i] for i in missing])
-            fresh = {i: array("i", ids) for i, ids in zip(missing, encoded, strict=True)}
-            found.update(fresh)
-            self._remember({keys[i]: ids for i, ids in fresh.items()})
+            encoded = self._encode_all([pieces[i] for i in missing.values()])
+            fresh = {key: array("i", ids) for key, ids in zip(missing, encoded, strict=True)}
+            self._remember(fresh)
         out: list[int] = []
-        for i in range(len(pieces)):
-            out.extend(found[i])
+        for i, key in enumerate(keys):
+            out.extend(found[i] if i in found else fresh[key])
         if self.observe is not None:
             self.observe(from_cache, len(out) - from_cache)
         return out

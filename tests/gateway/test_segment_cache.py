@@ -80,6 +80,11 @@ def test_tokens_that_could_move_a_cut_are_not_split_tokens() -> None:
     assert "<|im_start|>" not in split_tokens(covered)
     assert "<|im_end|>" in split_tokens(covered)
     assert split_tokens("not json") == []
+    # a tokenizer that truncates or pads would do it to each piece on its own
+    for setting in ("truncation", "padding"):
+        spec = json.loads(base)
+        spec[setting] = {"max_length": 512}
+        assert split_tokens(json.dumps(spec)) == []
 
 
 def _conversation(turns: int) -> list[ChatMessage]:

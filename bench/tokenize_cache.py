@@ -1,10 +1,11 @@
 """The gateway's prompt tokenizing per agent call, whole against the segment cache (gateway/prompt/segment_cache.py),
 on Claude Code conversations at the traces' real size: CPU only, our own component before and after (no vLLM here).
 
-Each agent replays its trace's turns as a conversation of messages, as Claude Code sends one: the system prompt
-(the first block), then per turn a user message with the blocks new since the previous call (its tool results) and,
-after the call, an assistant message of MAX_OUT tokens' worth of text. A turn whose blocks do not extend the previous
-turn's (the trace compacted its context) starts the conversation over. Each call's prompt is rendered by the
+Each agent replays its trace's turns as the conversations `kvserve bench agents --messages` sends (loadgen's own
+builder), as Claude Code sends one: the system prompt (the first block), then per turn a user message with the
+blocks new since the previous call (its tool results), the fixed assistant reply between them. A turn whose blocks
+do not extend the previous turn's (the trace rewrote its context) starts the conversation over. Each call's prompt is
+rendered by the
 gateway's PromptFormat for the served shape and encoded by ServedModel.encode twice: with the cache (as the gateway
 now does) and whole (tokenize_cache_tokens 0); the ids must agree, or the run fails.
 
@@ -29,9 +30,10 @@ from contracts.config import TOKENIZE_CACHE_TOKENS  # noqa: E402
 from gateway.prompt.chat import ChatMessage, ChatRequest  # noqa: E402
 from gateway.prompt.prompt_format import PromptFormat  # noqa: E402
 from gateway.prompt.served_model import ServedModel  # noqa: E402
-from loadgen.content import block_text, block_word_count, calibration_text  # noqa: E402
+from loadgen.content import ContentBuilder, calibration_text, turn_ends  # noqa: E402
 from loadgen.provenance import checkout_record  # noqa: E402
 from loadgen.traces import AgentTrace, load_claude_code  # noqa: E402
+from loadgen.wire import conversation_of  # noqa: E402
 from protos import rank_worker_pb2 as pb  # noqa: E402
 
 TRACES = ROOT.parent / "shared" / "traces" / "claude_code"
@@ -56,21 +58,15 @@ def tokens_per_word(model: ServedModel) -> float:
     return len(model.encode(calibration_text(words))) / words
 
 
-def conversations(agent: AgentTrace, turns: int, per_word: float, scale: float, answer: str):
-    """Per call of the agent: its messages (system, then user/assistant pairs, the last user message new)."""
-    messages: list[ChatMessage] = []
-    sent: tuple[int, ...] = ()
+def conversations(agent: AgentTrace, turns: int, content: ContentBuilder):
+    """Per call of the agent: the messages `kvserve bench agents --messages` sends (loadgen's own builder)."""
+    ends: tuple[int, ...] = ()
+    previous: tuple[int, ...] = ()
     for turn in agent.turns[:turns]:
-        words = turn.block_tokens * scale / per_word
-        ids = turn.hash_ids
-        if not messages or ids[: len(sent)] != sent:  # the first call, or the trace compacted its context
-            messages = [ChatMessage(role="system", content=block_text(ids[0], block_word_count(ids[0], words)))]
-            sent = ids[:1]
-        new = "".join(block_text(h, block_word_count(h, words)) for h in ids[len(sent) :]).strip() or "continue"
-        messages.append(ChatMessage(role="user", content=new))
-        yield list(messages)
-        messages.append(ChatMessage(role="assistant", content=answer))
-        sent = ids
+        ends, previous = turn_ends(previous, ends, turn), turn.hash_ids
+        prompt = content.prompt(turn, None, ends)
+        system = [ChatMessage(role="system", content=prompt.system)] if prompt.system else []
+        yield system + [ChatMessage(role=m["role"], content=m["content"]) for m in conversation_of(prompt)]
 
 
 def timed(model: ServedModel, text: str) -> tuple[list[int], float]:
@@ -91,7 +87,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--agents", type=int, default=4, help="the traces' longest sessions, this many")
     parser.add_argument("--turns", type=int, default=24)
     parser.add_argument("--context-scale", type=float, default=1.0)
-    parser.add_argument("--max-out", type=int, default=64, help="the assistant messages' size in tokens")
     parser.add_argument("--out", default="", help="JSON result (a chart beside it, .png)")
     args = parser.parse_args(argv)
 
@@ -99,12 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     cached, whole = served_model(shape, TOKENIZE_CACHE_TOKENS), served_model(shape, 0)
     prompts = PromptFormat.for_model(cached)
     per_word = tokens_per_word(whole)
-    answer = " ".join(["done"] * round(args.max_out / per_word))
+    content = ContentBuilder(tokens_per_word=per_word, factor=args.context_scale, messages=True)
     agents = sorted(load_claude_code(args.traces), key=lambda a: -max((t.input_tokens for t in a.turns), default=0))
     agents = [a for a in agents if len(a.turns) >= args.turns][: args.agents]
     calls = []
     for agent in agents:
-        for turn, messages in enumerate(conversations(agent, args.turns, per_word, args.context_scale, answer)):
+        for turn, messages in enumerate(conversations(agent, args.turns, content)):
             text = prompts.render(ChatRequest(model=cached.name, messages=messages))
             ids_whole, whole_s = timed(whole, text)
             ids_cached, cached_s = timed(cached, text)
@@ -145,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                 "agents": [a.name for a in agents],
                 "turns": args.turns,
                 "context_scale": args.context_scale,
-                "max_out": args.max_out,
+                "assistant_reply": "loadgen.content.ASSISTANT_REPLY",
                 "tokens_per_word": round(per_word, 4),
                 "cache_tokens": cached.segments.capacity_tokens if cached.segments else 0,
                 "timing": "ServedModel.encode per call, whole then cached, one process; warm = every call after an "

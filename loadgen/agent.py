@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadgen.content import ContentBuilder, Prompt
+from loadgen.content import ContentBuilder, Prompt, turn_ends
 from loadgen.reuse import SentPrefixes
 from loadgen.traces import AgentTrace, TraceTurn
 from loadgen.wire import Api, request_body, stream_call
@@ -100,7 +100,7 @@ async def run_agent(index: int, sessions: Iterator[tuple[AgentTrace, str]], ctx:
     await _think(ctx, delay_s)
     turns_done = 0
     for session, session_id in sessions:
-        ends: list[int] = []  # where the earlier turns that this one extends ended (--messages' cuts)
+        ends: tuple[int, ...] = ()  # where the earlier turns that this one extends ended (--messages' cuts)
         previous: tuple[int, ...] = ()
         for session_turn, turn in enumerate(session.turns):
             if ctx.done(turns_done):
@@ -109,10 +109,8 @@ async def run_agent(index: int, sessions: Iterator[tuple[AgentTrace, str]], ctx:
                 await _think(ctx, ctx.think.before(turn))
                 if ctx.done(turns_done):
                     return
-            extends = bool(previous) and turn.hash_ids[: len(previous)] == previous
-            ends = [*ends, len(previous)] if extends else []
-            previous = turn.hash_ids
-            await _call(index, session, session_id, session_turn, turn, turns_done, ctx, tuple(ends))
+            ends, previous = turn_ends(previous, ends, turn), turn.hash_ids
+            await _call(index, session, session_id, session_turn, turn, turns_done, ctx, ends)
             turns_done += 1
 
 

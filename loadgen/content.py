@@ -154,6 +154,15 @@ class ContentBuilder:
         return round(sum(counts) * self.tokens_per_word)
 
 
+def turn_ends(previous: tuple[int, ...], ends: tuple[int, ...], turn: TraceTurn) -> tuple[int, ...]:
+    """`earlier` for ContentBuilder.prompt: the block counts at which the turns this one extends ended, from the
+    previous turn's ids and its own `earlier`; () when it does not extend the previous turn (a first call, or a
+    context the trace rewrote)."""
+    if previous and turn.hash_ids[: len(previous)] == previous:
+        return (*ends, len(previous))
+    return ()
+
+
 def calibration_text(words: int, seed: int = 7) -> str:
     """Sample text for measuring tokens per word: blocks of the same kind as the prompts."""
     parts: list[str] = []

@@ -33,12 +33,7 @@ def request_body(
     api: Api, model: str, prompt: Prompt, max_tokens: int, ignore_eos: bool, session_id: str
 ) -> dict[str, Any]:
     """The streaming request body; the session id goes where each API's clients put it."""
-    conversation = [{"role": "user", "content": prompt.user}]
-    if prompt.user_turns:  # --messages: one user message per turn, the fixed reply between them
-        conversation = []
-        for part in prompt.user_turns:
-            conversation += [{"role": "user", "content": part}, {"role": "assistant", "content": ASSISTANT_REPLY}]
-        conversation.pop()
+    conversation = conversation_of(prompt)
     if api == "anthropic":
         body: dict[str, Any] = {
             "model": model,
@@ -62,6 +57,17 @@ def request_body(
     if ignore_eos:
         body["ignore_eos"] = True  # the gateway's extension: generate exactly max_tokens
     return body
+
+
+def conversation_of(prompt: Prompt) -> list[dict[str, str]]:
+    """The prompt's messages after the system prompt: its user text, or with --messages one user message per turn
+    and the fixed reply between them."""
+    if not prompt.user_turns:
+        return [{"role": "user", "content": prompt.user}]
+    conversation: list[dict[str, str]] = []
+    for part in prompt.user_turns:
+        conversation += [{"role": "user", "content": part}, {"role": "assistant", "content": ASSISTANT_REPLY}]
+    return conversation[:-1]
 
 
 def endpoint(api: Api) -> str:

@@ -3,7 +3,7 @@ calibration and the context scale."""
 
 from __future__ import annotations
 
-from loadgen.content import WORDS, ContentBuilder, block_text, block_word_count, calibration_text
+from loadgen.content import WORDS, ContentBuilder, block_text, block_word_count, calibration_text, turn_ends
 from loadgen.reuse import SentPrefixes
 from loadgen.traces import TraceTurn
 
@@ -45,6 +45,14 @@ def test_with_messages_a_turn_is_cut_where_the_turns_it_extends_ended() -> None:
     assert third.user_turns[:2] == second.user_turns  # earlier messages come again word for word
     assert " ".join(third.user_turns).split() == third.user.split()  # the same words as one message
     assert ContentBuilder(tokens_per_word=1.3).prompt(_turn(range(1, 60))).user_turns == ()  # the default: one message
+
+
+def test_turn_ends_follow_the_turns_a_turn_extends() -> None:
+    first, second, third = _turn(range(1, 30)), _turn(range(1, 45)), _turn(range(1, 60))
+    assert turn_ends((), (), first) == ()
+    assert turn_ends(first.hash_ids, (), second) == (29,)
+    assert turn_ends(second.hash_ids, (29,), third) == (29, 44)
+    assert turn_ends(third.hash_ids, (29, 44), _turn([1, 2, 99])) == ()  # the trace rewrote its context
 
 
 def test_divergent_turns_share_only_their_common_blocks() -> None:

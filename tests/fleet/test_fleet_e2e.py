@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 from fleet_envoy import access_log_entries
-from fleet_stack import RANK_METRICS_PORT, Fleet, fleet
+from fleet_stack import EPP_METRICS_PORT, RANK_METRICS_PORT, Fleet, fleet
 
 from gateway.epp.envoy_config import FAIL_CLOSED_STATUS
 
@@ -247,6 +247,16 @@ def rank_waiting_prefill(the_fleet: Fleet, node: str) -> float:
     return 0.0
 
 
+def epp_queued_prefill(the_fleet: Fleet, node: str) -> float:
+    """The queued prefill the EPP last read for the node: what it places sessions by."""
+    answer = the_fleet.client.call("http", url=f"http://{the_fleet.edge.address}:{EPP_METRICS_PORT}/metrics")
+    assert answer["ok"], answer
+    for line in answer["text"].splitlines():
+        if line.startswith(f'kvserve:epp_node_queued_prefill_tokens{{node="{node}"}}'):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
 def test_an_overloaded_node_gets_no_new_sessions(epp: Fleet) -> None:
     busy, other = NODES
     flood_url = epp.node(busy).url  # straight to the node's gateway, past Envoy: load the EPP did not send
@@ -265,6 +275,11 @@ def test_an_overloaded_node_gets_no_new_sessions(epp: Fleet) -> None:
     deadline = time.monotonic() + 60
     while rank_waiting_prefill(epp, busy) < 4000:
         assert time.monotonic() < deadline, "the flood never queued on the rank"
+        time.sleep(0.1)
+    # and the EPP has read it (it polls every 0.25 s, later on a loaded machine: a CI run once placed the first
+    # fresh session on the flooded node while the EPP's view was older than the flood)
+    while epp_queued_prefill(epp, busy) < 4000:
+        assert time.monotonic() < deadline, "the EPP never saw the flood"
         time.sleep(0.1)
     sessions = [Session(f"fresh-{n}") for n in range(3)]
     run_sessions(epp, sessions, turns=1)

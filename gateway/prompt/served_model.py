@@ -38,8 +38,10 @@ class ServedModel:
                 names.append(alias)
         tokenizer = Tokenizer.from_str(info.tokenizer_json)
         bound = PromptSizeBound.for_tokenizer_json(info.tokenizer_json)
-        segments = SegmentCache.for_tokenizer_json(tokenizer, info.tokenizer_json, tokenize_cache_tokens)
-        return cls(info, tokenizer, names, created_at, bound, segments if tokenize_cache_tokens > 0 else None)
+        segments = None
+        if tokenize_cache_tokens > 0:
+            segments = SegmentCache.for_tokenizer_json(tokenizer, info.tokenizer_json, tokenize_cache_tokens)
+        return cls(info, tokenizer, names, created_at, bound, segments)
 
     @property
     def name(self) -> str:

@@ -237,24 +237,25 @@ def test_new_sessions_spread_across_nodes(epp: Fleet) -> None:
     assert all(served.count(node) >= 2 for node in NODES), served
 
 
-def rank_waiting_prefill(the_fleet: Fleet, node: str) -> float:
-    address = the_fleet.node(node).address
-    answer = the_fleet.client.call("http", url=f"http://{address}:{RANK_METRICS_PORT}/metrics")
+def scraped(the_fleet: Fleet, url: str, series: str) -> float:
+    """The value of the first sample of `series` (its name, labels included) on a /metrics page; 0 when absent."""
+    answer = the_fleet.client.call("http", url=url)
     assert answer["ok"], answer
     for line in answer["text"].splitlines():
-        if line.startswith("kvserve:waiting_prefill_tokens"):
+        if line.startswith(series):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+def rank_waiting_prefill(the_fleet: Fleet, node: str) -> float:
+    url = f"http://{the_fleet.node(node).address}:{RANK_METRICS_PORT}/metrics"
+    return scraped(the_fleet, url, "kvserve:waiting_prefill_tokens")
 
 
 def epp_queued_prefill(the_fleet: Fleet, node: str) -> float:
     """The queued prefill the EPP last read for the node: what it places sessions by."""
-    answer = the_fleet.client.call("http", url=f"http://{the_fleet.edge.address}:{EPP_METRICS_PORT}/metrics")
-    assert answer["ok"], answer
-    for line in answer["text"].splitlines():
-        if line.startswith(f'kvserve:epp_node_queued_prefill_tokens{{node="{node}"}}'):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
+    url = f"http://{the_fleet.edge.address}:{EPP_METRICS_PORT}/metrics"
+    return scraped(the_fleet, url, f'kvserve:epp_node_queued_prefill_tokens{{node="{node}"}}')
 
 
 def test_an_overloaded_node_gets_no_new_sessions(epp: Fleet) -> None:

@@ -131,7 +131,22 @@ def unfinished_step(marker: dict[str, Any], where: str) -> dict[str, Any]:
 
 def _run_settings(doc: dict[str, Any]) -> dict[str, Any]:
     keys = ("date", "api", "model", "context_scale", "turns", "think_time", "max_output_tokens", "ignore_eos", "seed")
-    return {key: doc.get(key) for key in keys} | {"trace": (doc.get("workload") or {}).get("trace")}
+    # provenance: the checkout the load generator ran from (loadgen/provenance.py), on our side also the code served
+    return {key: doc.get(key) for key in keys} | {
+        "trace": (doc.get("workload") or {}).get("trace"),
+        "provenance": doc.get("provenance"),
+    }
+
+
+def step_provenance(steps: dict[int, dict[str, Any]]) -> Any:
+    """What a side's agent steps say they ran (commit and diff hash): one value, or every distinct one in the
+    order of their agent counts when the steps ran different code (None when no step file records it)."""
+    seen: list[Any] = []
+    for _, step in sorted(steps.items()):
+        value = step.get("run", {}).get("provenance")
+        if value is not None and value not in seen:
+            seen.append(value)
+    return seen[0] if len(seen) == 1 else (seen or None)
 
 
 def _gpu_named(raw: Path) -> str | None:
@@ -337,8 +352,13 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
         "date": ours.get("date") or vllm.get("date") or run.get("date"),
         "gpu": ours.get("gpu") or vllm.get("gpu") or _gpu_named(raw),
         "commit": commit or ours.get("commit") or vllm.get("commit"),
-        # what each engine file says it ran: commit and the hash of the uncommitted diff (loadgen/provenance.py)
-        "provenance": {side: engines[side].get("provenance") for side in engines},
+        # what each engine file says it ran: commit and the hash of the uncommitted diff (loadgen/provenance.py);
+        # a side that ran agent steps only: what its step files say
+        "provenance": {
+            side: engines[side].get("provenance") if side in engines else step_provenance(steps[side])
+            for side in SIDES
+            if side in engines or steps[side]
+        },
         "engines": {"ours": ours.get("engine", "kvserve"), "vllm": vllm.get("engine")},
         "settings": {
             "shape": f"{shape} config, random weights, bfloat16 (bench/shapes/)",
@@ -376,6 +396,58 @@ def with_vllm_variant(result: dict[str, Any], raw: Path) -> dict[str, Any]:
         "largest_passing_best_vllm": best_vllm,
         "largest_passing_ratio_best": mine / best_vllm if mine and best_vllm else None,
     }
+
+
+def agent_runs(raws: list[Path]) -> dict[str, Any]:
+    """Repeated agent steps of one session: each folder is one run (bench/peer_h200.sh under its own PEER_TAG, so
+    that the steps run again), its steps judged as in the main table. `runs`: every step of every folder;
+    `summary`: per side and agent count the number of runs, how many passed and the spread of per-agent tok/s
+    p50 (a verdict near the bar needs several runs before it carries a claim)."""
+    runs = []
+    for raw in raws:
+        _, steps = collect(raw)
+        for side in SIDES:
+            for agents, step in sorted(steps[side].items()):
+                summary = step_summary(step)
+                keys = ("tok_s_p50", "tok_s_p10", "ttft_p50", "ttft_p95", "cache_hit", "passed", "failed", "seed")
+                runs.append({"side": side, "agents": agents, "where": str(raw), **{k: summary.get(k) for k in keys}})
+    groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
+    for run in runs:
+        groups.setdefault((run["side"], run["agents"]), []).append(run)
+    summary = []
+    for (side, agents), group in sorted(groups.items()):
+        speeds = [run["tok_s_p50"] for run in group if run["tok_s_p50"] is not None]
+        summary.append(
+            {
+                "side": side,
+                "agents": agents,
+                "runs": len(group),
+                "passed": sum(bool(run["passed"]) for run in group),
+                "tok_s_p50_median": statistics.median(speeds) if speeds else None,
+                "tok_s_p50_min": min(speeds, default=None),
+                "tok_s_p50_max": max(speeds, default=None),
+            }
+        )
+    return {"runs": runs, "summary": summary}
+
+
+def print_agent_runs(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="agent steps over the session's repeated runs: per-agent tok/s p50")
+    for column in ("side", "agents", "runs", "passed", "median", "min .. max"):
+        t.add_column(column, justify="left" if column == "side" else "right")
+    for row in result["agent_runs"]["summary"]:
+        t.add_row(
+            row["side"],
+            str(row["agents"]),
+            str(row["runs"]),
+            str(row["passed"]),
+            _fmt(row["tok_s_p50_median"], ".1f"),
+            f"{_fmt(row['tok_s_p50_min'], '.1f')} .. {_fmt(row['tok_s_p50_max'], '.1f')}",
+        )
+    Console(width=None if sys.stdout.isatty() else 160).print(t)
 
 
 def with_reference(result: dict[str, Any], reference: dict[str, Any]) -> dict[str, Any]:
@@ -534,6 +606,13 @@ def main() -> None:
         help="folders of more engine runs of the same session (repeats, the other order, other settings): every "
         "run of these and of --raw is listed under engine_runs, with each measure's ratio spread",
     )
+    parser.add_argument(
+        "--agent-runs-raw",
+        action="append",
+        default=[],
+        help="folders of repeated agent steps of the same session (each a run, e.g. another PEER_TAG): every "
+        "step of these and of --raw is listed under agent_runs, with per side and count the runs that passed",
+    )
     args = parser.parse_args()
     raw = Path(args.raw)
     if not raw.is_dir():
@@ -557,6 +636,9 @@ def main() -> None:
         result["engine_ratio_spread"] = ratio_spread(runs, code)
         result["engine_medians"] = median_ratios(runs, code, args.target)
         print_medians(result)
+    if args.agent_runs_raw:
+        result["agent_runs"] = agent_runs([raw, *map(Path, args.agent_runs_raw)])
+        print_agent_runs(result)
     if args.vllm_reference:
         result["vllm_reference"] = with_reference(result, json.loads(Path(args.vllm_reference).read_text()))
         ref = result["vllm_reference"]

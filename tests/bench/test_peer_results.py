@@ -19,6 +19,7 @@ from fake_vllm import FAKE_MODULE
 
 from bench.peer_plan import FULL, MEASURE_NAMES, QUICK, distinct_tokens, record
 from bench.peer_results import (
+    agent_runs,
     assemble,
     engine_keys_missing,
     engine_rows,
@@ -480,3 +481,40 @@ def test_agent_steps_without_engine_files_name_the_shape_card_and_date_they_ran(
     result = assemble(tmp_path)
     assert result["settings"]["shape"].startswith("dsv2-lite-1m-chat config")
     assert (result["gpu"], result["date"]) == ("NVIDIA H100 80GB HBM3", "2026-12-02T10:00:00Z")
+
+
+def test_agent_steps_alone_record_the_code_they_ran(tmp_path: Path) -> None:
+    """With no engine file, peer.json's provenance is what the step files say (it was empty before)."""
+    ran = {"commit": "8b429a3", "diff_sha256": None, "dirty": False}
+    write(tmp_path, "ours-agents-8.json", agent_step(8, True) | {"provenance": ran})
+    write(tmp_path, "vllm-agents-4.json", agent_step(4, True) | {"provenance": ran})
+    edited = {"commit": "8b429a3", "diff_sha256": "ab12", "dirty": True}
+    write(tmp_path, "vllm-agents-8.json", agent_step(8, False) | {"provenance": edited})
+    result = assemble(tmp_path)
+    assert result["provenance"]["ours"] == ran
+    assert result["provenance"]["vllm"] == [ran, edited]  # steps of different code: every one, in agent order
+    assert result["settings"]["agents"]["provenance"] == ran
+
+
+def test_repeated_agent_steps_are_counted_per_side_and_agent_count(tmp_path: Path) -> None:
+    first, second, third = tmp_path / "raw", tmp_path / "raw-rep1", tmp_path / "raw-rep2"
+    write(first, "ours-agents-8.json", agent_step(8, True))
+    write(first, "vllm-agents-8.json", agent_step(8, False))
+    write(second, "ours-agents-8.json", agent_step(8, False))
+    faster = agent_step(8, True)
+    faster["steps"][0]["tok_s_p50"] = 34.0
+    write(third, "ours-agents-8.json", faster)
+    runs = agent_runs([first, second, third])
+    assert len(runs["runs"]) == 4
+    by = {(row["side"], row["agents"]): row for row in runs["summary"]}
+    assert by["ours", 8] == {
+        "side": "ours",
+        "agents": 8,
+        "runs": 3,
+        "passed": 2,
+        "tok_s_p50_median": 30.0,
+        "tok_s_p50_min": 12.0,
+        "tok_s_p50_max": 34.0,
+    }
+    assert (by["vllm", 8]["runs"], by["vllm", 8]["passed"]) == (1, 0)
+    assert {run["where"] for run in runs["runs"] if run["side"] == "ours"} == {str(first), str(second), str(third)}

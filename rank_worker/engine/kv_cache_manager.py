@@ -103,6 +103,26 @@ class KvCacheManager:
         seq.status = SequenceStatus.WAITING_FOR_L1
         return True
 
+    def restore_waits_for_room(self, seq: Sequence, token_budget: int | None = None) -> bool:
+        """True when the host tier is known to hold more of a sequence's prompt past its L0 prefix than the free
+        pool takes beside its next chunk, while all of it would fit the pool: restoring only what fits now has
+        the rest computed again (from L1 a 400K-token DeepSeek context is ~1 s, as a prefill it is minutes), so
+        the scheduler waits for running sequences to give their blocks back instead. False when nothing is to
+        be restored, all of it fits, or it could never fit whole (then part of it is the best there is)."""
+        if seq.host_fetch is not None or seq.block_table or self.host_tier is None or not self.pool.caching:
+            return False
+        hashes = self.lookup_hashes(seq)
+        prefix = self._l0_run(hashes)
+        known = self.host_tier.known_run(hashes[prefix:]) if prefix < len(hashes) else 0
+        if known == 0:
+            return False
+        rest_tokens = seq.num_tokens - prefix * self.block_size
+        if self._restore_room(rest_tokens, known, token_budget) >= known:
+            return False
+        left = rest_tokens - known * self.block_size
+        chunk = left if token_budget is None else min(left, token_budget)
+        return prefix + known + -(-chunk // self.block_size) <= self.pool.num_blocks - 1
+
     def attach_cached_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Give a sequence that holds no blocks its longest cached prefix from L0. Returns (tokens from L0,
         tokens of it the host tier restored for this sequence while it waited).

@@ -29,6 +29,11 @@ Two policies:
   the front of the queue; when blocks run out, cold prefills are preempted first, the one with the most left
   first.
 
+A request whose context the host tier holds past its L0 prefix is restored whole or waits (both policies):
+when the free pool cannot take all of it beside its next chunk while other sequences run, admission waits for
+them to give blocks back, up to cold_max_wait_secs; restoring in part would have the rest computed again
+(kv_cache_manager.restore_waits_for_room).
+
 Decoders are not stalled by prefill (both policies): while running sequences are decoding, a step's prefill
 tokens are capped so that the step's predicted time (step_cost.py, fitted to the steps the engine measured)
 stays within decode_step_budget_ms, each chunk cut to a whole number of blocks; the chunks go in the policy's
@@ -167,6 +172,7 @@ class Scheduler:
         # Out of `running` (their last step is still on the device) but holding their row and blocks until removed.
         self.ending: set[Sequence] = set()
         self.num_preemptions = 0
+        self.room_waits = 0  # admissions closed for a host-tier restore that did not fit the free pool yet
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
@@ -368,6 +374,10 @@ class Scheduler:
             if self._time_spent(step):
                 step.closed = True  # the decoders' time budget is spent: whoever waits, waits a step
                 return
+            if self._waits_for_room(seq, step):
+                step.closed = True
+                self.room_waits += 1
+                return
             if self.kv.waits_for_host(seq, step.budget):
                 continue  # WAITING_FOR_L1: its blocks are being restored off the engine thread; admitted after
             fresh = seq.num_l0_cached_tokens is None
@@ -399,6 +409,15 @@ class Scheduler:
             step.budget = max(step.budget - num_new, 0)  # a solo prefill spends it all
             if step.time_budget_s is not None:
                 step.load = step_load([(seq, num_new)], step.load)
+
+    def _waits_for_room(self, seq: Sequence, step: _Step) -> bool:
+        """seq's context is in the host tier but the free pool cannot take it whole yet (restore_waits_for_room):
+        it waits, and admission with it, for running sequences to give their blocks back, rather than being
+        restored in part and the rest computed again. Not when nobody runs (no blocks are coming back), and not
+        past cold_max_wait_secs of waiting: then what fits is restored, as a long decode would hold it too long."""
+        if not self.running or self._starved(seq, step.now):
+            return False
+        return self.kv.restore_waits_for_room(seq, step.budget)
 
     def _solo_tokens(self, seq: Sequence, step: _Step) -> int:
         """The one-step chunk of a solo prefill for seq (see the module's doc), or 0: not one."""

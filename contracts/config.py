@@ -39,7 +39,8 @@ class SchedulingConfig(BaseModel):
         30.0,
         ge=0.0,
         description="warm_first: a cold request or prefill that has gone this long without a token is starved: "
-        "admitted with the warm ones, and a minimum chunk of its own every step from then on",
+        "admitted with the warm ones, and a minimum chunk of its own every step from then on. Either policy: the "
+        "longest a request whose context is in L1 waits for room to restore it whole (then what fits is restored)",
     )
     # 40 ms on a GPU: decoders keep >= 20 tok/s (the load generator's per-agent p50 bar) while prefill runs
     # beside them, with room to spare; on the H200 a 4K-token chunk held every decoder for 150-470 ms. 50 ms until

@@ -413,9 +413,10 @@ class Scheduler:
     def _waits_for_room(self, seq: Sequence, step: _Step) -> bool:
         """seq's context is in the host tier but the free pool cannot take it whole yet (restore_waits_for_room):
         it waits, and admission with it, for running sequences to give their blocks back, rather than being
-        restored in part and the rest computed again. Not when nobody runs (no blocks are coming back), and not
-        past cold_max_wait_secs of waiting: then what fits is restored, as a long decode would hold it too long."""
-        if not self.running or self._starved(seq, step.now):
+        restored in part and the rest computed again. Not when nobody runs or ends (no blocks are coming back: a
+        sequence whose last step is on the device gives its blocks back once that step is read), and not past
+        cold_max_wait_secs of waiting: then what fits is restored, as a long decode would hold it too long."""
+        if not (self.running or self.ending) or self._starved(seq, step.now):
             return False
         return self.kv.restore_waits_for_room(seq, step.budget)
 

@@ -236,3 +236,33 @@ def test_write_through_is_paced_per_step_and_lands_whole(tmp_path: Path) -> None
         assert_pool_idle(engine)
         assert_no_pins(port)
         engine.close()
+
+
+def test_a_session_in_l1_waits_beside_a_decoder_for_room_and_comes_back_whole(tmp_path: Path) -> None:
+    """Restored whole or not yet (scheduler._waits_for_room): beside a decoder holding most of the pool, a session
+    whose blocks are in L1 waits for the decoder to end instead of having part restored and the rest recomputed."""
+    model = tiny_model()
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        # 32 tokens a step: a prompt is prefilled in chunks, so part of A's blocks plus one chunk would fit
+        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=32)
+        a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=31)
+        a1 = generate_one(engine, a1_prompt, greedy(8), "a1")
+        generate_one(engine, random_prompt(300, 128, seed=32), greedy(2), "evict")  # A leaves L0 for L1
+        engine.add_request(EngineRequest("runner", random_prompt(11 * BLOCK, 128, seed=33), greedy(100)))
+        outputs: dict[str, list[int]] = {}
+        while not outputs.get("runner"):  # the runner decodes: 12 of the 20 blocks are its own, 18 at its end
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+        a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, 128, seed=34)
+        engine.add_request(EngineRequest("a2", a2_prompt, greedy(8)))
+        a2 = run_to_completion(engine)["a2"]
+        l0, l1 = a2.stats.l0_cached_tokens, a2.stats.l1_cached_tokens
+        assert l0 + l1 == 8 * BLOCK, "every block of A's first turn came back: none computed again"
+        assert l1 >= 6 * BLOCK
+        assert engine.scheduler.room_waits >= 1, "it waited for room beside the runner"
+        cold = generate_one(make_engine(model, None, prefix_cache=False), a2_prompt, greedy(8), "cold")
+        assert a2.new_token_ids == cold.new_token_ids
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        engine.close()

@@ -119,6 +119,11 @@ class _EngineCollector(Collector):
             "Steps that ran out of GPU memory, dropped and scheduled again under a token cap.",
             stats.oom_dropped_steps,
         )
+        yield counter(
+            "kvserve:l1_room_waits",
+            "Steps whose admission waited for room to restore a request's L1 blocks whole (not in part).",
+            stats.l1_room_waits,
+        )
         yield gauge(
             "kvserve:step_token_cap",
             "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",

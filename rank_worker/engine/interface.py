@@ -104,6 +104,7 @@ class EngineStats:
     l1_copies_in_flight: int = 0
     oom_dropped_steps: int = 0  # steps that ran out of GPU memory and were scheduled again smaller
     step_token_cap: int = 0  # the cap those left on a step's tokens (step_token_cap.py); 0: none
+    l1_room_waits: int = 0  # steps whose admission waited for room to restore a request's L1 blocks whole
 
 
 @dataclass(frozen=True)

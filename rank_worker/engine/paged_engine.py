@@ -588,6 +588,7 @@ class PagedEngine(Engine):
             l1_copies_in_flight=self.l1.copies_in_flight if self.l1 is not None else 0,
             oom_dropped_steps=self.step_cap.dropped_steps,
             step_token_cap=self.step_cap.tokens or 0,
+            l1_room_waits=sched.room_waits,
         )
 
     def close(self) -> None:

@@ -104,6 +104,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l1_offload_seconds": "counter",
         "kvserve:oom_dropped_steps": "counter",
         "kvserve:step_token_cap": "gauge",
+        "kvserve:l1_room_waits": "counter",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -117,8 +118,11 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
     for source in ("local_compute", "local_cache_hit", "external_kv_transfer"):  # 0 before the first request
         assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total", source=source) == 0
     shrunk = scrape(
-        RankMetrics("smol", "rank-0", lambda: engine_stats(oom_dropped_steps=3, step_token_cap=2048)).registry
+        RankMetrics(
+            "smol", "rank-0", lambda: engine_stats(oom_dropped_steps=3, step_token_cap=2048, l1_room_waits=5)
+        ).registry
     )
+    assert value(shrunk, "kvserve:l1_room_waits", "kvserve:l1_room_waits_total") == 5
     assert value(shrunk, "kvserve:oom_dropped_steps", "kvserve:oom_dropped_steps_total") == 3
     assert value(shrunk, "kvserve:step_token_cap") == 2048
 

@@ -106,9 +106,9 @@ class KvCacheManager:
     def restore_waits_for_room(self, seq: Sequence, token_budget: int | None = None) -> bool:
         """True when the host tier is known to hold more of a sequence's prompt past its L0 prefix than the free
         pool takes beside its next chunk, while all of it would fit the pool: restoring only what fits now has
-        the rest computed again (from L1 a 400K-token DeepSeek context is ~1 s, as a prefill it is minutes), so
-        the scheduler waits for running sequences to give their blocks back instead. False when nothing is to
-        be restored, all of it fits, or it could never fit whole (then part of it is the best there is)."""
+        the rest computed again (from L1 a 400K-token DeepSeek context takes under a second, as a prefill tens
+        of seconds), so the scheduler waits for running sequences to give their blocks back instead. False when
+        nothing is to be restored, all of it fits, or it could never fit whole (then part is the best there is)."""
         if seq.host_fetch is not None or seq.block_table or self.host_tier is None or not self.pool.caching:
             return False
         hashes = self.lookup_hashes(seq)

@@ -416,8 +416,11 @@ class Scheduler:
         restored in part and the rest computed again. Not when nobody runs or ends (no blocks are coming back: a
         sequence whose last step is on the device gives its blocks back once that step is read), and not past
         cold_max_wait_secs of waiting: then what fits is restored, as a long decode would hold it too long."""
-        if not (self.running or self.ending) or self._starved(seq, step.now):
+        if not (self.running or self.ending):
             return False
+        since = seq.arrival_time if seq.last_scheduled_time is None else seq.last_scheduled_time
+        if step.now - since >= self.policy.cold_max_wait_secs:
+            return False  # measured as _starved does, without marking it: warm work is never starved
         return self.kv.restore_waits_for_room(seq, step.budget)
 
     def _solo_tokens(self, seq: Sequence, step: _Step) -> int:

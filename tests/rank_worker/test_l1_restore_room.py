@@ -1,6 +1,6 @@
 """A session whose context is in L1 but does not fit the free pool yet waits for room rather than being restored in
 part: the part left out would be computed again. Past the pool, 16 DeepSeek agents at the traces' real size lost
-7% of the traces' reuse that way in the simulator (bench/results/2026-12-06-cpu-simulate-dsv2-restore-room).
+6 points of the traces' reuse that way in the simulator (bench/results/2026-12-06-cpu-simulate-restore-room).
 
 The host tier is the simulator's (simulator/host_cache.py): the real tier's bookkeeping, restoring at once."""
 

@@ -81,13 +81,10 @@ class KvCacheManager:
                 return True
             seq.status = SequenceStatus.WAITING
             return False
-        if self.host_tier is None or not self.pool.caching:
+        found_past = self._past_l0(seq)
+        if found_past is None:
             return False
-        hashes = self.lookup_hashes(seq)
-        prefix = self._l0_run(hashes)
-        if prefix >= len(hashes) or self.host_tier.known_run(hashes[prefix : prefix + 1]) == 0:
-            return False
-        rest_tokens = seq.num_tokens - prefix * self.block_size
+        hashes, prefix, rest_tokens = found_past
 
         def room(found: int) -> int:
             return self._restore_room(rest_tokens, found, token_budget)
@@ -109,19 +106,24 @@ class KvCacheManager:
         the rest computed again (from L1 a 400K-token DeepSeek context takes under a second, as a prefill tens
         of seconds), so the scheduler waits for running sequences to give their blocks back instead. False when
         nothing is to be restored, all of it fits, or it could never fit whole (then part is the best there is)."""
-        if seq.host_fetch is not None or seq.block_table or self.host_tier is None or not self.pool.caching:
+        found_past = None if seq.host_fetch is not None or seq.block_table else self._past_l0(seq)
+        if found_past is None:
             return False
+        hashes, prefix, rest_tokens = found_past
+        assert self.host_tier is not None
+        needed = self._restore_blocks(rest_tokens, self.host_tier.known_run(hashes[prefix:]), token_budget)
+        return needed > self.pool.num_free - 1 and prefix + needed <= self.pool.num_blocks - 1
+
+    def _past_l0(self, seq: Sequence) -> tuple[list[bytes], int, int] | None:
+        """(lookup hashes, blocks of its L0 prefix, prompt tokens after it) when the host tier is believed to
+        hold the block after seq's L0 prefix; None when there is nothing to restore."""
+        if self.host_tier is None or not self.pool.caching:
+            return None
         hashes = self.lookup_hashes(seq)
         prefix = self._l0_run(hashes)
-        known = self.host_tier.known_run(hashes[prefix:]) if prefix < len(hashes) else 0
-        if known == 0:
-            return False
-        rest_tokens = seq.num_tokens - prefix * self.block_size
-        if self._restore_room(rest_tokens, known, token_budget) >= known:
-            return False
-        left = rest_tokens - known * self.block_size
-        chunk = left if token_budget is None else min(left, token_budget)
-        return prefix + known + -(-chunk // self.block_size) <= self.pool.num_blocks - 1
+        if prefix >= len(hashes) or self.host_tier.known_run(hashes[prefix : prefix + 1]) == 0:
+            return None
+        return hashes, prefix, seq.num_tokens - prefix * self.block_size
 
     def attach_cached_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Give a sequence that holds no blocks its longest cached prefix from L0. Returns (tokens from L0,
@@ -184,16 +186,16 @@ class KvCacheManager:
         the free pool (one block spare). Every restored block shortens what is left to compute, so a
         remainder that fits whole is restored whole."""
         free = self.pool.num_free
-
-        def blocks_with(restored: int) -> int:
-            left = rest_tokens - restored * self.block_size
-            chunk = left if token_budget is None else min(left, token_budget)
-            return restored + -(-chunk // self.block_size)
-
         room = min(restorable, free - 1)
-        while room > 0 and blocks_with(room) > free - 1:
+        while room > 0 and self._restore_blocks(rest_tokens, room, token_budget) > free - 1:
             room -= 1
         return room
+
+    def _restore_blocks(self, rest_tokens: int, restored: int, token_budget: int | None) -> int:
+        """Blocks taken by restoring `restored` blocks of rest_tokens plus the next chunk computed after them."""
+        left = rest_tokens - restored * self.block_size
+        chunk = left if token_budget is None else min(left, token_budget)
+        return restored + -(-chunk // self.block_size)
 
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short."""

@@ -416,11 +416,9 @@ class Scheduler:
         restored in part and the rest computed again. Not when nobody runs or ends (no blocks are coming back: a
         sequence whose last step is on the device gives its blocks back once that step is read), and not past
         cold_max_wait_secs of waiting: then what fits is restored, as a long decode would hold it too long."""
-        if not (self.running or self.ending):
+        # _waited, not _starved: the wait is measured without marking warm work starved
+        if not (self.running or self.ending) or self._waited(seq, step.now) >= self.policy.cold_max_wait_secs:
             return False
-        since = seq.arrival_time if seq.last_scheduled_time is None else seq.last_scheduled_time
-        if step.now - since >= self.policy.cold_max_wait_secs:
-            return False  # measured as _starved does, without marking it: warm work is never starved
         return self.kv.restore_waits_for_room(seq, step.budget)
 
     def _solo_tokens(self, seq: Sequence, step: _Step) -> int:
@@ -480,9 +478,14 @@ class Scheduler:
         """It has gone cold_max_wait_secs without a token: waiting since its arrival, or (a running prefill)
         since its last chunk. Being prefilled is not waiting. Once starved, it stays so."""
         if not seq.starved:
-            since = seq.arrival_time if seq.last_scheduled_time is None else seq.last_scheduled_time
-            seq.starved = now - since >= self.policy.cold_max_wait_secs
+            seq.starved = self._waited(seq, now) >= self.policy.cold_max_wait_secs
         return seq.starved
+
+    @staticmethod
+    def _waited(seq: Sequence, now: float) -> float:
+        """Seconds without a token: waiting since its arrival, or (a running prefill) since its last chunk."""
+        since = seq.arrival_time if seq.last_scheduled_time is None else seq.last_scheduled_time
+        return now - since
 
     def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
         self.running.remove(seq)

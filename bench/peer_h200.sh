@@ -105,6 +105,9 @@ VLLM_ROUTING=${VLLM_ROUTING:-}
 [ -n "$VLLM_ROUTING" ] && export VLLM_MOE_ROUTING_SIMULATION_STRATEGY=$VLLM_ROUTING
 MAX_CONTEXT=${MAX_CONTEXT:-131072}       # the load generator's context window
 PORT=${PORT:-8080}               # vLLM's port, and our gateway's (gateway_port in $CONFIG)
+# our rank's /metrics, scraped after each of ours's steps (kvserve:l1_room_waits_total and the L1 counters)
+RANK_METRICS_PORT=${RANK_METRICS_PORT:-9470}
+export KVSERVE_RANK_WORKER_METRICS_PORT=$RANK_METRICS_PORT
 TAG=${PEER_TAG:+-$PEER_TAG}
 STATE=${PEER_STATE:-/tmp/peer-state$TAG}  # what this machine has done: outlives a call, not the machine
 WORK=${PEER_WORK:-/tmp/peer-out$TAG}       # every raw result of this machine, packed into each phase's tarball
@@ -308,6 +311,8 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
       --context-scale "$CONTEXT_SCALE" --max-context "$MAX_CONTEXT" --seed "$seed" --no-charts --quiet \
       --out "$file.json" "$@" > "$file.log" 2>&1
     tail -n 8 "$file.log"
+    # the rank's counters after the step (cumulative: restored tokens, room waits, preemptions), ours only
+    [ "$side" = ours ] && curl -sf -m 5 "http://127.0.0.1:$RANK_METRICS_PORT/metrics" > "$file.rank-metrics.txt" 2>/dev/null
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
       echo "$n" >> "$STATE/$side-done"
     elif [ "$capped" = 1 ]; then

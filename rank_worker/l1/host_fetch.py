@@ -6,7 +6,8 @@ answer comes, the engine thread copies the found slots into pool blocks and regi
 the sequence is admitted at its next turn over its L0 prefix, now longer. A fetch that does not hear back
 by its deadline is given up: the sequence computes those blocks instead.
 
-A waiting sequence holds no blocks: restored blocks are idle L0 entries (the most recently used, so the
+A waiting sequence holds only its L0 prefix while its lookup is under way (HostFetch.held; a step or two),
+never blocks for what it will compute: restored blocks are idle L0 entries (the most recently used, so the
 last to be evicted) until its admission takes them, so sequences waiting for L1 can never starve the pool
 of the ones that run.
 """
@@ -25,6 +26,10 @@ class HostFetch:
     room: Callable[[int], int]  # of `found` blocks L1 has, how many fit the pool now
     deadline: float  # the tier's clock
     restored: set[int] = field(default_factory=set)  # pool blocks copied in from L1
+    # The L0 blocks of `prefix`, referenced from the lookup's start until its answer (or its end otherwise):
+    # unheld, admissions in the step or two a lookup takes evicted them (the oldest entries of a session
+    # waiting for L1 are next to go), and a restore that no longer extends an L0 prefix restores nothing.
+    held: list[int] = field(default_factory=list)
     done: bool = False  # answered, given up or failed: the sequence may be admitted
     abandoned: bool = False  # the sequence is gone; an answer still to come is released
 

@@ -188,7 +188,10 @@ class L1Tier:
         attached. The fetch is done once answered, failed or timed out."""
         if not block_hashes or not self._ready():
             return None
-        fetch = HostFetch(list(prefix), list(block_hashes), room, self._clock() + self.fetch_timeout_s)
+        held = hold_prefix(self.pool, prefix)
+        if held is None:  # (the caller found it in L0 just now)
+            return None
+        fetch = HostFetch(list(prefix), list(block_hashes), room, self._clock() + self.fetch_timeout_s, held=held)
         self._submit(CallKind.LOOKUP, hashes=fetch.hashes, purpose=fetch)
         self._fetching.append(fetch)
         return fetch
@@ -199,11 +202,12 @@ class L1Tier:
         self._fail_fetch(fetch)
 
     def _on_lookup(self, call: L1Call, fetch: HostFetch) -> None:
-        given_up = fetch.done  # timed out or abandoned
+        given_up = fetch.done  # timed out or abandoned (its prefix let go then)
+        held, fetch.held = fetch.held, []  # the prefix, referenced since the lookup began
         self._fail_fetch(fetch)  # done, whatever comes of it now
         slots = call.answer
-        held = None if given_up or not slots else hold_prefix(self.pool, fetch.prefix)
-        if held is None:  # nothing there, given up, or the prefix it extends is gone
+        if given_up or not slots:
+            self.pool.release(list(reversed(held)))
             self._release(slots)
             return
         wanted = min(len(slots), max(fetch.room(len(slots)), 0))
@@ -369,8 +373,7 @@ class L1Tier:
         now = self._clock()
         for fetch in [f for f in self._fetching if now >= f.deadline]:
             log.debug("L1 lookup of %d blocks unanswered after %.1f s: computing them", len(fetch.hashes), now)
-            fetch.done = True  # its answer, if it comes, is released
-            self._fetching.remove(fetch)
+            self._fail_fetch(fetch)  # its answer, if it comes, is released
 
     def wait_pending(self) -> None:
         """The engine has nothing to run: wait a little for an answer or the oldest copy, then poll."""
@@ -419,9 +422,13 @@ class L1Tier:
             self._on_commit(call.purpose)
 
     def _fail_fetch(self, fetch: HostFetch) -> None:
+        """Done without a restore (or its answer taken): its prefix is let go, as idle L0 entries again."""
         fetch.done = True
         if fetch in self._fetching:
             self._fetching.remove(fetch)
+        held, fetch.held = fetch.held, []
+        if held:
+            self.pool.release(list(reversed(held)))
 
     def _on_news(self, news: KvStoreNews) -> None:
         if news is KvStoreNews.LOST and self._arena is not None:
@@ -505,9 +512,8 @@ class L1Tier:
         self._offloads.clear()
         self._queued.clear()
         self._restores.clear()
-        for fetch in self._fetching:
-            fetch.done = True  # nothing restored: the sequence computes its blocks
-        self._fetching.clear()
+        for fetch in list(self._fetching):
+            self._fail_fetch(fetch)  # nothing restored: the sequence computes its blocks
         self._sending.clear()
         self.horizon.clear()
         self._outstanding = 0

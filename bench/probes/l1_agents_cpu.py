@@ -1,0 +1,141 @@
+"""CPU probe: agents of growing sessions through the real engine (a tiny random model) and its L1 tier against a
+real kvstore process, past the L0 pool: the share of the reusable prefix (the previous turn's context) that
+comes back from L0 or L1, per request. The simulator's host tier answers a restore at once; the real one a step
+or more later, and this probe shows what that gap costs (2026-12-06: a lookup's L0 prefix evicted meanwhile
+dropped the whole restore; bench/results/2026-12-06-h100-peer-llama-8b-past-pool/README.md).
+
+    python bench/probes/l1_agents_cpu.py --agents 24 --l1 4096 --json out.json
+
+Scaled down from llama-8b on an H100 (25,800 blocks of L0, 32,768 of L1, 32 agents, 32,768 tokens a step):
+400 blocks of L0, 64 blocks of eviction horizon, 4 blocks of write-through a step, 512 tokens a step, 100 steps of
+think time between an agent's turns."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for path in (ROOT, ROOT / "tests", ROOT / "tests" / "rank_worker"):
+    sys.path.insert(0, str(path))
+
+from l1_fixtures import tiny_model  # noqa: E402
+from service_processes import free_port, start_kvstore  # noqa: E402
+
+from loadgen.provenance import checkout_record  # noqa: E402
+from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
+
+BLOCK = 16
+
+
+def engine_for(port: int, l0: int, budget: int, horizon: int, offload_blocks: int, slot_bytes: int):  # -> PagedEngine
+    from engine_fixtures import engine_settings
+
+    from rank_worker.engine.paged_engine import PagedEngine
+    from rank_worker.l1.kvstore_link import KvStoreLink
+
+    settings = engine_settings(
+        num_blocks=l0,
+        block_size=BLOCK,
+        max_model_len=512,
+        max_num_seqs=128,
+        max_num_batched_tokens=budget,
+        l1_eviction_horizon_blocks=horizon,
+        l1_offload_mb_per_step=offload_blocks * slot_bytes / (1 << 20),
+    )
+    link = KvStoreLink(f"127.0.0.1:{port}", f"rank-probe-{port}", uuid.uuid4().hex)
+    return PagedEngine(tiny_model(), settings, None, l1_client=link, l1_retry_interval_s=0.5)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--agents", type=int, default=24)
+    ap.add_argument("--turns", type=int, default=12)
+    ap.add_argument("--l0", type=int, default=400, help="L0 pool blocks")
+    ap.add_argument("--l1", type=int, default=512, help="L1 arena slots")
+    ap.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens")
+    ap.add_argument("--horizon", type=int, default=64, help="l1_eviction_horizon_blocks")
+    ap.add_argument("--offload-blocks", type=int, default=4, help="write-through blocks a step")
+    ap.add_argument("--think", type=int, default=100, help="engine steps between an agent's turns")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1, 127) for _ in range(n)]
+
+    # A tiny-model block is 2 layers x K,V x 16 tokens x 2 heads x 8 dims x 4 bytes
+    slot_bytes = 2 * 2 * BLOCK * 2 * 8 * 4
+    arena = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
+    env = {
+        "KVSERVE_L1_HOST_GB": str(args.l1 * slot_bytes / 1e9),
+        "KVSERVE_L1_ARENA_DIR": str(arena),
+        "KVSERVE_L1_HEADROOM_GB": "0",
+    }
+    port = free_port()
+    with start_kvstore(Path(f"/tmp/l1-agents-probe-{port}.log"), port, **env):
+        engine = engine_for(port, args.l0, args.budget, args.horizon, args.offload_blocks, slot_bytes)
+        assert engine.l1 is not None and engine.l1.slot_bytes == slot_bytes, "the tiny model's block size changed"
+        agents = [
+            {"context": tokens(rng.randint(40, 150)), "turn": 0, "ready": rng.randint(0, 50), "busy": False}
+            for _ in range(args.agents)
+        ]
+        in_flight: dict[str, tuple[dict, list[int], int]] = {}
+        outputs: dict[str, list[int]] = {}
+        reusable = reused = from_l1 = lost = 0
+        step = requests = 0
+        while in_flight or any(a["turn"] < args.turns for a in agents):
+            for agent in agents:
+                if agent["busy"] or agent["turn"] >= args.turns or step < agent["ready"]:
+                    continue
+                prompt = agent["context"] + (tokens(rng.randint(5, 30)) if agent["turn"] else [])
+                # the previous turn's full blocks, short of the last prompt token (always computed)
+                full = min(len(agent["context"]) // BLOCK, (len(prompt) - 1) // BLOCK)
+                optimum = full * BLOCK if agent["turn"] else 0
+                request_id = f"r{requests}"
+                requests += 1
+                in_flight[request_id] = (agent, prompt, optimum)
+                engine.add_request(EngineRequest(request_id, prompt, SamplingParams(max_tokens=8, ignore_eos=True)))
+                agent["busy"] = True
+            for out in engine.step():
+                outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if not out.finished:
+                    continue
+                agent, prompt, optimum = in_flight.pop(out.request_id)
+                cached = out.stats.l0_cached_tokens + out.stats.l1_cached_tokens
+                reusable += optimum
+                reused += min(cached, optimum)
+                from_l1 += out.stats.l1_cached_tokens
+                lost += cached < optimum - BLOCK
+                agent["context"] = prompt + outputs.pop(out.request_id)
+                agent["turn"] += 1
+                agent["busy"] = False
+                agent["ready"] = step + args.think
+            step += 1
+        stats = engine.stats()
+        engine.close()
+    result = {
+        **checkout_record(),
+        "settings": vars(args) | {"json": str(args.json) if args.json else None},
+        "steps": step,
+        "requests": requests,
+        "final_context_blocks": sum(len(a["context"]) for a in agents) // BLOCK,
+        "reused_of_optimum": round(reused / max(reusable, 1), 4),
+        "l1_share_of_optimum": round(from_l1 / max(reusable, 1), 4),
+        "requests_short_by_more_than_a_block": lost,
+        "l1_room_waits": stats.l1_room_waits,
+        "l1_offloaded_blocks": stats.l1_offloaded_blocks,
+    }
+    print(json.dumps(result, indent=1))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -227,8 +227,14 @@ serve_flags() {  # on one line: VLLM_ARGS, and the step budget unless VLLM_MAX_B
 vllm_up() { curl -sf -m 5 "http://127.0.0.1:$PORT/health" >/dev/null 2>&1; }
 vllm_start() {  # in a session of its own: it outlives this call and keeps compiling into the next
   ours_stop  # first: our gateway answers /health on the same port
-  vllm_up && return 0
-  group_alive "$STATE/vllm.pid" && return 0
+  group_alive "$STATE/vllm.pid" && return 0  # this PEER_TAG's server, up or still starting
+  # A server of another PEER_TAG has other flags: stop it (on 2026-12-06 an offload run found the plain server,
+  # whose last step had not finished, still answering on the port, and measured that)
+  local pidfile
+  for pidfile in /tmp/peer-state*/vllm.pid; do
+    [ -f "$pidfile" ] && [ "$pidfile" != "$STATE/vllm.pid" ] && say "stopping another run's vllm serve ($pidfile)" && stop_group "$pidfile" TERM
+  done
+  vllm_up && { say "something other than this run's vllm serve answers on port $PORT"; return 1; }
   wait_gpu_free
   say "starting vllm serve"
   # shellcheck disable=SC2016  # $$ is the new session's own pid, written by the child

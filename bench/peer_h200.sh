@@ -43,11 +43,10 @@
 # llama-8b past the GPU pool (issue 34, point 2): the default shape and config (its L1 48 GB), more agents than the
 # pool holds at context scale 0.1, vLLM once plain and once offloading to the same host memory as our L1:
 #   STEPS=64,80,96,112 TURNS=12 [PEER_TAG=offload VLLM_ARGS="--kv-offloading-size 48"] bash bench/peer_h200.sh ...
-# (on an H100 the pool is a third of that, ~368K tokens, and binds from ~20 agents: STEPS=16,24,32,40,48; the
-# simulator puts our largest passing at 48 since restores from L1 are whole or wait (635de8b; 24 before), and vLLM's
-# plain near the pool: bench/results/2026-12-06-cpu-simulate-llama-h100-plan, -restore-room; with the config's 48 GB
-# L1 the simulator fails 24 and up on cache hit, so that run gives ours KVSERVE_L1_HOST_GB=64 and vLLM
-# --kv-offloading-size 64)
+# (on an H100 the pool is 412,800 tokens and binds from ~20 agents: STEPS=16,24,32,40,48 with ours's
+# KVSERVE_L1_HOST_GB=64 and vLLM's --kv-offloading-size 64. On 2026-12-06 (1c38b86) both passed 16 and failed 32 and
+# 48, ours on cache hit: an L1 lookup's L0 prefix was evicted before its answer, mended in fe939a8; the simulator,
+# whose restores are instant, had ours passing 48: bench/results/2026-12-06-h100-peer-llama-8b-past-pool)
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8

@@ -84,7 +84,7 @@ class KvCacheManager:
         found_past = self._past_l0(seq)
         if found_past is None:
             return False
-        hashes, prefix, rest_tokens = found_past
+        hashes, prefix, rest_tokens, _ = found_past
 
         def room(found: int) -> int:
             return self._restore_room(rest_tokens, found, token_budget)
@@ -109,21 +109,26 @@ class KvCacheManager:
         found_past = None if seq.host_fetch is not None or seq.block_table else self._past_l0(seq)
         if found_past is None:
             return False
-        hashes, prefix, rest_tokens = found_past
+        hashes, prefix, rest_tokens, idle_prefix = found_past
         assert self.host_tier is not None
         needed = self._restore_blocks(rest_tokens, self.host_tier.known_run(hashes[prefix:]), token_budget)
-        return needed > self.pool.num_free - 1 and prefix + needed <= self.pool.num_blocks - 1
+        # The prefix's idle blocks count as free but are taken with it (its lookup holds them): not room
+        return needed > self.pool.num_free - idle_prefix - 1 and prefix + needed <= self.pool.num_blocks - 1
 
-    def _past_l0(self, seq: Sequence) -> tuple[list[bytes], int, int] | None:
-        """(lookup hashes, blocks of its L0 prefix, prompt tokens after it) when the host tier is believed to
-        hold the block after seq's L0 prefix; None when there is nothing to restore."""
+    def _past_l0(self, seq: Sequence) -> tuple[list[bytes], int, int, int] | None:
+        """(lookup hashes, blocks of its L0 prefix, prompt tokens after it, how many of those blocks are idle
+        cache entries, counted in the free pool) when the host tier is believed to hold the block after seq's L0
+        prefix; None when there is nothing to restore."""
         if self.host_tier is None or not self.pool.caching:
             return None
         hashes = self.lookup_hashes(seq)
-        prefix = self._l0_run(hashes)
+        run = self.pool.cached_run(hashes)
+        prefix = len(run)
         if prefix >= len(hashes) or self.host_tier.known_run(hashes[prefix : prefix + 1]) == 0:
             return None
-        return hashes, prefix, seq.num_tokens - prefix * self.block_size
+        blocks = self.pool.blocks
+        idle = sum(1 for block_id in run if blocks[block_id].ref_count == 0)
+        return hashes, prefix, seq.num_tokens - prefix * self.block_size, idle
 
     def attach_cached_prefix(self, seq: Sequence) -> tuple[int, int]:
         """Give a sequence that holds no blocks its longest cached prefix from L0. Returns (tokens from L0,
@@ -145,9 +150,6 @@ class KvCacheManager:
         seq.block_hashes = hashes[: len(blocks)]
         seq.num_computed_tokens = len(blocks) * self.block_size
         return (len(blocks) - restored) * self.block_size, restored * self.block_size
-
-    def _l0_run(self, hashes: list[bytes]) -> int:
-        return len(self.pool.cached_run(hashes))
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be

@@ -65,6 +65,32 @@ def test_a_session_in_l1_waits_for_room_and_is_then_restored_whole() -> None:
     assert (turn.num_l1_cached_tokens, turn.num_l0_cached_tokens) == (250 * BLOCK, 0)
 
 
+def test_the_idle_blocks_of_its_l0_prefix_are_not_room_for_the_restore() -> None:
+    """The first 100 blocks of the session are idle L0 entries (counted as free), the other 150 in L1 only. Beside
+    a runner holding 400 of 600 blocks the free pool is 200, but 100 of those are the prefix, taken with the
+    session: the restore's 150 blocks and a chunk do not fit, so it waits, rather than have its restore cut to the
+    99 that fit and the rest computed again."""
+    sched, tier = _scheduler(num_blocks=600)
+    head = queue_request(sched, "head", [*HISTORY[: 100 * BLOCK], 1])
+    while not head.num_output_tokens:
+        advance(sched, sched.schedule())
+    sched.remove(head)  # its 100 full blocks are idle L0 entries now
+    _in_l1(sched, tier, [*HISTORY, 1])
+    runner = queue_request(sched, "runner", random_prompt(400 * BLOCK, VOCAB, seed=903))
+    _run_to_decode(sched, runner)
+    assert sched.kv.pool.num_free == 200
+
+    turn = queue_request(sched, "turn", [*HISTORY, 1, 2, 3])
+    batch = sched.schedule()
+    assert chunk_of(batch, turn) == 0 and tier.restored_blocks == 0 and sched.room_waits == 1
+
+    sched.remove(runner)
+    batch = sched.schedule()
+    assert tier.restored_blocks == 150, "restored whole"
+    assert (turn.num_l0_cached_tokens, turn.num_l1_cached_tokens) == (100 * BLOCK, 150 * BLOCK)
+    assert chunk_of(batch, turn) == 3
+
+
 def test_a_context_larger_than_the_pool_is_still_restored_in_part_rather_than_never() -> None:
     sched, tier = _scheduler(num_blocks=200)  # the session's 250 blocks could never fit whole
     _in_l1(sched, tier, [*HISTORY, 1])

@@ -16,39 +16,19 @@ import argparse
 import json
 import random
 import sys
-import uuid
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 for path in (ROOT, ROOT / "tests", ROOT / "tests" / "rank_worker"):
     sys.path.insert(0, str(path))
 
-from l1_fixtures import tiny_model  # noqa: E402
+from l1_fixtures import TINY_MODEL, l1_engine, tiny_model  # noqa: E402
 from service_processes import free_port, start_kvstore  # noqa: E402
 
 from loadgen.provenance import checkout_record  # noqa: E402
 from rank_worker.engine.interface import EngineRequest, SamplingParams  # noqa: E402
 
 BLOCK = 16
-
-
-def engine_for(port: int, l0: int, budget: int, horizon: int, offload_blocks: int, slot_bytes: int):  # -> PagedEngine
-    from engine_fixtures import engine_settings
-
-    from rank_worker.engine.paged_engine import PagedEngine
-    from rank_worker.l1.kvstore_link import KvStoreLink
-
-    settings = engine_settings(
-        num_blocks=l0,
-        block_size=BLOCK,
-        max_model_len=512,
-        max_num_seqs=128,
-        max_num_batched_tokens=budget,
-        l1_eviction_horizon_blocks=horizon,
-        l1_offload_mb_per_step=offload_blocks * slot_bytes / (1 << 20),
-    )
-    link = KvStoreLink(f"127.0.0.1:{port}", f"rank-probe-{port}", uuid.uuid4().hex)
-    return PagedEngine(tiny_model(), settings, None, l1_client=link, l1_retry_interval_s=0.5)
 
 
 def main() -> int:
@@ -69,8 +49,9 @@ def main() -> int:
     def tokens(n: int) -> list[int]:
         return [rng.randrange(1, 127) for _ in range(n)]
 
-    # A tiny-model block is 2 layers x K,V x 16 tokens x 2 heads x 8 dims x 4 bytes
-    slot_bytes = 2 * 2 * BLOCK * 2 * 8 * 4
+    # A tiny-model block: its layers x K,V x 16 tokens x kv heads x head dims x 4 bytes (float32)
+    m = TINY_MODEL
+    slot_bytes = m["num_hidden_layers"] * 2 * BLOCK * m["num_key_value_heads"] * m["head_dim"] * 4
     arena = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
     env = {
         "KVSERVE_L1_HOST_GB": str(args.l1 * slot_bytes / 1e9),
@@ -79,7 +60,17 @@ def main() -> int:
     }
     port = free_port()
     with start_kvstore(Path(f"/tmp/l1-agents-probe-{port}.log"), port, **env):
-        engine = engine_for(port, args.l0, args.budget, args.horizon, args.offload_blocks, slot_bytes)
+        engine = l1_engine(
+            tiny_model(),
+            None,
+            port,
+            num_blocks=args.l0,
+            max_model_len=512,
+            max_num_seqs=128,
+            max_num_batched_tokens=args.budget,
+            l1_eviction_horizon_blocks=args.horizon,
+            l1_offload_mb_per_step=args.offload_blocks * slot_bytes / (1 << 20),
+        )
         assert engine.l1 is not None and engine.l1.slot_bytes == slot_bytes, "the tiny model's block size changed"
         agents = [
             {"context": tokens(rng.randint(40, 150)), "turn": 0, "ready": rng.randint(0, 50), "busy": False}

@@ -202,14 +202,13 @@ class L1Tier:
         self._fail_fetch(fetch)
 
     def _on_lookup(self, call: L1Call, fetch: HostFetch) -> None:
-        given_up = fetch.done  # timed out or abandoned (its prefix let go then)
-        held, fetch.held = fetch.held, []  # the prefix, referenced since the lookup began
-        self._fail_fetch(fetch)  # done, whatever comes of it now
         slots = call.answer
-        if given_up or not slots:
-            self.pool.release(list(reversed(held)))
+        if fetch.done or not slots:  # given up (timed out, abandoned) or nothing there
+            self._fail_fetch(fetch)  # its prefix let go, if it was not already
             self._release(slots)
             return
+        held, fetch.held = fetch.held, []  # the prefix, referenced since the lookup began
+        self._fail_fetch(fetch)  # done, whatever comes of it now
         wanted = min(len(slots), max(fetch.room(len(slots)), 0))
         copy_slots: list[int] = []
         new_hashes: list[bytes] = []

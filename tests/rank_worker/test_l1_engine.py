@@ -302,3 +302,31 @@ def test_the_l0_prefix_a_restore_extends_is_held_while_its_lookup_is_under_way(t
         assert_pool_idle(engine)
         assert_no_pins(port)
         engine.close()
+
+
+def test_a_restore_whose_room_was_taken_while_its_lookup_was_under_way_is_looked_up_again(tmp_path: Path) -> None:
+    """A session whose blocks are in L1 only, and a cold prompt B behind it that takes most of the pool: A's lookup
+    starts first and is answered a step later, when B, admitted in that step, has left no room for A's blocks.
+    Nothing is restored then, but nothing is computed in their place either: A waits, looks them up again once B
+    is done, and gets all 8 from L1 (a cut restore costs a wait, never the blocks L1 still holds)."""
+    model = tiny_model()
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
+        a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=51)
+        a1 = generate_one(engine, a1_prompt, greedy(4), "a1")  # 8 full blocks, written through to L1
+        generate_one(engine, random_prompt(19 * BLOCK + 8, 128, seed=52), greedy(1), "evict")  # all 20 blocks
+        a_hashes = prefix_block_hashes(engine.kv.namespace, a1_prompt[: 8 * BLOCK], BLOCK, None)
+        assert engine.pool.cached_run(a_hashes) == [], "A is in L1 only"
+        a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, 128, seed=53)
+        engine.add_request(EngineRequest("a2", a2_prompt, greedy(4)))
+        engine.add_request(EngineRequest("b", random_prompt(14 * BLOCK, 128, seed=54), greedy(2)))
+        outputs = run_to_completion(engine)
+        l0, l1 = outputs["a2"].stats.l0_cached_tokens, outputs["a2"].stats.l1_cached_tokens
+        assert (l0, l1) == (0, 8 * BLOCK), "A's 8 blocks restored whole from L1, none computed again"
+        cold = generate_one(make_engine(model, None, prefix_cache=False), a2_prompt, greedy(4), "cold")
+        assert outputs["a2"].new_token_ids == cold.new_token_ids
+        assert len(outputs["b"].new_token_ids) == 2
+        assert_pool_idle(engine)
+        assert_no_pins(port)
+        engine.close()

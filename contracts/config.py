@@ -298,6 +298,12 @@ class KvServeConfig(BaseSettings):
     l1_arena_dir: str = Field("/dev/shm", description="where the kvstore creates the shared arena file")
     l1_headroom_gb: float = Field(4.0, ge=0.0, description="RAM the arena must leave to everything else")
     l1_pin_ttl_secs: float = Field(120.0, gt=0.0, description="a pin older than this is dropped (a dead copier)")
+    l1_evict_restored_first: bool = Field(
+        True,
+        description="blocks a rank restored into its GPU pool go to the eviction end of L1 (the rank offers them "
+        "again before its pool evicts them), so L1 keeps what no GPU holds and the tiers add up; false: a "
+        "restored block counts as just read, the most recent",
+    )
     kvstore_host: str = Field("127.0.0.1", description="where the kvstore listens")
     kvstore_port: int = Field(50141, ge=0, le=65535, description="0: kvserve up picks a free port")
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")

@@ -43,6 +43,8 @@ class L1Store:
         pin_ttl_s: float,
         max_slots: int = MAX_SLOTS,
         clock: Callable[[], float] = time.monotonic,
+        *,
+        evict_restored_first: bool = True,
     ) -> None:
         self.arena = arena
         self.layout: SlotLayout | None = None
@@ -53,6 +55,8 @@ class L1Store:
         self._pin_ttl_s = pin_ttl_s
         self._max_slots = max_slots
         self._clock = clock
+        # l1_evict_restored_first: a Release marked restored puts its slots at the eviction end (off: just read)
+        self._evict_restored_first = evict_restored_first
 
     def attach(self, rank_id: str, incarnation: str, slot_bytes: int, hash_namespace: bytes) -> SlotLayout:
         """Admit a rank to the arena (the first one fixes the layout); a new incarnation drops the old
@@ -94,8 +98,9 @@ class L1Store:
         _check_hashes(block_hashes)
         return self._index_for(rank_id, arena_id).lookup(rank_id, block_hashes)
 
-    def release(self, rank_id: str, arena_id: str, slots: Sequence[int]) -> None:
-        self._index_for(rank_id, arena_id).release(rank_id, slots)
+    def release(self, rank_id: str, arena_id: str, slots: Sequence[int], *, restored: bool = False) -> None:
+        restored = restored and self._evict_restored_first
+        self._index_for(rank_id, arena_id).release(rank_id, slots, restored=restored)
         self._publish()
 
     def expire_pins(self) -> int:

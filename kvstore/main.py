@@ -134,7 +134,11 @@ async def serve(config: KvServeConfig) -> int:
     prepared: PreparedArena = creating.result()
     arena = prepared.arena
     try:
-        store = L1Store(ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes), config.l1_pin_ttl_secs)
+        store = L1Store(
+            ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes),
+            config.l1_pin_ttl_secs,
+            evict_restored_first=config.l1_evict_restored_first,
+        )
         try:  # the kvstore knows no token ids: its BlockStored events carry hashes alone (docs/architecture.md)
             vllm_events = publisher_from_config(config, MEDIUM_CPU, config.engine.block_size, kvstore=True)
         except (ValueError, OSError) as exc:  # a malformed endpoint, a port taken

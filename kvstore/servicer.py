@@ -79,7 +79,9 @@ class KvStoreServicer(pb_grpc.KvStoreServicer):
 
     async def Release(self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext) -> pb.ReleaseResponse:
         store = await self._ready(context)
-        await _call(context, lambda: store.release(request.rank_id, request.arena_id, request.slots))
+        await _call(
+            context, lambda: store.release(request.rank_id, request.arena_id, request.slots, restored=request.restored)
+        )
         return pb.ReleaseResponse()
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:

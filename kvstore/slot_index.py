@@ -191,9 +191,12 @@ class SlotIndex:
         self._hit_blocks += len(slots)
         return slots
 
-    def release(self, rank_id: str, slots: Sequence[int]) -> None:
+    def release(self, rank_id: str, slots: Sequence[int], *, restored: bool = False) -> None:
         """Drop one of the caller's pins per listed slot: a reader pin, or a writer pin (the write is
-        abandoned and the slot is free again). All or none: a slot the caller does not hold changes nothing."""
+        abandoned and the slot is free again). All or none: a slot the caller does not hold changes nothing.
+        restored: the reader copied the blocks into its GPU cache, so a slot it leaves unread goes to the
+        least recently used end, first to evict: while a GPU holds the block this copy is the spare one, and the
+        rank offers it again (the eviction horizon) before it lets it go. Otherwise the most recent end."""
         owner = self.owner(rank_id)
         self._check_range(slots)
         wanted = Counter(slots)
@@ -219,7 +222,7 @@ class SlotIndex:
             del pins[:count]  # the oldest first: the pins left are the ones furthest from their TTL
             if not pins:
                 del entry.readers[owner]
-            self._unpin_if_unread(slot)
+            self._unpin_if_unread(slot, first_to_evict=restored)
 
     # ---- pins that nobody will release ----
 
@@ -315,12 +318,14 @@ class SlotIndex:
         self._pinned.discard(slot)
         self._free.append(slot)
 
-    def _unpin_if_unread(self, slot: int) -> None:
+    def _unpin_if_unread(self, slot: int, *, first_to_evict: bool = False) -> None:
         entry = self._slots[slot]
         if not entry.readers:
             entry.readers = None
             self._pinned.discard(slot)
             self._lru[slot] = None  # just read: the most recently used end
+            if first_to_evict:
+                self._lru.move_to_end(slot, last=False)
 
     def _check_range(self, slots: Iterable[int]) -> None:
         for slot in slots:

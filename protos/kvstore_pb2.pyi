@@ -80,14 +80,16 @@ class LookupResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("rank_id", "arena_id", "slots")
+    __slots__ = ("rank_id", "arena_id", "slots", "restored")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    RESTORED_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     arena_id: str
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    restored: bool
+    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., restored: _Optional[bool] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ()

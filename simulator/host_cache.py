@@ -50,9 +50,11 @@ class NodeHostCache:
             evicted, _ = self._lru.popitem(last=False)
             self.removed.append(evicted)
 
-    def touch(self, block_hashes: list[bytes]) -> None:
+    def restored(self, block_hashes: list[bytes]) -> None:
+        """Copied into a rank's pool: first to evict while it holds them (the kvstore's Release with restored),
+        the run's tail first, as the kvstore does."""
         for block_hash in block_hashes:
-            self._lru.move_to_end(block_hash)
+            self._lru.move_to_end(block_hash, last=False)
 
     def drain(self) -> tuple[list[bytes], list[bytes]]:
         """(stored, removed) since the last drain."""
@@ -85,7 +87,7 @@ class RankHostTier:
         for block_id, block_hash in zip(blocks, block_hashes, strict=False):
             self.pool.register(block_id, block_hash)
             self._remember(block_hash)
-        self.node.touch(block_hashes[:run])
+        self.node.restored(block_hashes[:run])
         self.restored_blocks += run
         fetch.restored.update(blocks)
         self.pool.release(list(reversed(held + blocks)))  # idle L0 entries until the admission takes them

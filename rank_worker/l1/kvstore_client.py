@@ -54,8 +54,9 @@ class KvStoreClient(Protocol):
         """Slots of the longest stored run of block_hashes from the first, pinned for reading until release."""
         ...
 
-    def release(self, arena_id: str, slots: list[int]) -> None:
-        """Unpin slots after a read, or abandon uncommitted writes."""
+    def release(self, arena_id: str, slots: list[int], *, restored: bool = False) -> None:
+        """Unpin slots after a read, or abandon uncommitted writes. restored: the read blocks were copied into
+        the GPU pool (L1 then evicts them first while the GPU holds them)."""
         ...
 
     def current_arena_id(self) -> str:

@@ -113,8 +113,9 @@ class KvStoreLink(KvStoreClient):
             raise L1UnavailableError(f"Lookup answered {len(slots)} slots for {len(block_hashes)} hashes")
         return slots
 
-    def release(self, arena_id: str, slots: list[int]) -> None:
-        self._call("Release", pb.ReleaseRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots))
+    def release(self, arena_id: str, slots: list[int], *, restored: bool = False) -> None:
+        request = pb.ReleaseRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots, restored=restored)
+        self._call("Release", request)
 
     def current_arena_id(self) -> str:
         try:

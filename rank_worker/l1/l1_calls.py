@@ -38,6 +38,7 @@ class L1Call:
     purpose: object = None  # what the tier does with the answer (a HostFetch, an offload)
     answer: list[int] = field(default_factory=list)
     error: BaseException | None = None
+    restored: bool = False  # release: the slots' blocks were copied into the pool
 
 
 class Mailbox:
@@ -118,7 +119,7 @@ class L1Calls:
             elif call.kind is CallKind.COMMIT:
                 self.client.commit(call.arena_id, call.slots)
             else:
-                self.client.release(call.arena_id, call.slots)
+                self.client.release(call.arena_id, call.slots, restored=call.restored)
         except Exception as exc:  # L1StaleArenaError, L1UnavailableError, or a bug: L1 goes down, serving goes on
             call.error = exc
             self._failed_epoch = max(self._failed_epoch, call.epoch)

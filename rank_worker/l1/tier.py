@@ -212,16 +212,19 @@ class L1Tier:
         wanted = min(len(slots), max(fetch.room(len(slots)), 0))
         copy_slots: list[int] = []
         new_hashes: list[bytes] = []
+        in_pool: list[int] = []  # slots of blocks the pool holds already: released as restored too
         for block_hash, slot in zip(fetch.hashes[:wanted], slots[:wanted], strict=True):
             existing = self.pool.lookup(block_hash)
             if existing is not None:  # computed here meanwhile: no copy, but kept while blocks are taken
                 self.pool.acquire_cached(existing)
                 held.append(existing)
+                in_pool.append(slot)
             else:
                 copy_slots.append(slot)
                 new_hashes.append(block_hash)
-        copying = set(copy_slots)
-        spare = [slot for slot in slots if slot not in copying]
+        self._release(in_pool, restored=True)
+        taken = set(copy_slots) | set(in_pool)
+        spare = [slot for slot in slots if slot not in taken]
         if copy_slots and len(copy_slots) <= self.pool.num_free:
             assert self._copier is not None
             blocks = self.pool.allocate(len(copy_slots))
@@ -238,17 +241,18 @@ class L1Tier:
             self.restored_blocks += len(blocks)
             if job.done:
                 self._restored(job)
-                spare.extend(copy_slots)
+                self._release(copy_slots, restored=True)
             else:  # on the compute stream: whoever reuses these blocks queues behind the copy
                 self._restores.append(job)
         else:
-            spare = list(slots)
+            spare.extend(copy_slots)
         self.pool.release(list(reversed(held)))  # idle L0 entries now, the most recent: admission takes them
         self._release(spare)
 
-    def _release(self, slots: list[int]) -> None:
+    def _release(self, slots: list[int], *, restored: bool = False) -> None:
+        """restored: the slots' blocks are in the pool now (the kvstore evicts its copies first meanwhile)."""
         if slots and self._arena is not None:
-            self._submit(CallKind.RELEASE, slots=slots)
+            self._submit(CallKind.RELEASE, slots=slots, restored=restored)
 
     # --- offload ---
 
@@ -366,7 +370,7 @@ class L1Tier:
         while self._restores and self._restores[0].done:
             job = self._restores.popleft()
             self._restored(job)
-            self._release(job.slots)
+            self._release(job.slots, restored=True)
         if self._arena is None:
             self._ready()  # a busy rank attaches again once due, without waiting for its next L1 call
         now = self._clock()
@@ -392,9 +396,12 @@ class L1Tier:
         hashes: list[bytes] | None = None,
         slots: list[int] | None = None,
         purpose: object = None,
+        restored: bool = False,
     ) -> None:
         assert self._arena is not None
-        call = L1Call(kind, self._epoch, self._arena.layout.arena_id, hashes or [], slots or [], purpose)
+        call = L1Call(
+            kind, self._epoch, self._arena.layout.arena_id, hashes or [], slots or [], purpose, restored=restored
+        )
         self._outstanding += 1
         self._calls.submit(call)
 

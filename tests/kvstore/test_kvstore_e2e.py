@@ -131,20 +131,28 @@ def test_two_ranks_share_blocks_through_the_arena(stub: pb_grpc.KvStoreStub, tmp
             assert np.array_equal(rank_b_view[slot * SLOT_BYTES : (slot + 1) * SLOT_BYTES], block)
         pinned = stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
         assert (pinned.stored_slots, pinned.pinned_slots, pinned.lookup_blocks, pinned.hit_blocks) == (3, 3, 5, 3)
-        stub.Release(pb.ReleaseRequest(rank_id="rank-b", arena_id=reader.arena_id, slots=found), timeout=TIMEOUT_S)
-
-        # Dedup across ranks: what rank-a stored is not written again by rank-b.
+        # Dedup across ranks: what rank-a stored (and rank-b is reading) is not written again by rank-b.
         again = stub.Allocate(pb.AllocateRequest(rank_id="rank-b", arena_id=reader.arena_id, block_hashes=hashes))
         assert list(again.slots) == [-1, -1, -1]
 
-        # Filling the arena evicts the unpinned blocks, least recently used first, announced as REMOVED.
-        fill = [h(1000 + i) for i in range(writer.num_slots)]
-        filled = list(
-            stub.Allocate(pb.AllocateRequest(rank_id="rank-b", arena_id=reader.arena_id, block_hashes=fill)).slots
-        )
+        # h3 read and not copied: the most recent; h1, h2 copied into rank-b's pool (restored): evicted first
+        release = pb.ReleaseRequest(rank_id="rank-b", arena_id=reader.arena_id, slots=found[2:])
+        stub.Release(release, timeout=TIMEOUT_S)
+        release = pb.ReleaseRequest(rank_id="rank-b", arena_id=reader.arena_id, slots=found[:2], restored=True)
+        stub.Release(release, timeout=TIMEOUT_S)
+
+        # Filling the arena evicts the unpinned blocks, least recently used first, announced as REMOVED: the
+        # restored ones first, the last of their run first (h2, h1), then h3.
+        filled: list[int] = []
+        for fill in ([h(1000 + i) for i in range(writer.num_slots - 2)], [h(2000), h(2001)]):
+            request = pb.AllocateRequest(rank_id="rank-b", arena_id=reader.arena_id, block_hashes=fill)
+            filled += list(stub.Allocate(request).slots)
         assert filled.count(-1) == 0
-        removed = events.next()
-        assert [(event.kind, sorted(event.block_hashes)) for event in removed.events] == [(REMOVED, hashes)]
+        removed = [events.next(), events.next()]
+        assert [[(event.kind, list(event.block_hashes)) for event in batch.events] for batch in removed] == [
+            [(REMOVED, [h(2)])],
+            [(REMOVED, [h(1), h(3)])],
+        ]
         stub.Release(pb.ReleaseRequest(rank_id="rank-b", arena_id=reader.arena_id, slots=filled), timeout=TIMEOUT_S)
 
         final = stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S)

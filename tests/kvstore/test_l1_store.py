@@ -115,3 +115,21 @@ def test_changes_reach_subscribers_as_batches() -> None:
         assert snapshot.events[1].kind is KvEventKind.STORED and set(snapshot.events[1].block_hashes) == {h(2), h(3)}
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("evict_restored_first", [True, False])
+def test_l1_evict_restored_first_decides_where_a_restored_release_puts_its_blocks(evict_restored_first: bool) -> None:
+    """On (the default) a Release marked restored sends its blocks to the eviction end, so filling the arena evicts
+    them before an older block nobody copied; off, restored counts as just read and the older block goes first."""
+    store = L1Store(
+        ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", 3_000),
+        pin_ttl_s=60.0,
+        evict_restored_first=evict_restored_first,
+    )
+    store.attach("r0", "a", 1_000, NS)  # 3 slots
+    store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(1), h(2), h(3)]))
+    store.release("r0", "arena-1", store.lookup("r0", "arena-1", [h(2), h(3)]), restored=True)
+    store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(4)]))  # one block must go
+    kept = store.lookup("r0", "arena-1", [h(1)])
+    store.release("r0", "arena-1", kept)
+    assert (kept != []) is evict_restored_first, "h1, never copied to a GPU, is kept only while the switch is on"

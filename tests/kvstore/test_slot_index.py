@@ -86,6 +86,28 @@ def test_eviction_takes_the_least_recently_used_unpinned_block() -> None:
     assert index.stats().evicted_total == 1
 
 
+def test_a_block_released_as_restored_is_evicted_first_while_another_reader_pins_it_not() -> None:
+    """A reader that copied the blocks into its GPU pool releases them as restored: L1's copy is then the spare
+    one and goes to the least recently used end, so L1 keeps the blocks no GPU holds (the rank offers them
+    again before its pool evicts them). Released plain (not copied), a block is just read: the recent end."""
+    index, _ = make_index(num_slots=4)
+    store(index, "r0", h(1), h(2), h(3), h(4))
+    index.release("r1", index.lookup("r1", [h(3), h(4)]), restored=True)  # h3, h4 now in r1's pool
+    index.release("r0", index.lookup("r0", [h(1)]))  # looked up, not copied: h1 the most recent
+    # h4 and h3 go first, the run's tail first (its head stays a prefix longest); h2 (older than h1) next
+    assert store(index, "r0", h(5), h(6)) == [3, 2]
+    assert index.slot_of(h(3)) is None and index.slot_of(h(4)) is None
+    assert store(index, "r0", h(7)) == [1]
+    assert index.slot_of(h(1)) == 0
+    # a slot another reader still pins is left where its last reader puts it
+    slot = index.lookup("r0", [h(1)])
+    assert index.lookup("r1", [h(1)]) == slot
+    index.release("r1", slot, restored=True)
+    index.release("r0", slot)  # the last reader did not copy it: the recent end
+    assert store(index, "r0", h(8)) == [3]  # h5, not h1
+    assert index.slot_of(h(1)) == 0
+
+
 def test_allocate_of_a_stored_hash_refreshes_its_lru_position() -> None:
     index, _ = make_index(num_slots=2)
     store(index, "r0", h(1), h(2))

@@ -101,7 +101,8 @@ class SlotIndexMachine(RuleBasedStateMachine):
         # Cap each slot at the pins held on it.
         capped = Counter(chosen) & Counter(held)
         slots = list(capped.elements())
-        self.index.release(rank, slots)
+        # restored (the reader copied them) only moves where an unread slot waits for eviction: no state changes
+        self.index.release(rank, slots, restored=data.draw(st.booleans()))
         for slot, count in capped.items():
             if slot in self.writes and self.writes[slot][0] == rank:
                 del self.writes[slot]

@@ -71,7 +71,7 @@ class InMemoryKvStore:
             self.read_pins[slots[-1]] = self.read_pins.get(slots[-1], 0) + 1
         return slots
 
-    def release(self, arena_id: str, slots: list[int]) -> None:
+    def release(self, arena_id: str, slots: list[int], *, restored: bool = False) -> None:
         for slot in slots:
             self.read_pins[slot] -= 1
             if not self.read_pins[slot]:

@@ -269,38 +269,51 @@ def test_a_session_in_l1_waits_beside_a_decoder_for_room_and_comes_back_whole(tm
         engine.close()
 
 
+def _written_through_then_evicted(engine: PagedEngine, seed: int) -> tuple[list[int], list[int], list[bytes]]:
+    """Session A's first turn (8 full blocks, written through to L1), then a prompt that takes all 20 blocks of the
+    pool: (A's prompt, its output, the hashes of its 8 blocks)."""
+    a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=seed)
+    a1 = generate_one(engine, a1_prompt, greedy(4), "a1")
+    generate_one(engine, random_prompt(19 * BLOCK + 8, 128, seed=seed + 1), greedy(1), "evict")
+    return a1_prompt, a1.new_token_ids, prefix_block_hashes(engine.kv.namespace, a1_prompt[: 8 * BLOCK], BLOCK, None)
+
+
+def _next_turn_beside_a_cold_prompt(
+    engine: PagedEngine, port: int, a2_prompt: list[int], b_blocks: int, b_tokens: int, seed: int
+) -> tuple[int, int]:
+    """A's next turn queued first, then B (b_blocks full blocks, b_tokens to generate), run to the end: A's
+    (tokens from L0, from L1), once its output matched a cold engine's and nothing is left held or pinned."""
+    engine.add_request(EngineRequest("a2", a2_prompt, greedy(4)))
+    engine.add_request(EngineRequest("b", random_prompt(b_blocks * BLOCK, 128, seed=seed), greedy(b_tokens)))
+    outputs = run_to_completion(engine)
+    cold = generate_one(make_engine(engine.model, None, prefix_cache=False), a2_prompt, greedy(4), "cold")
+    assert outputs["a2"].new_token_ids == cold.new_token_ids
+    assert len(outputs["b"].new_token_ids) == b_tokens
+    assert_pool_idle(engine)
+    assert_no_pins(port)
+    return outputs["a2"].stats.l0_cached_tokens, outputs["a2"].stats.l1_cached_tokens
+
+
 def test_the_l0_prefix_a_restore_extends_is_held_while_its_lookup_is_under_way(tmp_path: Path) -> None:
     """A session whose head is in L0 and whose tail is in L1 only: the L1 lookup is answered a step or more
     after it starts, and a request admitted in that step takes idle blocks, here one of that head. The head is
     held from the lookup's start (HostFetch.held), so the tail's restore still extends it. Without that, on the
     H100 (llama-8b, 32 agents, 2026-12-06) heads went, nothing was restored and whole contexts were computed
     again (cache hit 76.8% against an optimum of 88.7%; a CPU probe of 24 agents: 92% of it, 99.6% now)."""
-    model = tiny_model()
     port = free_port()
     with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
-        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
-        a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=41)
-        a1 = generate_one(engine, a1_prompt, greedy(4), "a1")  # 8 full blocks, written through to L1
-        generate_one(engine, random_prompt(19 * BLOCK + 8, 128, seed=42), greedy(1), "evict")  # all 20 blocks
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
+        a1_prompt, a1_output, a_hashes = _written_through_then_evicted(engine, seed=41)
         # A's first 6 blocks back in L0 (from L1), now the most recently used idle entries; its last 2 in L1 only
         head = generate_one(engine, [*a1_prompt[: 6 * BLOCK], 1, 2, 3], greedy(1), "head")
         assert head.stats.l1_cached_tokens == 6 * BLOCK
-        a_hashes = prefix_block_hashes(engine.kv.namespace, a1_prompt[: 8 * BLOCK], BLOCK, None)
         assert len(engine.pool.cached_run(a_hashes)) == 6
         # A2 first: its L1 lookup starts; B, admitted in the same step, would take 15 blocks of the 20: all the
         # other idle ones and one of A's head. B ends after one step, so A2 is admitted as soon as its lookup
         # is answered, with whatever that restored
-        a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, 128, seed=43)
-        engine.add_request(EngineRequest("a2", a2_prompt, greedy(4)))
-        engine.add_request(EngineRequest("b", random_prompt(15 * BLOCK, 128, seed=44), greedy(1)))
-        outputs = run_to_completion(engine)
-        l0, l1 = outputs["a2"].stats.l0_cached_tokens, outputs["a2"].stats.l1_cached_tokens
-        assert (l0, l1) == (6 * BLOCK, 2 * BLOCK), "A's head from L0, its tail from L1: none computed again"
-        cold = generate_one(make_engine(model, None, prefix_cache=False), a2_prompt, greedy(4), "cold")
-        assert outputs["a2"].new_token_ids == cold.new_token_ids
-        assert len(outputs["b"].new_token_ids) == 1
-        assert_pool_idle(engine)
-        assert_no_pins(port)
+        a2_prompt = a1_prompt + a1_output + random_prompt(20, 128, seed=43)
+        l0_l1 = _next_turn_beside_a_cold_prompt(engine, port, a2_prompt, b_blocks=15, b_tokens=1, seed=44)
+        assert l0_l1 == (6 * BLOCK, 2 * BLOCK), "A's head from L0, its tail from L1: none computed again"
         engine.close()
 
 
@@ -309,24 +322,12 @@ def test_a_restore_whose_room_was_taken_while_its_lookup_was_under_way_is_looked
     starts first and is answered a step later, when B, admitted in that step, has left no room for A's blocks.
     Nothing is restored then, but nothing is computed in their place either: A waits, looks them up again once B
     is done, and gets all 8 from L1 (a cut restore costs a wait, never the blocks L1 still holds)."""
-    model = tiny_model()
     port = free_port()
     with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
-        engine = l1_engine(model, None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
-        a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=51)
-        a1 = generate_one(engine, a1_prompt, greedy(4), "a1")  # 8 full blocks, written through to L1
-        generate_one(engine, random_prompt(19 * BLOCK + 8, 128, seed=52), greedy(1), "evict")  # all 20 blocks
-        a_hashes = prefix_block_hashes(engine.kv.namespace, a1_prompt[: 8 * BLOCK], BLOCK, None)
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
+        a1_prompt, a1_output, a_hashes = _written_through_then_evicted(engine, seed=51)
         assert engine.pool.cached_run(a_hashes) == [], "A is in L1 only"
-        a2_prompt = a1_prompt + a1.new_token_ids + random_prompt(20, 128, seed=53)
-        engine.add_request(EngineRequest("a2", a2_prompt, greedy(4)))
-        engine.add_request(EngineRequest("b", random_prompt(14 * BLOCK, 128, seed=54), greedy(2)))
-        outputs = run_to_completion(engine)
-        l0, l1 = outputs["a2"].stats.l0_cached_tokens, outputs["a2"].stats.l1_cached_tokens
-        assert (l0, l1) == (0, 8 * BLOCK), "A's 8 blocks restored whole from L1, none computed again"
-        cold = generate_one(make_engine(model, None, prefix_cache=False), a2_prompt, greedy(4), "cold")
-        assert outputs["a2"].new_token_ids == cold.new_token_ids
-        assert len(outputs["b"].new_token_ids) == 2
-        assert_pool_idle(engine)
-        assert_no_pins(port)
+        a2_prompt = a1_prompt + a1_output + random_prompt(20, 128, seed=53)
+        l0_l1 = _next_turn_beside_a_cold_prompt(engine, port, a2_prompt, b_blocks=14, b_tokens=2, seed=54)
+        assert l0_l1 == (0, 8 * BLOCK), "A's 8 blocks restored whole from L1, none computed again"
         engine.close()

@@ -319,6 +319,12 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
     tail -n 8 "$file.log"
     # the rank's counters after the step (cumulative: restored tokens, room waits, preemptions), ours only
     [ "$side" = ours ] && curl -sf -m 5 "http://127.0.0.1:$RANK_METRICS_PORT/metrics" > "$file.rank-metrics.txt" 2>/dev/null
+    # and where its warm calls lost cache hits (L0 / L1 split per call, from the rank's log): a failing step's cause
+    # comes back with it (2026-12-06: L1's capacity at 40 agents, found by hand after the lease)
+    if [ "$side" = ours ]; then
+      python3 "$(dirname "$0")/cache_losses.py" "$file.json" /tmp/kvserve-run/logs/rank-worker-0.log \
+        --json "$file.losses.json" --top 5 > "$file.losses.txt" 2>&1 || true
+    fi
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then
       echo "$n" >> "$STATE/$side-done"
     elif [ "$capped" = 1 ]; then

@@ -39,13 +39,20 @@ def rank_splits(log_text: str) -> dict[tuple[int, int], list[tuple[int, int]]]:
     return splits
 
 
+def _warm_calls(loadgen: dict[str, Any]) -> list[dict[str, Any]]:
+    return [call for call in loadgen["requests"] if call.get("warm") and not call.get("error")]
+
+
+def _optimum(call: dict[str, Any]) -> int:
+    """The tokens of the call's prompt the traces reuse (its expected_reuse is a fraction of the prompt)."""
+    return round(call["expected_reuse"] * call["input_tokens"])
+
+
 def losses(loadgen: dict[str, Any], splits: dict[tuple[int, int], list[tuple[int, int]]]) -> list[dict[str, Any]]:
     """The warm calls short of their optimum by MIN_SHORT tokens or more, largest loss first."""
     short = []
-    for call in loadgen["requests"]:
-        if not call.get("warm") or call.get("error"):
-            continue
-        optimum = round(call["expected_reuse"] * call["input_tokens"])
+    for call in _warm_calls(loadgen):
+        optimum = _optimum(call)
         lost = optimum - call["cached_tokens"]
         if lost < MIN_SHORT:
             continue
@@ -76,7 +83,7 @@ def kind(row: dict[str, Any]) -> str:
 
 
 def summary(loadgen: dict[str, Any], short: list[dict[str, Any]]) -> dict[str, Any]:
-    warm = [call for call in loadgen["requests"] if call.get("warm") and not call.get("error")]
+    warm = _warm_calls(loadgen)
     by_kind: dict[str, dict[str, int]] = {}
     for row in short:
         entry = by_kind.setdefault(kind(row), {"calls": 0, "lost": 0})
@@ -84,7 +91,7 @@ def summary(loadgen: dict[str, Any], short: list[dict[str, Any]]) -> dict[str, A
         entry["lost"] += row["lost"]
     return {
         "warm_calls": len(warm),
-        "optimum_tokens": sum(round(c["expected_reuse"] * c["input_tokens"]) for c in warm),
+        "optimum_tokens": sum(_optimum(call) for call in warm),
         "short_calls": len(short),
         "lost_tokens": sum(row["lost"] for row in short),
         "by_kind": by_kind,

@@ -223,8 +223,7 @@ class L1Tier:
                 copy_slots.append(slot)
                 new_hashes.append(block_hash)
         self._release(in_pool, restored=True)
-        taken = set(copy_slots) | set(in_pool)
-        spare = [slot for slot in slots if slot not in taken]
+        spare = slots[wanted:]  # every slot before it is copied or in the pool already
         if copy_slots and len(copy_slots) <= self.pool.num_free:
             assert self._copier is not None
             blocks = self.pool.allocate(len(copy_slots))

@@ -13,6 +13,8 @@ the verdict against the pass bar, the largest passing count of each side and the
 from __future__ import annotations
 
 import argparse
+import ast
+import gzip
 import json
 import re
 import statistics
@@ -153,6 +155,26 @@ def _gpu_named(raw: Path) -> str | None:
     """The card bench/peer_h200.sh named in raw/gpu.txt (nvidia-smi's name), for agent steps with no engine file."""
     path = raw / "gpu.txt"
     return (path.read_text().strip().splitlines() or [None])[0] if path.is_file() else None
+
+
+# `vllm serve` logs the arguments it was started with as one line holding a dict literal (api_utils.py in 0.25)
+VLLM_ARGS_LINE = re.compile(r"non-default args: (?P<args>\{.*\})\s*$")
+
+
+def vllm_serve_args(raw: Path) -> dict[str, Any] | None:
+    """The non-default arguments `vllm serve` logged in raw's vllm-serve*.log[.gz] (the first one found): which of
+    vLLM's variants ran (--kv-offloading-size, max_num_batched_tokens), when no engine file says it."""
+    for path in sorted(raw.rglob("vllm-serve*.log*")):
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", errors="replace") as log:
+            for line in log:
+                found = VLLM_ARGS_LINE.search(line)
+                if found:
+                    try:
+                        return ast.literal_eval(found["args"])
+                    except (ValueError, SyntaxError):
+                        break  # a line cut off: the next log may hold it whole
+    return None
 
 
 def shape_config(shape: str) -> dict[str, Any] | None:
@@ -364,6 +386,7 @@ def assemble(raw: Path, commit: str = "", target: float = TARGET) -> dict[str, A
             "shape": f"{shape} config, random weights, bfloat16 (bench/shapes/)",
             "ours": ours.get("settings"),
             "vllm": vllm.get("settings"),
+            "vllm_serve_args": vllm_serve_args(raw),
             "agents": run,
             "sources": {side: engines[side]["source"] for side in engines},
         },

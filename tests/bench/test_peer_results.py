@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gzip
 import io
 import json
 import os
@@ -481,6 +482,17 @@ def test_agent_steps_without_engine_files_name_the_shape_card_and_date_they_ran(
     result = assemble(tmp_path)
     assert result["settings"]["shape"].startswith("dsv2-lite-1m-chat config")
     assert (result["gpu"], result["date"]) == ("NVIDIA H100 80GB HBM3", "2026-12-02T10:00:00Z")
+
+
+def test_vllms_serve_arguments_come_from_its_log_which_says_what_variant_ran(tmp_path: Path) -> None:
+    write(tmp_path, "vllm-agents-8.json", agent_step(8, True))
+    assert assemble(tmp_path)["settings"]["vllm_serve_args"] is None
+    logged = "(APIServer pid=7) INFO 12-06 15:50:20 [api_utils.py:273] non-default args: {'model': 'llama-8b-chat', "
+    logged += "'kv_offloading_size': 64.0, 'max_num_batched_tokens': 32768}\n"
+    with gzip.open(tmp_path / "vllm-serve-offload64.log.gz", "wt") as log:
+        log.write("(APIServer pid=7) INFO starting\n" + logged + "(APIServer pid=7) INFO up\n")
+    args = assemble(tmp_path)["settings"]["vllm_serve_args"]
+    assert args == {"model": "llama-8b-chat", "kv_offloading_size": 64.0, "max_num_batched_tokens": 32768}
 
 
 def test_agent_steps_alone_record_the_code_they_ran(tmp_path: Path) -> None:

@@ -304,6 +304,12 @@ class KvServeConfig(BaseSettings):
         "again before its pool evicts them), so L1 keeps what no GPU holds and the tiers add up; false: a "
         "restored block counts as just read, the most recent",
     )
+    l1_evict_written_through_first: bool = Field(
+        True,
+        description="blocks a rank writes through while its GPU pool holds them go to the eviction end of L1 until "
+        "the rank offers them again (its eviction horizon, before the pool evicts them), so L1 holds mostly what "
+        "no GPU holds; false: a written block is the most recent",
+    )
     kvstore_host: str = Field("127.0.0.1", description="where the kvstore listens")
     kvstore_port: int = Field(50141, ge=0, le=65535, description="0: kvserve up picks a free port")
     kvstore: str = Field("", description="host:port of the kvstore ranks use; empty = no L1 (L0 only)")

@@ -45,6 +45,7 @@ class L1Store:
         clock: Callable[[], float] = time.monotonic,
         *,
         evict_restored_first: bool = True,
+        evict_written_through_first: bool = True,
     ) -> None:
         self.arena = arena
         self.layout: SlotLayout | None = None
@@ -57,6 +58,8 @@ class L1Store:
         self._clock = clock
         # l1_evict_restored_first: a Release marked restored puts its slots at the eviction end (off: just read)
         self._evict_restored_first = evict_restored_first
+        # l1_evict_written_through_first: a Commit marked gpu_holds puts its slots at the eviction end (off: newest)
+        self._evict_written_through_first = evict_written_through_first
 
     def attach(self, rank_id: str, incarnation: str, slot_bytes: int, hash_namespace: bytes) -> SlotLayout:
         """Admit a rank to the arena (the first one fixes the layout); a new incarnation drops the old
@@ -90,8 +93,9 @@ class L1Store:
         self._publish()
         return slots
 
-    def commit(self, rank_id: str, arena_id: str, slots: Sequence[int]) -> None:
-        self._index_for(rank_id, arena_id).commit(rank_id, slots)
+    def commit(self, rank_id: str, arena_id: str, slots: Sequence[int], *, gpu_holds: bool = False) -> None:
+        first_to_evict = gpu_holds and self._evict_written_through_first
+        self._index_for(rank_id, arena_id).commit(rank_id, slots, first_to_evict=first_to_evict)
         self._publish()
 
     def lookup(self, rank_id: str, arena_id: str, block_hashes: Sequence[bytes]) -> list[int]:

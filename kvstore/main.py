@@ -138,6 +138,7 @@ async def serve(config: KvServeConfig) -> int:
             ArenaInfo(arena.arena_id, str(arena.path), arena.size_bytes),
             config.l1_pin_ttl_secs,
             evict_restored_first=config.l1_evict_restored_first,
+            evict_written_through_first=config.l1_evict_written_through_first,
         )
         try:  # the kvstore knows no token ids: its BlockStored events carry hashes alone (docs/architecture.md)
             vllm_events = publisher_from_config(config, MEDIUM_CPU, config.engine.block_size, kvstore=True)

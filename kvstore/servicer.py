@@ -69,7 +69,9 @@ class KvStoreServicer(pb_grpc.KvStoreServicer):
 
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         store = await self._ready(context)
-        await _call(context, lambda: store.commit(request.rank_id, request.arena_id, request.slots))
+        await _call(
+            context, lambda: store.commit(request.rank_id, request.arena_id, request.slots, gpu_holds=request.gpu_holds)
+        )
         return pb.CommitResponse()
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:

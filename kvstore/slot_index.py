@@ -146,8 +146,9 @@ class SlotIndex:
             slots.append(slot)
         return slots
 
-    def commit(self, rank_id: str, slots: Sequence[int]) -> None:
-        """The caller's written slots become stored blocks (all or none: a bad slot changes nothing)."""
+    def commit(self, rank_id: str, slots: Sequence[int], *, first_to_evict: bool = False) -> None:
+        """The caller's written slots become stored blocks (all or none: a bad slot changes nothing), at the most
+        recently used end, or with first_to_evict at the least recently used end (a copy its GPU still holds)."""
         owner = self.owner(rank_id)
         self._check_range(slots)
         for slot, count in Counter(slots).items():
@@ -168,6 +169,8 @@ class SlotIndex:
             self._stored_total += 1
             self._pinned.discard(slot)
             self._lru[slot] = None
+            if first_to_evict:
+                self._lru.move_to_end(slot, last=False)
             assert entry.block_hash is not None
             self._emit(KvEventKind.STORED, entry.block_hash)
 

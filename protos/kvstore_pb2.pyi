@@ -50,14 +50,16 @@ class AllocateResponse(_message.Message):
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("rank_id", "arena_id", "slots")
+    __slots__ = ("rank_id", "arena_id", "slots", "gpu_holds")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
+    GPU_HOLDS_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     arena_id: str
     slots: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ...) -> None: ...
+    gpu_holds: bool
+    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., gpu_holds: _Optional[bool] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()

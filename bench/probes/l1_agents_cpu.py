@@ -43,6 +43,13 @@ def main() -> int:
     ap.add_argument("--think", type=int, default=100, help="engine steps between an agent's turns")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", type=Path)
+    ap.add_argument(
+        "--kvstore-set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a kvstore setting (an A/B of its eviction switches), e.g. KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=true",
+    )
     args = ap.parse_args()
     rng = random.Random(args.seed)
 
@@ -57,6 +64,7 @@ def main() -> int:
         "KVSERVE_L1_HOST_GB": str(args.l1 * slot_bytes / 1e9),
         "KVSERVE_L1_ARENA_DIR": str(arena),
         "KVSERVE_L1_HEADROOM_GB": "0",
+        **dict(setting.split("=", 1) for setting in args.kvstore_set),
     }
     port = free_port()
     with start_kvstore(Path(f"/tmp/l1-agents-probe-{port}.log"), port, **env):

@@ -46,8 +46,9 @@ class KvStoreClient(Protocol):
         """A slot to write for each hash, pinned until commit/release; -1 = already stored or no room."""
         ...
 
-    def commit(self, arena_id: str, slots: list[int]) -> None:
-        """Written slots become stored blocks."""
+    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+        """Written slots become stored blocks. gpu_holds: written through while the GPU pool holds the blocks
+        (L1 may then evict them first, until they are offered again)."""
         ...
 
     def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:

@@ -103,8 +103,9 @@ class KvStoreLink(KvStoreClient):
             raise L1UnavailableError(f"Allocate answered {len(slots)} slots for {len(block_hashes)} hashes")
         return slots
 
-    def commit(self, arena_id: str, slots: list[int]) -> None:
-        self._call("Commit", pb.CommitRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots))
+    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+        request = pb.CommitRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots, gpu_holds=gpu_holds)
+        self._call("Commit", request)
 
     def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:
         request = pb.LookupRequest(rank_id=self.rank_id, arena_id=arena_id, block_hashes=block_hashes)

@@ -39,6 +39,7 @@ class L1Call:
     answer: list[int] = field(default_factory=list)
     error: BaseException | None = None
     restored: bool = False  # release: the slots' blocks were copied into the pool
+    gpu_holds: bool = False  # commit: written through, the pool still holds the blocks
 
 
 class Mailbox:
@@ -117,7 +118,7 @@ class L1Calls:
             elif call.kind is CallKind.ALLOCATE:
                 call.answer = self.client.allocate(call.arena_id, call.hashes)
             elif call.kind is CallKind.COMMIT:
-                self.client.commit(call.arena_id, call.slots)
+                self.client.commit(call.arena_id, call.slots, gpu_holds=call.gpu_holds)
             else:
                 self.client.release(call.arena_id, call.slots, restored=call.restored)
         except Exception as exc:  # L1StaleArenaError, L1UnavailableError, or a bug: L1 goes down, serving goes on

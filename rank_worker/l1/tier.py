@@ -343,7 +343,8 @@ class L1Tier:
         self.offloaded_bytes += len(job.slots) * self.slot_bytes
         self.offload_seconds += time.perf_counter() - job.issued_at
         self.pool.release(job.block_ids, to_front=job.to_front)
-        self._submit(CallKind.COMMIT, slots=job.slots, purpose=job)
+        # write-through (not the horizon's copies, which L0 evicts next): the pool keeps these blocks cached
+        self._submit(CallKind.COMMIT, slots=job.slots, purpose=job, gpu_holds=not job.to_front)
 
     def _on_commit(self, job: CopyJob) -> None:
         self.offloaded_blocks += len(job.slots)
@@ -396,10 +397,12 @@ class L1Tier:
         slots: list[int] | None = None,
         purpose: object = None,
         restored: bool = False,
+        gpu_holds: bool = False,
     ) -> None:
         assert self._arena is not None
+        arena_id = self._arena.layout.arena_id
         call = L1Call(
-            kind, self._epoch, self._arena.layout.arena_id, hashes or [], slots or [], purpose, restored=restored
+            kind, self._epoch, arena_id, hashes or [], slots or [], purpose, restored=restored, gpu_holds=gpu_holds
         )
         self._outstanding += 1
         self._calls.submit(call)

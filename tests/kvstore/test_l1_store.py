@@ -117,6 +117,26 @@ def test_changes_reach_subscribers_as_batches() -> None:
     asyncio.run(scenario())
 
 
+@pytest.mark.parametrize("evict_written_through_first", [True, False])
+def test_l1_evict_written_through_first_decides_where_a_commit_held_by_a_gpu_puts_its_blocks(
+    evict_written_through_first: bool,
+) -> None:
+    """On (the default), a Commit marked gpu_holds stores its blocks at the eviction end, so the next block evicts
+    one of them before an older block no GPU holds; off, a written block is the most recent and the older goes."""
+    store = L1Store(
+        ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", 3_000),
+        pin_ttl_s=60.0,
+        evict_written_through_first=evict_written_through_first,
+    )
+    store.attach("r0", "a", 1_000, NS)  # 3 slots
+    store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(1)]))
+    store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(2), h(3)]), gpu_holds=True)
+    store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(4)]))  # one block must go
+    kept = store.lookup("r0", "arena-1", [h(1)])
+    store.release("r0", "arena-1", kept)
+    assert (kept != []) is evict_written_through_first, "h1, in no GPU, is kept only while the switch is on"
+
+
 @pytest.mark.parametrize("evict_restored_first", [True, False])
 def test_l1_evict_restored_first_decides_where_a_restored_release_puts_its_blocks(evict_restored_first: bool) -> None:
     """On (the default) a Release marked restored sends its blocks to the eviction end, so filling the arena evicts

@@ -108,6 +108,19 @@ def test_a_block_released_as_restored_is_evicted_first_while_another_reader_pins
     assert index.slot_of(h(1)) == 0
 
 
+def test_a_block_committed_as_held_by_a_gpu_is_evicted_first_until_it_is_offered_again() -> None:
+    """Written through while the writer's GPU pool holds the blocks, L1's copy is a spare: committed at the least
+    recently used end. The rank offers a block again (Allocate of a stored hash) before its pool evicts it, which
+    makes it the most recent: L1 then keeps it over the spares committed since."""
+    index, _ = make_index(num_slots=4)
+    store(index, "r0", h(1), h(2))  # plain: the most recent end
+    index.commit("r0", index.allocate("r0", [h(3), h(4)]), first_to_evict=True)
+    assert store(index, "r0", h(5)) == [3]  # h4 (the last spare committed) goes before the older plain h1, h2
+    assert index.allocate("r0", [h(3)]) == [-1]  # offered again: now the most recent
+    assert store(index, "r0", h(6)) == [0]  # h1, the least recent plain block, not h3
+    assert index.slot_of(h(3)) == 2 and index.slot_of(h(1)) is None
+
+
 def test_allocate_of_a_stored_hash_refreshes_its_lru_position() -> None:
     index, _ = make_index(num_slots=2)
     store(index, "r0", h(1), h(2))

@@ -67,7 +67,8 @@ class SlotIndexMachine(RuleBasedStateMachine):
     def commit_own_writes(self, rank: str, data: st.DataObject) -> None:
         mine = sorted(slot for slot, (owner, _, _) in self.writes.items() if owner == rank)
         chosen = data.draw(st.lists(st.sampled_from(mine), unique=True) if mine else st.just([]))
-        self.index.commit(rank, chosen)
+        # where a commit puts its slots (first_to_evict: a copy the writer's GPU holds) changes no state
+        self.index.commit(rank, chosen, first_to_evict=data.draw(st.booleans()))
         for slot in chosen:
             del self.writes[slot]
 

@@ -59,14 +59,16 @@ def l1_engine(
     tokenizer: TokenizerBundle | None,
     kvstore_port: int,
     retry_interval_s: float = 0.5,
+    link_class: type | None = None,
     **settings: object,
 ) -> PagedEngine:
-    """An engine whose L1 tier talks to the kvstore on kvstore_port (short deadlines, as in production)."""
+    """An engine whose L1 tier talks to the kvstore on kvstore_port (short deadlines, as in production), through
+    link_class (a KvStoreLink, or a subclass that records the calls)."""
     from rank_worker.l1.kvstore_link import KvStoreLink
 
     values: dict[str, object] = {"num_blocks": 20, "block_size": 16, "max_model_len": 320}
     values.update(settings)
-    link = KvStoreLink(f"127.0.0.1:{kvstore_port}", f"rank-test-{kvstore_port}", uuid.uuid4().hex)
+    link = (link_class or KvStoreLink)(f"127.0.0.1:{kvstore_port}", f"rank-test-{kvstore_port}", uuid.uuid4().hex)
     return PagedEngine(
         model,
         engine_settings(**values),

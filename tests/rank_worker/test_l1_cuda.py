@@ -58,7 +58,7 @@ class InMemoryKvStore:
                 self.writing[slots[-1]] = block_hash
         return slots
 
-    def commit(self, arena_id: str, slots: list[int]) -> None:
+    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
         for slot in slots:
             self.stored[self.writing.pop(slot)] = slot
 

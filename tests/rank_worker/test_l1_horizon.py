@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import ClassVar
 
 from engine_fixtures import generate_one, greedy, make_engine, random_prompt
 from l1_fixtures import kvstore_settings, l1_engine, tiny_model
@@ -17,6 +18,7 @@ from contracts.config import EngineConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, eviction_horizon_blocks
 from rank_worker.l1.eviction_horizon import EvictionHorizon
+from rank_worker.l1.kvstore_link import KvStoreLink
 
 BLOCK = 16
 SESSIONS = 8
@@ -41,16 +43,35 @@ def play_sessions(engine: PagedEngine, vocab: int) -> tuple[int, list[tuple[list
     return restored, turns
 
 
-def restored_from_l1(tmp_path: Path, horizon_blocks: int) -> tuple[int, list[tuple[list[int], list[int]]]]:
+class CommitsSeen(KvStoreLink):
+    """The kvstore link, noting of each Commit whether it said the GPU pool holds the blocks."""
+
+    gpu_holds: ClassVar[list[bool]] = []
+
+    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+        CommitsSeen.gpu_holds.append(gpu_holds)
+        super().commit(arena_id, slots, gpu_holds=gpu_holds)
+
+
+def restored_from_l1(
+    tmp_path: Path, horizon_blocks: int, **kvstore: str
+) -> tuple[int, list[tuple[list[int], list[int]]]]:
     tmp_path.mkdir()
     model = tiny_model()
     probe = make_engine(model, None, num_blocks=2)
     slot_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
     port = free_port()
-    settings = kvstore_settings(tmp_path) | {"KVSERVE_L1_HOST_GB": str(ARENA_SLOTS * slot_bytes / 1e9)}
+    settings = kvstore_settings(tmp_path) | {"KVSERVE_L1_HOST_GB": str(ARENA_SLOTS * slot_bytes / 1e9)} | kvstore
+    CommitsSeen.gpu_holds = []
     with start_kvstore(tmp_path / "kvstore.log", port, **settings):
         engine = l1_engine(
-            model, None, port, num_blocks=POOL_BLOCKS, max_model_len=320, l1_eviction_horizon_blocks=horizon_blocks
+            model,
+            None,
+            port,
+            link_class=CommitsSeen,
+            num_blocks=POOL_BLOCKS,
+            max_model_len=320,
+            l1_eviction_horizon_blocks=horizon_blocks,
         )
         assert engine.l1 is not None and engine.l1.attached
         assert engine.l1.arena is not None and ARENA_SLOTS <= engine.l1.arena.layout.num_slots <= ARENA_SLOTS + 2
@@ -61,13 +82,31 @@ def restored_from_l1(tmp_path: Path, horizon_blocks: int) -> tuple[int, list[tup
 
 
 def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tmp_path: Path) -> None:
-    through_only, _ = restored_from_l1(tmp_path / "through", horizon_blocks=0)
-    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8)
+    # the horizon against write-through in plain LRU order: what it was built for (the spares-first switch off)
+    off = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "false"}
+    through_only, _ = restored_from_l1(tmp_path / "through", horizon_blocks=0, **off)
+    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **off)
     # Write-through alone: the arena mirrors L0's newest blocks and an evicted session's head is gone from it
     # (0 tokens in each of four runs); with the horizon 240-384 tokens came back (how much depends on when the
     # kvstore's answers land between the engine's steps).
     assert with_horizon >= through_only + 8 * BLOCK, (through_only, with_horizon)
     # Restored blocks are the computed ones: every turn's greedy tokens are the uncached engine's.
+    cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
+    for i, (prompt, output) in enumerate(turns):
+        assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output
+
+
+def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Path) -> None:
+    """l1_evict_written_through_first: a write-through commit says the pool holds its blocks (L1 evicts them first),
+    the horizon's copies of blocks L0 evicts next do not, and the horizon's offer makes a spare the most recent:
+    the arena still restores the sessions L0 let go, with the computed tokens."""
+    on = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "true"}  # the default
+    restored_from_l1(tmp_path / "through", horizon_blocks=0, **on)
+    assert CommitsSeen.gpu_holds and all(CommitsSeen.gpu_holds)  # write-through alone: all held by the pool
+    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **on)
+    assert True in CommitsSeen.gpu_holds and False in CommitsSeen.gpu_holds  # both kinds of copy ran
+    # 560-608 tokens in runs on 2 busy cores (the switch off: 240-384); 8 blocks is the bar the test above sets
+    assert with_horizon >= 8 * BLOCK, with_horizon
     cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
     for i, (prompt, output) in enumerate(turns):
         assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output

@@ -124,6 +124,16 @@ class _EngineCollector(Collector):
             "Steps whose admission waited for room to restore a request's L1 blocks whole (not in part).",
             stats.l1_room_waits,
         )
+        yield counter(
+            "kvserve:l0_evicted_blocks",
+            "L0 prefix-cache blocks evicted while L1 was attached.",
+            stats.l0_evicted_blocks,
+        )
+        yield counter(
+            "kvserve:l0_evicted_unsaved_blocks",
+            "L0 prefix-cache blocks evicted that L1 did not hold: lost to both tiers.",
+            stats.l0_evicted_unsaved_blocks,
+        )
         yield gauge(
             "kvserve:step_token_cap",
             "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",

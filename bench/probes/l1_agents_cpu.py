@@ -129,6 +129,8 @@ def main() -> int:
         "requests_short_by_more_than_a_block": lost,
         "l1_room_waits": stats.l1_room_waits,
         "l1_offloaded_blocks": stats.l1_offloaded_blocks,
+        "l0_evicted_blocks": stats.l0_evicted_blocks,
+        "l0_evicted_unsaved_blocks": stats.l0_evicted_unsaved_blocks,
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from contracts.kv_events import KvEvent, KvEventKind
@@ -33,6 +34,7 @@ class BlockPool:
         # STORED events carry each block's parent and tokens (vLLM-format KV events want them; off: not paid)
         self.record_stored_tokens = False
         self.allocated_total = 0  # blocks handed out since start: how far eviction has moved down the queue
+        self.on_evict: Callable[[list[bytes]], None] | None = None  # the hashes of each allocation's evictions
 
     @property
     def num_blocks(self) -> int:
@@ -63,6 +65,8 @@ class BlockPool:
         self.allocated_total += count
         if evicted:
             self._events.append(KvEvent(KvEventKind.REMOVED, tuple(evicted)))
+            if self.on_evict is not None:
+                self.on_evict(evicted)
         return taken
 
     def acquire_cached(self, block_id: int) -> None:

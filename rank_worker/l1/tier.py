@@ -142,6 +142,11 @@ class L1Tier:
         self.offloaded_bytes = 0
         self.offload_seconds = 0.0
         self.issued_blocks = 0  # offload copies issued (pump), committed or not
+        # L0's evictions of cached blocks, and those of them L1 did not hold (as far as the view knew): what the
+        # two tiers lost together, by the horizon falling behind or L1 evicting them first
+        self.l0_evicted_blocks = 0
+        self.l0_evicted_unsaved_blocks = 0
+        pool.on_evict = self._on_l0_evictions
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
         self._start_attach()
@@ -254,6 +259,12 @@ class L1Tier:
             self._submit(CallKind.RELEASE, slots=slots, restored=restored)
 
     # --- offload ---
+
+    def _on_l0_evictions(self, block_hashes: list[bytes]) -> None:
+        """L0 evicted these cached blocks (the pool's on_evict): counted, and those L1 does not hold apart."""
+        if self._arena is not None:
+            self.l0_evicted_blocks += len(block_hashes)
+            self.l0_evicted_unsaved_blocks += sum(h not in self.view for h in block_hashes)
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""

@@ -105,6 +105,8 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:oom_dropped_steps": "counter",
         "kvserve:step_token_cap": "gauge",
         "kvserve:l1_room_waits": "counter",
+        "kvserve:l0_evicted_blocks": "counter",
+        "kvserve:l0_evicted_unsaved_blocks": "counter",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -119,11 +121,21 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         assert value(families, "vllm:prompt_tokens_by_source", "vllm:prompt_tokens_by_source_total", source=source) == 0
     shrunk = scrape(
         RankMetrics(
-            "smol", "rank-0", lambda: engine_stats(oom_dropped_steps=3, step_token_cap=2048, l1_room_waits=5)
+            "smol",
+            "rank-0",
+            lambda: engine_stats(
+                oom_dropped_steps=3,
+                step_token_cap=2048,
+                l1_room_waits=5,
+                l0_evicted_blocks=40,
+                l0_evicted_unsaved_blocks=7,
+            ),
         ).registry
     )
     assert value(shrunk, "kvserve:l1_room_waits", "kvserve:l1_room_waits_total") == 5
     assert value(shrunk, "kvserve:oom_dropped_steps", "kvserve:oom_dropped_steps_total") == 3
+    assert value(shrunk, "kvserve:l0_evicted_blocks", "kvserve:l0_evicted_blocks_total") == 40
+    assert value(shrunk, "kvserve:l0_evicted_unsaved_blocks", "kvserve:l0_evicted_unsaved_blocks_total") == 7
     assert value(shrunk, "kvserve:step_token_cap") == 2048
 
 

@@ -59,3 +59,17 @@ def test_caching_off_never_registers() -> None:
     (a,) = pool.allocate(1)
     assert not pool.register(a, b"Z" * 16)
     assert pool.lookup(b"Z" * 16) is None and pool.drain_events() == []
+
+
+def test_on_evict_hears_the_hashes_each_allocation_evicts() -> None:
+    pool = BlockPool(3, caching=True)
+    heard: list[list[bytes]] = []
+    pool.on_evict = heard.append
+    a, b = pool.allocate(2)
+    pool.register(a, b"A" * 16)
+    pool.register(b, b"B" * 16)
+    pool.release([a, b])
+    pool.allocate(1)  # the block never used: nothing evicted
+    assert heard == []
+    pool.allocate(2)  # both cached blocks, the first released first
+    assert heard == [[b"A" * 16, b"B" * 16]]

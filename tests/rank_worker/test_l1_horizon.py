@@ -16,6 +16,7 @@ from service_processes import free_port, start_kvstore
 
 from contracts.config import EngineConfig
 from rank_worker.engine.block_pool import BlockPool
+from rank_worker.engine.interface import EngineStats
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, eviction_horizon_blocks
 from rank_worker.l1.eviction_horizon import EvictionHorizon
 from rank_worker.l1.kvstore_link import KvStoreLink
@@ -55,7 +56,7 @@ class CommitsSeen(KvStoreLink):
 
 def restored_from_l1(
     tmp_path: Path, horizon_blocks: int, **kvstore: str
-) -> tuple[int, list[tuple[list[int], list[int]]]]:
+) -> tuple[int, list[tuple[list[int], list[int]]], EngineStats]:
     tmp_path.mkdir()
     model = tiny_model()
     probe = make_engine(model, None, num_blocks=2)
@@ -77,19 +78,28 @@ def restored_from_l1(
         assert engine.l1.arena is not None and ARENA_SLOTS <= engine.l1.arena.layout.num_slots <= ARENA_SLOTS + 2
         restored, turns = play_sessions(engine, model.cfg.vocab_size)
         assert all(block.ref_count == 0 for block in engine.pool.blocks)  # the copies let every block go
+        stats = engine.stats()
         engine.close()
-    return restored, turns
+    return restored, turns, stats
 
 
 def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tmp_path: Path) -> None:
     # the horizon against write-through in plain LRU order: what it was built for (the spares-first switch off)
     off = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "false"}
-    through_only, _ = restored_from_l1(tmp_path / "through", horizon_blocks=0, **off)
-    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **off)
+    through_only, _, through_stats = restored_from_l1(tmp_path / "through", horizon_blocks=0, **off)
+    with_horizon, turns, horizon_stats = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **off)
     # Write-through alone: the arena mirrors L0's newest blocks and an evicted session's head is gone from it
     # (0 tokens in each of four runs); with the horizon 240-384 tokens came back (how much depends on when the
     # kvstore's answers land between the engine's steps).
     assert with_horizon >= through_only + 8 * BLOCK, (through_only, with_horizon)
+    # What L0 evicted that L1 did not hold (kvserve:l0_evicted_unsaved_blocks): with write-through alone most of it
+    # (the sessions' heads went from L1 first), with the horizon next to nothing
+    # (90-92 of 104-105 with write-through alone, 0 of 99 with the horizon, in runs alone)
+    assert through_stats.l0_evicted_unsaved_blocks * 2 > through_stats.l0_evicted_blocks > 0, through_stats
+    assert horizon_stats.l0_evicted_unsaved_blocks < through_stats.l0_evicted_unsaved_blocks, (
+        through_stats.l0_evicted_unsaved_blocks,
+        horizon_stats.l0_evicted_unsaved_blocks,
+    )
     # Restored blocks are the computed ones: every turn's greedy tokens are the uncached engine's.
     cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
     for i, (prompt, output) in enumerate(turns):
@@ -103,7 +113,7 @@ def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Pat
     on = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "true"}  # the default
     restored_from_l1(tmp_path / "through", horizon_blocks=0, **on)
     assert CommitsSeen.gpu_holds and all(CommitsSeen.gpu_holds)  # write-through alone: all held by the pool
-    with_horizon, turns = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **on)
+    with_horizon, turns, _ = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **on)
     assert True in CommitsSeen.gpu_holds and False in CommitsSeen.gpu_holds  # both kinds of copy ran
     # 560-608 tokens in runs on 2 busy cores (the switch off: 240-384); 8 blocks is the bar the test above sets
     assert with_horizon >= 8 * BLOCK, with_horizon

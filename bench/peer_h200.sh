@@ -47,7 +47,11 @@
 # (on an H100 the pool is 412,800 tokens and binds from ~20 agents: STEPS=16,24,32,40,48 with ours's
 # KVSERVE_L1_HOST_GB=64 and vLLM's --kv-offloading-size 64. On 2026-12-06 (1c38b86) both passed 16 and failed 32 and
 # 48, ours on cache hit: an L1 lookup's L0 prefix was evicted before its answer, mended in fe939a8; the simulator,
-# whose restores are instant, had ours passing 48: bench/results/2026-12-06-h100-peer-llama-8b-past-pool)
+# whose restores are instant, had ours passing 48: bench/results/2026-12-06-h100-peer-llama-8b-past-pool). With the
+# L1 mends (6f457cb), beside vLLM's offload in one lease, both passed 24 and 32; at 40 and 48 vLLM failed on tok/s
+# and cache hit, ours failed 40 by 0.4 point of the cache bar and passed 48 (-restored-first). A/B of an L1 switch
+# in the same lease: KVSERVE_L1_EVICT_RESTORED_FIRST / KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=false with its own
+# PEER_TAG, e.g. STEPS=40,48 KVSERVE_L1_HOST_GB=64 KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=false PEER_TAG=llama-wt-off.
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8

@@ -115,6 +115,7 @@ export KVSERVE_RANK_WORKER_METRICS_PORT=$RANK_METRICS_PORT
 TAG=${PEER_TAG:+-$PEER_TAG}
 STATE=${PEER_STATE:-/tmp/peer-state$TAG}  # what this machine has done: outlives a call, not the machine
 WORK=${PEER_WORK:-/tmp/peer-out$TAG}       # every raw result of this machine, packed into each phase's tarball
+OURS_RUN=/tmp/kvserve-run                   # `kvserve up`'s state dir: its services' logs under logs/
 COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
 source "$(dirname "$0")/run_folder.sh"
 OUT=${OUT:-$(run_folder "peer-${SHAPE%-chat}")/raw$TAG}
@@ -272,10 +273,10 @@ ours_start() {
   vllm_stop
   wait_gpu_free
   say "starting kvserve up"
-  rm -rf /tmp/kvserve-run
+  rm -rf "$OURS_RUN"
   # shellcheck disable=SC2016
   # shellcheck disable=SC2046  # ours_budget's assignment, or nothing
-  env $(ours_budget) setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir /tmp/kvserve-run' \
+  env $(ours_budget) setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir '"$OURS_RUN" \
     > "$STATE/ours-up.log" 2>&1 < /dev/null &
   sleep 2
 }
@@ -293,7 +294,7 @@ ours_stop() {
   say "stopping kvserve"
   stop_group "$STATE/ours.pid" INT  # `kvserve up` stops every service on SIGINT
   cp "$STATE/ours-up.log" "$WORK/" 2>/dev/null || true
-  mkdir -p "$WORK/ours-logs" && cp -r /tmp/kvserve-run/logs/. "$WORK/ours-logs/" 2>/dev/null || true
+  mkdir -p "$WORK/ours-logs" && cp -r "$OURS_RUN"/logs/. "$WORK/ours-logs/" 2>/dev/null || true
 }
 
 # --- agent steps, the same for both sides ---
@@ -321,12 +322,12 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
       --context-scale "$CONTEXT_SCALE" --max-context "$MAX_CONTEXT" --seed "$seed" --no-charts --quiet \
       --out "$file.json" "$@" > "$file.log" 2>&1
     tail -n 8 "$file.log"
-    # the rank's counters after the step (cumulative: restored tokens, room waits, preemptions), ours only
-    [ "$side" = ours ] && curl -sf -m 5 "http://127.0.0.1:$RANK_METRICS_PORT/metrics" > "$file.rank-metrics.txt" 2>/dev/null
-    # and where its warm calls lost cache hits (L0 / L1 split per call, from the rank's log): a failing step's cause
-    # comes back with it (2026-12-06: L1's capacity at 40 agents, found by hand after the lease)
     if [ "$side" = ours ]; then
-      python3 "$(dirname "$0")/cache_losses.py" "$file.json" /tmp/kvserve-run/logs/rank-worker-0.log \
+      # the rank's counters after the step (cumulative: restored tokens, room waits, preemptions)
+      curl -sf -m 5 "http://127.0.0.1:$RANK_METRICS_PORT/metrics" > "$file.rank-metrics.txt" 2>/dev/null
+      # and where its warm calls lost cache hits (L0 / L1 split per call, from the rank's log): a failing step's
+      # cause comes back with it (2026-12-06: L1's capacity at 40 agents, found by hand after the lease)
+      python3 "$(dirname "$0")/cache_losses.py" "$file.json" "$OURS_RUN"/logs/rank-worker-0.log \
         --json "$file.losses.json" --top 5 > "$file.losses.txt" 2>&1 || true
     fi
     if python3 -c 'import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))["steps"] else 1)' "$file.json" 2>/dev/null; then

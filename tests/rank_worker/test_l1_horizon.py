@@ -83,6 +83,13 @@ def restored_from_l1(
     return restored, turns, stats
 
 
+def assert_computed(turns: list[tuple[list[int], list[int]]]) -> None:
+    """Restored blocks are the computed ones: every turn's greedy tokens are the uncached engine's."""
+    cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
+    for i, (prompt, output) in enumerate(turns):
+        assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output
+
+
 def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tmp_path: Path) -> None:
     # the horizon against write-through in plain LRU order: what it was built for (the spares-first switch off)
     off = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "false"}
@@ -100,10 +107,7 @@ def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tm
         through_stats.l0_evicted_unsaved_blocks,
         horizon_stats.l0_evicted_unsaved_blocks,
     )
-    # Restored blocks are the computed ones: every turn's greedy tokens are the uncached engine's.
-    cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
-    for i, (prompt, output) in enumerate(turns):
-        assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output
+    assert_computed(turns)
 
 
 def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Path) -> None:
@@ -117,9 +121,7 @@ def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Pat
     assert True in CommitsSeen.gpu_holds and False in CommitsSeen.gpu_holds  # both kinds of copy ran
     # 560-608 tokens in runs on 2 busy cores (the switch off: 240-384); 8 blocks is the bar the test above sets
     assert with_horizon >= 8 * BLOCK, with_horizon
-    cold = make_engine(tiny_model(), None, prefix_cache=False, max_model_len=320)
-    for i, (prompt, output) in enumerate(turns):
-        assert generate_one(cold, prompt, greedy(4), f"cold{i}").new_token_ids == output
+    assert_computed(turns)
 
 
 def test_idle_front_lists_the_cache_entries_allocation_takes_next() -> None:

@@ -50,8 +50,9 @@
 # whose restores are instant, had ours passing 48: bench/results/2026-12-06-h100-peer-llama-8b-past-pool). With the
 # L1 mends (6f457cb), beside vLLM's offload in one lease, both passed 24 and 32; at 40 and 48 vLLM failed on tok/s
 # and cache hit, ours failed 40 by 0.4 point of the cache bar and passed 48 (-restored-first). A/B of an L1 switch
-# in the same lease: KVSERVE_L1_EVICT_RESTORED_FIRST / KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=false with its own
-# PEER_TAG, e.g. STEPS=40,48 KVSERVE_L1_HOST_GB=64 KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=false PEER_TAG=llama-wt-off.
+# in the same lease, each side with its own PEER_TAG, e.g. STEPS=40 KVSERVE_L1_HOST_GB=64
+# KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST=false PEER_TAG=llama-wt-off (-written-through-first: on, it lost 2.5 points
+# of the optimum at 40 agents and is off by default since); the switches the stack ran with: ours-env.txt.
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8
@@ -274,6 +275,8 @@ ours_start() {
   wait_gpu_free
   say "starting kvserve up"
   rm -rf "$OURS_RUN"
+  # what the stack ran with beyond its config (an A/B's switch): the step files do not say it
+  { env | grep '^KVSERVE_' | sort; ours_budget | tr ' ' '\n'; } > "$WORK/ours-env.txt"
   # shellcheck disable=SC2016
   # shellcheck disable=SC2046  # ours_budget's assignment, or nothing
   env $(ours_budget) setsid bash -c 'echo $$ > '"$STATE"'/ours.pid; exec python3 -m launcher.cli up --config '"$CONFIG"' --state-dir '"$OURS_RUN" \

@@ -45,7 +45,7 @@ class L1Store:
         clock: Callable[[], float] = time.monotonic,
         *,
         evict_restored_first: bool = True,
-        evict_written_through_first: bool = True,
+        evict_written_through_first: bool = False,
     ) -> None:
         self.arena = arena
         self.layout: SlotLayout | None = None

@@ -39,23 +39,16 @@ class NodeHostCache:
             run += 1
         return run
 
-    def store(self, block_hashes: list[bytes], *, spare: bool = False) -> None:
-        """Offered blocks: those held are refreshed, the others stored, evicting the least recent to make room.
-        spare: written through while the writer's pool holds them (the kvstore's Commit with gpu_holds), so they
-        go to the eviction end, as l1_evict_written_through_first does; an offer again refreshes them."""
+    def store(self, block_hashes: list[bytes]) -> None:
         for block_hash in block_hashes:
             if block_hash in self._lru:
                 self._lru.move_to_end(block_hash)
                 continue
-            while self._lru and len(self._lru) >= self.capacity_blocks:
-                evicted, _ = self._lru.popitem(last=False)
-                self.removed.append(evicted)
-            if self.capacity_blocks < 1:
-                continue
             self._lru[block_hash] = None
-            if spare:
-                self._lru.move_to_end(block_hash, last=False)
             self.stored.append(block_hash)
+        while len(self._lru) > self.capacity_blocks:
+            evicted, _ = self._lru.popitem(last=False)
+            self.removed.append(evicted)
 
     def restored(self, block_hashes: list[bytes]) -> None:
         """Copied into a rank's pool: first to evict while it holds them (the kvstore's Release with restored),
@@ -105,7 +98,7 @@ class RankHostTier:
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         fresh = [h for h in block_hashes if h not in self._known]
-        self.node.store(fresh, spare=True)  # write-through: this rank's pool holds them
+        self.node.store(fresh)
         for block_hash in fresh:
             self._remember(block_hash)
 

@@ -91,7 +91,7 @@ def assert_computed(turns: list[tuple[list[int], list[int]]]) -> None:
 
 
 def test_l1_restores_what_l0_evicted_once_it_is_offered_again_before_eviction(tmp_path: Path) -> None:
-    # the horizon against write-through in plain LRU order: what it was built for (the spares-first switch off)
+    # the horizon against write-through in plain LRU order (the default): what it was built for
     off = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "false"}
     through_only, _, through_stats = restored_from_l1(tmp_path / "through", horizon_blocks=0, **off)
     with_horizon, turns, horizon_stats = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **off)
@@ -114,7 +114,7 @@ def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Pat
     """l1_evict_written_through_first: a write-through commit says the pool holds its blocks (L1 evicts them first),
     the horizon's copies of blocks L0 evicts next do not, and the horizon's offer makes a spare the most recent:
     the arena still restores the sessions L0 let go, with the computed tokens."""
-    on = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "true"}  # the default
+    on = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "true"}  # off by default
     restored_from_l1(tmp_path / "through", horizon_blocks=0, **on)
     assert CommitsSeen.gpu_holds and all(CommitsSeen.gpu_holds)  # write-through alone: all held by the pool
     with_horizon, turns, _ = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **on)

@@ -40,6 +40,9 @@ class NodeHostCache:
         return run
 
     def store(self, block_hashes: list[bytes]) -> None:
+        """Offered blocks (write-through or the horizon's): those held are refreshed, the others stored as the most
+        recent, the least recent evicted past capacity: the kvstore's default order (l1_evict_written_through_first
+        off)."""
         for block_hash in block_hashes:
             if block_hash in self._lru:
                 self._lru.move_to_end(block_hash)

@@ -21,6 +21,8 @@ SCRAPE = re.compile(r"^ours-agents-(?P<agents>\d+)\.rank-metrics\.txt$")
 COUNTERS = (
     "kvserve:l0_evicted_blocks",
     "kvserve:l0_evicted_unsaved_blocks",
+    "kvserve:l0_evicted_unsaved_in_flight_blocks",
+    "kvserve:l0_evicted_unsaved_unoffered_blocks",
     "kvserve:l1_offload_bytes",
     "kvserve:l1_restore_bytes",
     "kvserve:l1_room_waits",

@@ -134,6 +134,16 @@ class _EngineCollector(Collector):
             "L0 prefix-cache blocks evicted that L1 did not hold: lost to both tiers.",
             stats.l0_evicted_unsaved_blocks,
         )
+        yield counter(
+            "kvserve:l0_evicted_unsaved_in_flight_blocks",
+            "Of the unsaved L0 evictions, blocks on their way to L1 (offered, copy not committed): the copies' pace.",
+            stats.l0_evicted_unsaved_in_flight_blocks,
+        )
+        yield counter(
+            "kvserve:l0_evicted_unsaved_unoffered_blocks",
+            "Of the unsaved L0 evictions, blocks the eviction horizon had not offered: evicted past its reach.",
+            stats.l0_evicted_unsaved_unoffered_blocks,
+        )
         yield gauge(
             "kvserve:step_token_cap",
             "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",

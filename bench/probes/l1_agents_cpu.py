@@ -131,6 +131,8 @@ def main() -> int:
         "l1_offloaded_blocks": stats.l1_offloaded_blocks,
         "l0_evicted_blocks": stats.l0_evicted_blocks,
         "l0_evicted_unsaved_blocks": stats.l0_evicted_unsaved_blocks,
+        "l0_evicted_unsaved_in_flight_blocks": stats.l0_evicted_unsaved_in_flight_blocks,
+        "l0_evicted_unsaved_unoffered_blocks": stats.l0_evicted_unsaved_unoffered_blocks,
     }
     print(json.dumps(result, indent=1))
     if args.json:

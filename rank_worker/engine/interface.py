@@ -106,7 +106,9 @@ class EngineStats:
     step_token_cap: int = 0  # the cap those left on a step's tokens (step_token_cap.py); 0: none
     l1_room_waits: int = 0  # steps whose admission waited for room to restore a request's L1 blocks whole
     l0_evicted_blocks: int = 0  # L0 cache entries evicted while L1 was attached ...
-    l0_evicted_unsaved_blocks: int = 0  # ... and those of them L1 did not hold: lost to both tiers
+    l0_evicted_unsaved_blocks: int = 0  # ... and those of them L1 did not hold: lost to both tiers ...
+    l0_evicted_unsaved_in_flight_blocks: int = 0  # ... of which on their way to L1 (offered, not committed yet)
+    l0_evicted_unsaved_unoffered_blocks: int = 0  # ... of which the eviction horizon had not offered
 
 
 @dataclass(frozen=True)

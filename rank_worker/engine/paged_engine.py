@@ -589,8 +589,7 @@ class PagedEngine(Engine):
             oom_dropped_steps=self.step_cap.dropped_steps,
             step_token_cap=self.step_cap.tokens or 0,
             l1_room_waits=sched.room_waits,
-            l0_evicted_blocks=self.l1.l0_evicted_blocks if self.l1 is not None else 0,
-            l0_evicted_unsaved_blocks=self.l1.l0_evicted_unsaved_blocks if self.l1 is not None else 0,
+            **(self.l1.eviction_counts() if self.l1 is not None else {}),
         )
 
     def close(self) -> None:

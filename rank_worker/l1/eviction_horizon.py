@@ -50,6 +50,10 @@ class EvictionHorizon:
         self._offered.update(h for _, h in due)
         return due
 
+    def offered(self, block_hash: bytes) -> bool:
+        """A pass offered this entry and it was still in the horizon at the last pass."""
+        return block_hash in self._offered
+
     def clear(self) -> None:
         """L1 was detached: what was offered to it is forgotten."""
         self._offered.clear()

@@ -146,6 +146,10 @@ class L1Tier:
         # two tiers lost together, by the horizon falling behind or L1 evicting them first
         self.l0_evicted_blocks = 0
         self.l0_evicted_unsaved_blocks = 0
+        # ... and of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, no slot
+        # or copy committed yet), or never offered by the horizon (L0 evicted past what its passes had reached)
+        self.l0_evicted_unsaved_in_flight_blocks = 0
+        self.l0_evicted_unsaved_unoffered_blocks = 0
         pool.on_evict = self._on_l0_evictions
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
@@ -264,7 +268,22 @@ class L1Tier:
         """L0 evicted these cached blocks (the pool's on_evict): counted, and those L1 does not hold apart."""
         if self._arena is not None:
             self.l0_evicted_blocks += len(block_hashes)
-            self.l0_evicted_unsaved_blocks += sum(h not in self.view for h in block_hashes)
+            unsaved = [h for h in block_hashes if h not in self.view]
+            self.l0_evicted_unsaved_blocks += len(unsaved)
+            in_flight = sum(h in self._sending for h in unsaved)
+            self.l0_evicted_unsaved_in_flight_blocks += in_flight
+            self.l0_evicted_unsaved_unoffered_blocks += sum(
+                h not in self._sending and not self.horizon.offered(h) for h in unsaved
+            )
+
+    def eviction_counts(self) -> dict[str, int]:
+        """The L0 eviction counters, by their EngineStats names."""
+        return {
+            "l0_evicted_blocks": self.l0_evicted_blocks,
+            "l0_evicted_unsaved_blocks": self.l0_evicted_unsaved_blocks,
+            "l0_evicted_unsaved_in_flight_blocks": self.l0_evicted_unsaved_in_flight_blocks,
+            "l0_evicted_unsaved_unoffered_blocks": self.l0_evicted_unsaved_unoffered_blocks,
+        }
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""

@@ -107,6 +107,8 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l1_room_waits": "counter",
         "kvserve:l0_evicted_blocks": "counter",
         "kvserve:l0_evicted_unsaved_blocks": "counter",
+        "kvserve:l0_evicted_unsaved_in_flight_blocks": "counter",
+        "kvserve:l0_evicted_unsaved_unoffered_blocks": "counter",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -129,6 +131,8 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
                 l1_room_waits=5,
                 l0_evicted_blocks=40,
                 l0_evicted_unsaved_blocks=7,
+                l0_evicted_unsaved_in_flight_blocks=2,
+                l0_evicted_unsaved_unoffered_blocks=4,
             ),
         ).registry
     )
@@ -136,6 +140,9 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
     assert value(shrunk, "kvserve:oom_dropped_steps", "kvserve:oom_dropped_steps_total") == 3
     assert value(shrunk, "kvserve:l0_evicted_blocks", "kvserve:l0_evicted_blocks_total") == 40
     assert value(shrunk, "kvserve:l0_evicted_unsaved_blocks", "kvserve:l0_evicted_unsaved_blocks_total") == 7
+    for name, amount in (("in_flight", 2), ("unoffered", 4)):
+        counter = f"kvserve:l0_evicted_unsaved_{name}_blocks"
+        assert value(shrunk, counter, f"{counter}_total") == amount
     assert value(shrunk, "kvserve:step_token_cap") == 2048
 
 

@@ -146,8 +146,9 @@ class L1Tier:
         # two tiers lost together, by the horizon falling behind or L1 evicting them first
         self.l0_evicted_blocks = 0
         self.l0_evicted_unsaved_blocks = 0
-        # ... and of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, no slot
-        # or copy committed yet), or never offered by the horizon (L0 evicted past what its passes had reached)
+        # ... and of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, its
+        # commit not answered yet: a horizon copy released as its commit goes and evicted before the answer counts
+        # here, though L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach)
         self.l0_evicted_unsaved_in_flight_blocks = 0
         self.l0_evicted_unsaved_unoffered_blocks = 0
         pool.on_evict = self._on_l0_evictions

@@ -142,15 +142,20 @@ class L1Tier:
         self.offloaded_bytes = 0
         self.offload_seconds = 0.0
         self.issued_blocks = 0  # offload copies issued (pump), committed or not
-        # L0's evictions of cached blocks, and those of them L1 did not hold (as far as the view knew): what the
-        # two tiers lost together, by the horizon falling behind or L1 evicting them first
-        self.l0_evicted_blocks = 0
-        self.l0_evicted_unsaved_blocks = 0
-        # ... and of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, its
-        # commit not answered yet: a horizon copy released as its commit goes and evicted before the answer counts
-        # here, though L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach)
-        self.l0_evicted_unsaved_in_flight_blocks = 0
-        self.l0_evicted_unsaved_unoffered_blocks = 0
+        # By their EngineStats names: L0's evictions of cached blocks, and those of them L1 did not hold (as far as
+        # the view knew): what the two tiers lost together, by the horizon falling behind or L1 evicting them first;
+        # of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, its commit not
+        # answered yet: a horizon copy released as its commit goes and evicted before the answer counts here, though
+        # L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach)
+        self._evictions = dict.fromkeys(
+            (
+                "l0_evicted_blocks",
+                "l0_evicted_unsaved_blocks",
+                "l0_evicted_unsaved_in_flight_blocks",
+                "l0_evicted_unsaved_unoffered_blocks",
+            ),
+            0,
+        )
         pool.on_evict = self._on_l0_evictions
         self.last_error = ""
         # The first attach is waited for (by the worker's load thread), so the worker can log how it went.
@@ -267,24 +272,22 @@ class L1Tier:
 
     def _on_l0_evictions(self, block_hashes: list[bytes]) -> None:
         """L0 evicted these cached blocks (the pool's on_evict): counted, and those L1 does not hold apart."""
-        if self._arena is not None:
-            self.l0_evicted_blocks += len(block_hashes)
-            unsaved = [h for h in block_hashes if h not in self.view]
-            self.l0_evicted_unsaved_blocks += len(unsaved)
-            in_flight = sum(h in self._sending for h in unsaved)
-            self.l0_evicted_unsaved_in_flight_blocks += in_flight
-            self.l0_evicted_unsaved_unoffered_blocks += sum(
-                h not in self._sending and not self.horizon.offered(h) for h in unsaved
-            )
+        if self._arena is None:
+            return
+        counts = self._evictions
+        counts["l0_evicted_blocks"] += len(block_hashes)
+        for block_hash in block_hashes:
+            if block_hash in self.view:
+                continue
+            counts["l0_evicted_unsaved_blocks"] += 1
+            if block_hash in self._sending:
+                counts["l0_evicted_unsaved_in_flight_blocks"] += 1
+            elif not self.horizon.offered(block_hash):
+                counts["l0_evicted_unsaved_unoffered_blocks"] += 1
 
     def eviction_counts(self) -> dict[str, int]:
         """The L0 eviction counters, by their EngineStats names."""
-        return {
-            "l0_evicted_blocks": self.l0_evicted_blocks,
-            "l0_evicted_unsaved_blocks": self.l0_evicted_unsaved_blocks,
-            "l0_evicted_unsaved_in_flight_blocks": self.l0_evicted_unsaved_in_flight_blocks,
-            "l0_evicted_unsaved_unoffered_blocks": self.l0_evicted_unsaved_unoffered_blocks,
-        }
+        return dict(self._evictions)
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""

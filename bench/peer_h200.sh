@@ -172,6 +172,12 @@ wait_gpu_free() {  # the last engine's memory back before the next one sizes its
   say "GPU memory still in use: ${used} MiB"
 }
 group_alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+servers() {  # vllm or ours: the pidfiles of that side's servers on this machine, this PEER_TAG's and every other's
+  # (each tag's state dir is STATE's name with another tag: /tmp/peer-state, /tmp/peer-state-offload, ...)
+  local base=${STATE%"$TAG"}
+  echo "$STATE/$1.pid"
+  ls -d "$base"*/"$1".pid 2>/dev/null | grep -vxF "$STATE/$1.pid" || true
+}
 stop_group() {  # pidfile, signal: the server's session leader first, then its whole process group
   group_alive "$1" || { rm -f "$1"; return 0; }
   local pid; pid=$(cat "$1")
@@ -237,8 +243,8 @@ vllm_start() {  # in a session of its own: it outlives this call and keeps compi
   # A server of another PEER_TAG has other flags: stop it (on 2026-12-06 an offload run found the plain server,
   # whose last step had not finished, still answering on the port, and measured that)
   local pidfile
-  for pidfile in /tmp/peer-state*/vllm.pid; do
-    [ -f "$pidfile" ] && [ "$pidfile" != "$STATE/vllm.pid" ] && say "stopping another run's vllm serve ($pidfile)" && stop_group "$pidfile" TERM
+  for pidfile in $(servers vllm); do
+    [ "$pidfile" != "$STATE/vllm.pid" ] && group_alive "$pidfile" && say "stopping another run's vllm serve ($pidfile)" && stop_group "$pidfile" TERM
   done
   vllm_up && { say "something other than this run's vllm serve answers on port $PORT"; return 1; }
   wait_gpu_free
@@ -260,7 +266,13 @@ vllm_wait() {  # until /health answers or only the packing margin is left
   say "vllm serve not up yet: it goes on starting into the next call"
   return 1
 }
-vllm_stop() { group_alive "$STATE/vllm.pid" && say "stopping vllm serve"; stop_group "$STATE/vllm.pid" TERM; }
+vllm_stop() {  # this PEER_TAG's server and any other's: the next engine needs the GPU and the port
+  local pidfile
+  for pidfile in $(servers vllm); do
+    group_alive "$pidfile" && say "stopping vllm serve ($pidfile)"
+    stop_group "$pidfile" TERM
+  done
+}
 
 # --- our stack ---
 ours_up() { grep -qs "Ctrl-C" "$STATE/ours-up.log" && group_alive "$STATE/ours.pid"; }
@@ -292,12 +304,18 @@ ours_wait() {
   say "kvserve not up yet: it goes on starting into the next call"
   return 1
 }
-ours_stop() {
-  group_alive "$STATE/ours.pid" || return 0
-  say "stopping kvserve"
-  stop_group "$STATE/ours.pid" INT  # `kvserve up` stops every service on SIGINT
-  cp "$STATE/ours-up.log" "$WORK/" 2>/dev/null || true
-  mkdir -p "$WORK/ours-logs" && cp -r "$OURS_RUN"/logs/. "$WORK/ours-logs/" 2>/dev/null || true
+ours_stop() {  # this PEER_TAG's stack and any other's (they share the port, the GPU and OURS_RUN)
+  # On 2026-12-06 a stack left up for its next step (another PEER_TAG) still answered on the port when vLLM's
+  # call came, and its 80 GiB arena stayed in /dev/shm after a kill: stopped here with SIGINT, it removes it.
+  local pidfile
+  for pidfile in $(servers ours); do
+    group_alive "$pidfile" || continue
+    say "stopping kvserve ($pidfile)"
+    stop_group "$pidfile" INT  # `kvserve up` stops every service on SIGINT
+    # its logs come back with this call's tarball (another tag's own calls may never come)
+    cp "$(dirname "$pidfile")/ours-up.log" "$WORK/" 2>/dev/null || true
+    mkdir -p "$WORK/ours-logs" && cp -r "$OURS_RUN"/logs/. "$WORK/ours-logs/" 2>/dev/null || true
+  done
 }
 
 # --- agent steps, the same for both sides ---

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import pytest
@@ -89,3 +90,26 @@ def test_a_call_that_brings_the_last_fa4_chunk_runs_our_stack_with_it(tmp_path: 
     assert "flash-attn 4 for our prefill: off" in phase("status", tree, tmp_path, run)  # no chunk on the machine yet
     said = phase("chunk status", tree, tmp_path, run)
     assert "flash-attn 4 for our prefill: on" in said
+
+
+def test_stop_stops_the_servers_of_every_peer_tag(tmp_path: Path) -> None:
+    # On 2026-12-06 our stack, left up for its next step under PEER_TAG=llama-l1x80, still answered on the port when
+    # vLLM's call (PEER_TAG=llama-off80) came: that call's stop and start looked only at their own tag's pidfile.
+    servers = []
+    for state, side in (("state-llama-l1x80", "ours"), ("state", "vllm"), ("state-llama-off80", "vllm")):
+        server = subprocess.Popen(["sleep", "300"], start_new_session=True)  # its own session, as the script's are
+        # reaped the moment it ends (a zombie would still answer the script's `kill -0`)
+        threading.Thread(target=server.wait, daemon=True).start()
+        servers.append(server)
+        (tmp_path / state).mkdir(exist_ok=True)
+        (tmp_path / state / f"{side}.pid").write_text(f"{server.pid}\n")
+    try:
+        said = phase("stop", tmp_path, tmp_path, tmp_path)
+        for server in servers:
+            assert server.poll() is not None, said  # each is gone, not only this tag's
+        assert f"stopping kvserve ({tmp_path}/state-llama-l1x80/ours.pid)" in said
+        assert f"stopping vllm serve ({tmp_path}/state-llama-off80/vllm.pid)" in said
+    finally:
+        for server in servers:
+            server.kill()
+            server.wait()

@@ -144,6 +144,26 @@ class _EngineCollector(Collector):
             "Of the unsaved L0 evictions, blocks the eviction horizon had not offered: evicted past its reach.",
             stats.l0_evicted_unsaved_unoffered_blocks,
         )
+        yield counter(
+            "kvserve:l1_fetch_timeouts",
+            "L1 lookups given up at their deadline (fetch_timeout_s): their blocks were computed instead.",
+            stats.l1_fetch_timeouts,
+        )
+        yield counter(
+            "kvserve:l1_restore_missing_blocks",
+            "Blocks L1's event stream said it held when a lookup began that its answer lacked (evicted meanwhile).",
+            stats.l1_restore_missing_blocks,
+        )
+        yield counter(
+            "kvserve:l1_restore_room_cut_blocks",
+            "Blocks an L1 lookup found that the free pool had no room for when its answer came: computed instead.",
+            stats.l1_restore_room_cut_blocks,
+        )
+        yield counter(
+            "kvserve:l1_restore_unstarted_blocks",
+            "Blocks L1 held past an admitted prompt's L0 prefix that were not looked up: no room in the free pool.",
+            stats.l1_restore_unstarted_blocks,
+        )
         yield gauge(
             "kvserve:step_token_cap",
             "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",

@@ -42,6 +42,12 @@ def main() -> int:
     ap.add_argument("--offload-blocks", type=int, default=4, help="write-through blocks a step")
     ap.add_argument("--think", type=int, default=100, help="engine steps between an agent's turns")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--together",
+        action="store_true",
+        help="every agent's first turn at step 0: the turns come in bursts, as on the GPU (bench/results/"
+        "2026-12-06-h100-peer-llama-8b-l1-80); default: first turns spread over 50 steps",
+    )
     ap.add_argument("--json", type=Path)
     ap.add_argument(
         "--kvstore-set",
@@ -81,7 +87,13 @@ def main() -> int:
         )
         assert engine.l1 is not None and engine.l1.slot_bytes == slot_bytes, "the tiny model's block size changed"
         agents = [
-            {"context": tokens(rng.randint(40, 150)), "turn": 0, "ready": rng.randint(0, 50), "busy": False}
+            # (the first turn's step is drawn either way: --together changes nothing else of the sessions)
+            {
+                "context": tokens(rng.randint(40, 150)),
+                "turn": 0,
+                "ready": rng.randint(0, 50) * (not args.together),
+                "busy": False,
+            }
             for _ in range(args.agents)
         ]
         in_flight: dict[str, tuple[dict, list[int], int]] = {}
@@ -133,6 +145,10 @@ def main() -> int:
         "l0_evicted_unsaved_blocks": stats.l0_evicted_unsaved_blocks,
         "l0_evicted_unsaved_in_flight_blocks": stats.l0_evicted_unsaved_in_flight_blocks,
         "l0_evicted_unsaved_unoffered_blocks": stats.l0_evicted_unsaved_unoffered_blocks,
+        "l1_fetch_timeouts": stats.l1_fetch_timeouts,
+        "l1_restore_missing_blocks": stats.l1_restore_missing_blocks,
+        "l1_restore_room_cut_blocks": stats.l1_restore_room_cut_blocks,
+        "l1_restore_unstarted_blocks": stats.l1_restore_unstarted_blocks,
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -75,6 +75,7 @@ class KvCacheManager:
         blocks past its L0 prefix, and their restore into L0, started here, is not done. Once it is (restored,
         found missing, failed or timed out), admission goes on over the L0 prefix, longer by what came back.
         The restore leaves enough free blocks for the next chunk of at most token_budget tokens."""
+        seq.l1_unstarted_blocks = 0
         fetch = seq.host_fetch
         if fetch is not None:
             if not fetch.done:
@@ -90,6 +91,7 @@ class KvCacheManager:
             return self._restore_room(rest_tokens, found, token_budget)
 
         if room(len(hashes) - prefix) <= 0:
+            seq.l1_unstarted_blocks = self.host_tier.known_run(hashes[prefix:])
             return False
         fetch = self.host_tier.fetch(hashes[:prefix], hashes[prefix:], room)
         if fetch is None:

@@ -589,7 +589,8 @@ class PagedEngine(Engine):
             oom_dropped_steps=self.step_cap.dropped_steps,
             step_token_cap=self.step_cap.tokens or 0,
             l1_room_waits=sched.room_waits,
-            **(self.l1.eviction_counts() if self.l1 is not None else {}),
+            l1_restore_unstarted_blocks=sched.restore_unstarted_blocks,
+            **(self.l1.counts() if self.l1 is not None else {}),
         )
 
     def close(self) -> None:

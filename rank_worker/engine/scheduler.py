@@ -173,6 +173,7 @@ class Scheduler:
         self.ending: set[Sequence] = set()
         self.num_preemptions = 0
         self.room_waits = 0  # admissions closed for a host-tier restore that did not fit the free pool yet
+        self.restore_unstarted_blocks = 0  # host-tier blocks of admitted prompts not restored: no room for any
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
         self.restored_tokens = 0  # cumulative tokens restored from the host tier, re-admissions included
@@ -400,6 +401,7 @@ class Scheduler:
             if fresh:
                 seq.num_l0_cached_tokens = cached
                 seq.num_l1_cached_tokens = restored
+                self.restore_unstarted_blocks += seq.l1_unstarted_blocks
                 seq.first_scheduled_time = step.now
                 self.prefix_query_tokens += seq.num_prompt_tokens
                 self.prefix_hit_tokens += cached

@@ -53,6 +53,9 @@ class Sequence:
     cold_until: int = 0  # a cold prefill (warm_first) while num_computed_tokens < this; set on each admission
     starved: bool = False  # warm_first: went cold_max_wait_secs without a token (scheduler.py); sticky
     host_fetch: HostFetch | None = None  # its restore from the host tier while WAITING_FOR_L1 (KvCacheManager)
+    # blocks the host tier held past its L0 prefix at its last admission try that no restore was started for, the
+    # free pool having no room for any of them (computed instead): counted by the scheduler once it is admitted
+    l1_unstarted_blocks: int = 0
 
     @property
     def num_tokens(self) -> int:

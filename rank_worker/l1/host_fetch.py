@@ -25,6 +25,7 @@ class HostFetch:
     hashes: list[bytes]  # the blocks wanted, those that follow it
     room: Callable[[int], int]  # of `found` blocks L1 has, how many fit the pool now
     deadline: float  # the tier's clock
+    expected: int = 0  # of `hashes`, the leading blocks L1's event stream said it held when the lookup began
     restored: set[int] = field(default_factory=set)  # pool blocks copied in from L1
     # The L0 blocks of `prefix`, referenced from the lookup's start until its answer (or its end otherwise):
     # unheld, admissions in the step or two a lookup takes evicted them (the oldest entries of a session

@@ -146,13 +146,18 @@ class L1Tier:
         # the view knew): what the two tiers lost together, by the horizon falling behind or L1 evicting them first;
         # of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, its commit not
         # answered yet: a horizon copy released as its commit goes and evicted before the answer counts here, though
-        # L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach)
-        self._evictions = dict.fromkeys(
+        # L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach).
+        # Then why a restore brought back less than L1 was known to hold: lookups given up at their deadline, blocks
+        # the view promised that the answer lacked, blocks found that the free pool had no room for by then.
+        self._counts = dict.fromkeys(
             (
                 "l0_evicted_blocks",
                 "l0_evicted_unsaved_blocks",
                 "l0_evicted_unsaved_in_flight_blocks",
                 "l0_evicted_unsaved_unoffered_blocks",
+                "l1_fetch_timeouts",
+                "l1_restore_missing_blocks",
+                "l1_restore_room_cut_blocks",
             ),
             0,
         )
@@ -207,6 +212,7 @@ class L1Tier:
         if held is None:  # (the caller found it in L0 just now)
             return None
         fetch = HostFetch(list(prefix), list(block_hashes), room, self._clock() + self.fetch_timeout_s, held=held)
+        fetch.expected = self.view.leading_run(block_hashes)
         self._submit(CallKind.LOOKUP, hashes=fetch.hashes, purpose=fetch)
         self._fetching.append(fetch)
         return fetch
@@ -218,6 +224,8 @@ class L1Tier:
 
     def _on_lookup(self, call: L1Call, fetch: HostFetch) -> None:
         slots = call.answer
+        if not fetch.done:
+            self._counts["l1_restore_missing_blocks"] += max(fetch.expected - len(slots), 0)
         if fetch.done or not slots:  # given up (timed out, abandoned) or nothing there
             self._fail_fetch(fetch)  # its prefix let go, if it was not already
             self._release(slots)
@@ -260,6 +268,7 @@ class L1Tier:
                 self._restores.append(job)
         else:
             spare.extend(copy_slots)
+        self._counts["l1_restore_room_cut_blocks"] += len(spare)  # found, not restored: the pool had no room
         self.pool.release(list(reversed(held)))  # idle L0 entries now, the most recent: admission takes them
         self._release(spare)
 
@@ -274,7 +283,7 @@ class L1Tier:
         """L0 evicted these cached blocks (the pool's on_evict): counted, and those L1 does not hold apart."""
         if self._arena is None:
             return
-        counts = self._evictions
+        counts = self._counts
         counts["l0_evicted_blocks"] += len(block_hashes)
         for block_hash in block_hashes:
             if block_hash in self.view:
@@ -285,9 +294,9 @@ class L1Tier:
             elif not self.horizon.offered(block_hash):
                 counts["l0_evicted_unsaved_unoffered_blocks"] += 1
 
-    def eviction_counts(self) -> dict[str, int]:
-        """The L0 eviction counters, by their EngineStats names."""
-        return dict(self._evictions)
+    def counts(self) -> dict[str, int]:
+        """The L0 eviction and restore counters, by their EngineStats names."""
+        return dict(self._counts)
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""
@@ -410,6 +419,7 @@ class L1Tier:
         now = self._clock()
         for fetch in [f for f in self._fetching if now >= f.deadline]:
             log.debug("L1 lookup of %d blocks unanswered after %.1f s: computing them", len(fetch.hashes), now)
+            self._counts["l1_fetch_timeouts"] += 1
             self._fail_fetch(fetch)  # its answer, if it comes, is released
 
     def wait_pending(self) -> None:

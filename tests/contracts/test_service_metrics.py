@@ -109,6 +109,10 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l0_evicted_unsaved_blocks": "counter",
         "kvserve:l0_evicted_unsaved_in_flight_blocks": "counter",
         "kvserve:l0_evicted_unsaved_unoffered_blocks": "counter",
+        "kvserve:l1_fetch_timeouts": "counter",
+        "kvserve:l1_restore_missing_blocks": "counter",
+        "kvserve:l1_restore_room_cut_blocks": "counter",
+        "kvserve:l1_restore_unstarted_blocks": "counter",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -133,6 +137,10 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
                 l0_evicted_unsaved_blocks=7,
                 l0_evicted_unsaved_in_flight_blocks=2,
                 l0_evicted_unsaved_unoffered_blocks=4,
+                l1_fetch_timeouts=6,
+                l1_restore_missing_blocks=8,
+                l1_restore_room_cut_blocks=9,
+                l1_restore_unstarted_blocks=11,
             ),
         ).registry
     )
@@ -142,6 +150,13 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
     assert value(shrunk, "kvserve:l0_evicted_unsaved_blocks", "kvserve:l0_evicted_unsaved_blocks_total") == 7
     for name, amount in (("in_flight", 2), ("unoffered", 4)):
         counter = f"kvserve:l0_evicted_unsaved_{name}_blocks"
+        assert value(shrunk, counter, f"{counter}_total") == amount
+    for counter, amount in (
+        ("kvserve:l1_fetch_timeouts", 6),
+        ("kvserve:l1_restore_missing_blocks", 8),
+        ("kvserve:l1_restore_room_cut_blocks", 9),
+        ("kvserve:l1_restore_unstarted_blocks", 11),
+    ):
         assert value(shrunk, counter, f"{counter}_total") == amount
     assert value(shrunk, "kvserve:step_token_cap") == 2048
 

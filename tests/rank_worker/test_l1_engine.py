@@ -330,4 +330,30 @@ def test_a_restore_whose_room_was_taken_while_its_lookup_was_under_way_is_looked
         a2_prompt = a1_prompt + a1_output + random_prompt(20, 128, seed=53)
         l0_l1 = _next_turn_beside_a_cold_prompt(engine, port, a2_prompt, b_blocks=14, b_tokens=2, seed=54)
         assert l0_l1 == (0, 8 * BLOCK), "A's 8 blocks restored whole from L1, none computed again"
+        stats = engine.stats()
+        assert stats.l1_restore_room_cut_blocks == 8, "the first answer's 8 blocks found no room (the rank's counter)"
+        assert (stats.l1_restore_missing_blocks, stats.l1_fetch_timeouts) == (0, 0)
+        engine.close()
+
+
+def test_a_lookup_past_its_deadline_is_given_up_counted_and_its_blocks_computed(tmp_path: Path) -> None:
+    """A hung kvstore (SIGSTOP) holds A's lookup past the tier's deadline (made 0.05 s here, under the 1 s of
+    the call itself): A computes its blocks, with a cold engine's output, and the rank counts the timeout
+    (kvserve:l1_fetch_timeouts): on the H100 bursts of restores came short, and nothing said whether this was why."""
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)) as kvstore:
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=320, max_num_batched_tokens=256)
+        a1_prompt, a1_output, _ = _written_through_then_evicted(engine, seed=61)
+        a2_prompt = a1_prompt + a1_output + random_prompt(20, 128, seed=63)
+        cold = generate_one(make_engine(engine.model, None, prefix_cache=False), a2_prompt, greedy(4), "cold")
+        assert engine.stats().l1_fetch_timeouts == 0
+        engine.l1.fetch_timeout_s = 0.05
+        kvstore.send_signal(signal.SIGSTOP)
+        try:
+            a2 = generate_one(engine, a2_prompt, greedy(4), "a2")
+        finally:
+            kvstore.send_signal(signal.SIGCONT)
+        assert a2.new_token_ids == cold.new_token_ids
+        assert a2.stats.l1_cached_tokens == 0
+        assert engine.stats().l1_fetch_timeouts == 1
         engine.close()

@@ -100,3 +100,21 @@ def test_a_context_larger_than_the_pool_is_still_restored_in_part_rather_than_ne
     batch = sched.schedule()
     assert 0 < tier.restored_blocks < 250 and chunk_of(batch, turn) > 0
     assert sched.room_waits == 0
+
+
+def test_a_prompt_admitted_with_no_room_to_restore_any_of_its_l1_blocks_is_counted() -> None:
+    """The session could never fit the 200-block pool whole, so it does not wait for room; beside the runner the
+    free pool takes its next chunk (64 blocks) but not one restored block besides: no lookup is started, all 250
+    blocks are computed, and the scheduler counts them (kvserve:l1_restore_unstarted_blocks)."""
+    sched, tier = _scheduler(num_blocks=200)
+    _in_l1(sched, tier, [*HISTORY, 1])
+    runner = queue_request(sched, "runner", random_prompt(134 * BLOCK, VOCAB, seed=902))
+    _run_to_decode(sched, runner)
+    assert sched.kv.pool.num_free == 66  # a chunk of 1024 tokens and the spare block
+    turn = queue_request(sched, "turn", [*HISTORY, 1, 2, 3])
+    batch = sched.schedule()
+    assert chunk_of(batch, turn) > 0 and tier.restored_blocks == 0
+    assert sched.restore_unstarted_blocks == 250
+    advance(sched, batch)
+    sched.schedule()
+    assert sched.restore_unstarted_blocks == 250, "counted once, when admitted"

@@ -84,8 +84,10 @@ class RankHostTier:
         run = min(found, max(room(found), 0), self.pool.num_free)
         held = hold_prefix(self.pool, prefix) if run else None
         if held is None:
+            fetch.cut = found if not run else 0
             return fetch
         run = min(run, self.pool.num_free)
+        fetch.cut = found - run
         blocks = self.pool.allocate(run)
         for block_id, block_hash in zip(blocks, block_hashes, strict=False):
             self.pool.register(block_id, block_hash)
@@ -93,7 +95,7 @@ class RankHostTier:
         self.node.restored(block_hashes[:run])
         self.restored_blocks += run
         fetch.restored.update(blocks)
-        self.pool.release(list(reversed(held + blocks)))  # idle L0 entries until the admission takes them
+        fetch.held = held + blocks  # held until the admission takes them, as the rank's tier does
         return fetch
 
     def abandon(self, fetch: HostFetch) -> None:

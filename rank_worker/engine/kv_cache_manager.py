@@ -34,6 +34,11 @@ class HostCacheTier(Protocol):
         ...
 
 
+# A lookup answered when the free pool had no room left for any of its blocks is made again, at most this often
+# (each one waits for room first); then the sequence computes what is left, as for a part of the pool.
+MAX_LOOKUPS_CUT = 3
+
+
 class KvCacheManager:
     def __init__(
         self, pool: BlockPool, block_size: int, hash_namespace: bytes, host_tier: HostCacheTier | None = None
@@ -81,6 +86,13 @@ class KvCacheManager:
             if not fetch.done:
                 return True
             seq.status = SequenceStatus.WAITING
+            if fetch.cut and not fetch.restored and seq.l1_lookups_cut < MAX_LOOKUPS_CUT:
+                # Others' admissions took the room while it was looked up, and L1 holds the blocks: wait for room
+                # and look them up again (restore_waits_for_room) rather than compute them all now
+                seq.l1_lookups_cut += 1
+                seq.host_fetch = None
+                self._let_go(fetch)
+                return True
             return False
         found_past = self._past_l0(seq)
         if found_past is None:
@@ -151,7 +163,18 @@ class KvCacheManager:
         seq.block_table = blocks
         seq.block_hashes = hashes[: len(blocks)]
         seq.num_computed_tokens = len(blocks) * self.block_size
+        if fetch is not None:
+            self._let_go(fetch)  # its blocks are the sequence's now (those of its run)
         return (len(blocks) - restored) * self.block_size, restored * self.block_size
+
+    def _let_go(self, fetch: HostFetch) -> None:
+        """A fetch its sequence is done with: under way, the tier gives it up; answered, what it holds is let go."""
+        if not fetch.done:
+            assert self.host_tier is not None
+            self.host_tier.abandon(fetch)
+        elif fetch.held:
+            held, fetch.held = fetch.held, []
+            self.pool.release(list(reversed(held)))
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be
@@ -246,8 +269,8 @@ class KvCacheManager:
 
     def free(self, seq: Sequence) -> None:
         fetch, seq.host_fetch = seq.host_fetch, None
-        if fetch is not None and not fetch.done and self.host_tier is not None:
-            self.host_tier.abandon(fetch)  # it left while waiting for the host tier
+        if fetch is not None:
+            self._let_go(fetch)  # it left while waiting for the host tier, or before its admission took the restore
         self.offload(seq)
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []

@@ -56,6 +56,7 @@ class Sequence:
     # blocks the host tier held past its L0 prefix at its last admission try that no restore was started for, the
     # free pool having no room for any of them (computed instead): counted by the scheduler once it is admitted
     l1_unstarted_blocks: int = 0
+    l1_lookups_cut: int = 0  # its host-tier lookups answered with no room for any block (looked up again)
 
     @property
     def num_tokens(self) -> int:

@@ -7,9 +7,11 @@ the sequence is admitted at its next turn over its L0 prefix, now longer. A fetc
 by its deadline is given up: the sequence computes those blocks instead.
 
 A waiting sequence holds only its L0 prefix while its lookup is under way (HostFetch.held; a step or two),
-never blocks for what it will compute: restored blocks are idle L0 entries (the most recently used, so the
-last to be evicted) until its admission takes them, so sequences waiting for L1 can never starve the pool
-of the ones that run.
+never blocks for what it will compute. Once answered, the fetch holds the prefix and the restored blocks until
+the sequence's admission takes them (as a rule in the same step: it is the warmest of the waiting) or the
+sequence leaves. Left idle, as they were until 2026-12-06, other admissions of the same burst evicted them first
+(the free pool is short when restores come in bursts): the CPU probe's 40 agents in bursts restored whole
+sessions and computed them all the same, L1 still holding every block (bench/probes/l1_agents_cpu.py --together).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ class HostFetch:
     # The L0 blocks of `prefix`, referenced from the lookup's start until its answer (or its end otherwise):
     # unheld, admissions in the step or two a lookup takes evicted them (the oldest entries of a session
     # waiting for L1 are next to go), and a restore that no longer extends an L0 prefix restores nothing.
+    # Once answered, the restored blocks too, until the admission takes them (KvCacheManager.attach_cached_prefix)
     held: list[int] = field(default_factory=list)
+    cut: int = 0  # blocks the answer found that the free pool had no room for (released to L1)
     done: bool = False  # answered, given up or failed: the sequence may be admitted
     abandoned: bool = False  # the sequence is gone; an answer still to come is released
 

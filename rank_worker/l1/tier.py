@@ -13,10 +13,13 @@ return; answers come back through a Mailbox that poll() drains each step, never 
   copies queues behind its tokens and is done within about a step.
 - Eviction horizon (eviction_horizon.py): the cache entries L0 evicts next are offered again, so L1 keeps
   what L0 lets go; the kvstore refreshes those it holds and gives slots for those it lost, which are copied
-  as write-through blocks are (ahead of them) and go back to the front of L0's free queue once copied.
+  as write-through blocks are (ahead of them) and go back to the front of L0's free queue once copied. Those L1
+  lacks are held from the offer on (L0 evicts them next; unheld, a step's allocations took them before the
+  kvstore's answer: the CPU probe's in-flight losses).
 - Restore: a sequence about to be admitted whose blocks past its L0 prefix L1 holds starts a HostFetch and
   waits; the lookup's slots are copied into fresh pool blocks (on the compute stream on CUDA, so the next
-  step's kernels see them), registered in L0, and the slots released once the copy has landed.
+  step's kernels see them), registered in L0, held by the fetch until the admission takes them, and the slots
+  released once the copy has landed.
 - What L1 holds comes from the kvstore's KV events (kvstore_watch.py), so a rank schedules as warm the
   sessions another rank wrote (after a failover), not only the blocks it moved itself.
 
@@ -33,7 +36,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -68,11 +71,13 @@ class _RetryDue:
     """Posted when a detached tier's next attach is due: an idle engine steps (polls) only for mailbox items."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Offload:
     block_ids: list[int]
     block_hashes: list[bytes]
     to_front: bool = False  # blocks about to be evicted from L0 (the horizon): back to the front once copied
+    # the horizon's blocks L1 did not hold when offered: referenced from the offer on, as L0 evicts them next
+    pinned: frozenset[int] = frozenset()
 
 
 @dataclass
@@ -130,6 +135,7 @@ class L1Tier:
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
+        self._pinned_offers: list[_Offload] = []  # the horizon's offers holding blocks until answered
         self._queued: deque[_QueuedCopy] = deque()  # offloads waiting for pump(), their slots write-pinned
         self._offloads: deque[CopyJob] = deque()  # copying to the arena, not yet committed (CUDA)
         self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
@@ -268,8 +274,9 @@ class L1Tier:
                 self._restores.append(job)
         else:
             spare.extend(copy_slots)
+        fetch.cut = len(spare)
         self._counts["l1_restore_room_cut_blocks"] += len(spare)  # found, not restored: the pool had no room
-        self.pool.release(list(reversed(held)))  # idle L0 entries now, the most recent: admission takes them
+        fetch.held = held  # until the admission takes them (host_fetch.py): idle, the same burst evicted them
         self._release(spare)
 
     def _release(self, slots: list[int], *, restored: bool = False) -> None:
@@ -312,7 +319,24 @@ class L1Tier:
     def _offer(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
         hashes = [h for _, h in blocks]
         self._sending.update(hashes)
-        self._submit(CallKind.ALLOCATE, hashes=hashes, purpose=_Offload([b for b, _ in blocks], hashes, to_front))
+        pinned: frozenset[int] = frozenset()
+        if to_front:
+            # The horizon offers what L0 evicts next: the blocks L1 lacks are held until the kvstore's answer (a
+            # step or more), else an allocation meanwhile evicts them unsaved; those it holds are only refreshed.
+            pinned = frozenset(b for b, h in blocks if h not in self.view)
+            for block_id in pinned:
+                self.pool.acquire_cached(block_id)
+        offload = _Offload([b for b, _ in blocks], hashes, to_front, pinned)
+        if pinned:
+            self._pinned_offers.append(offload)
+        self._submit(CallKind.ALLOCATE, hashes=hashes, purpose=offload)
+
+    def _unpin(self, offload: _Offload, keep: Collection[int] = ()) -> None:
+        """An offer answered (or void): let go of its pinned blocks but those now bound for a copy (`keep`)."""
+        if not offload.pinned:
+            return
+        self._pinned_offers.remove(offload)
+        self.pool.release([b for b in offload.pinned if b not in keep], to_front=True)
 
     def _offer_horizon(self) -> None:
         """Offer L1 the cache entries L0 evicts next (eviction_horizon.py), when a pass is due."""
@@ -338,11 +362,14 @@ class L1Tier:
                 slots.append(slot)
                 hashes.append(block_hash)
         self._release(abandoned)  # a released write pin abandons the write
+        kept = set(blocks) & offload.pinned  # referenced since the offer: that reference is the copy's now
+        self._unpin(offload, kept)
         if not blocks:
             return
         assert self._copier is not None
         for block_id in blocks:
-            self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
+            if block_id not in kept:
+                self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
         queued = _QueuedCopy(blocks, slots, hashes, offload.to_front)
         if offload.to_front:
             self._queued.appendleft(queued)  # about to be evicted from L0: copied before write-through's backlog
@@ -460,6 +487,8 @@ class L1Tier:
                 self._fail_fetch(call.purpose)
             elif isinstance(call.purpose, _Offload):
                 self._sending.difference_update(call.purpose.block_hashes)
+                if current:  # (an older arena's offers were let go when it was detached)
+                    self._unpin(call.purpose)
             if current and call.error is not None:
                 self._go_down(call.error)
             return  # an older arena's answer: its pins went with it (or go when we attach again)
@@ -474,7 +503,7 @@ class L1Tier:
             self._on_commit(call.purpose)
 
     def _fail_fetch(self, fetch: HostFetch) -> None:
-        """Done without a restore (or its answer taken): its prefix is let go, as idle L0 entries again."""
+        """Done without a restore (or its sequence gone): what it holds is let go, as idle L0 entries again."""
         fetch.done = True
         if fetch in self._fetching:
             self._fetching.remove(fetch)
@@ -563,6 +592,8 @@ class L1Tier:
             self.pool.release(job.block_ids, to_front=job.to_front)  # never committed; the kvstore drops the pins
         self._offloads.clear()
         self._queued.clear()
+        for offload in list(self._pinned_offers):
+            self._unpin(offload)  # its answer, if it comes, is dropped with the epoch
         self._restores.clear()
         for fetch in list(self._fetching):
             self._fail_fetch(fetch)  # nothing restored: the sequence computes its blocks

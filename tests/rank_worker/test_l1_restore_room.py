@@ -118,3 +118,23 @@ def test_a_prompt_admitted_with_no_room_to_restore_any_of_its_l1_blocks_is_count
     advance(sched, batch)
     sched.schedule()
     assert sched.restore_unstarted_blocks == 250, "counted once, when admitted"
+
+
+def test_a_restore_is_held_until_the_admission_takes_it() -> None:
+    """Between a restore and its sequence's admission, other allocations of the same step (a running prefill's
+    next chunk, another admission) take free blocks. Left idle there, the restored blocks went first when the free
+    pool was short: the CPU probe's bursts restored whole sessions, L1 still holding every block, and computed
+    them all the same. Held by the fetch, they are not free: the admission takes all of them."""
+    sched, tier = _scheduler(num_blocks=600)
+    _in_l1(sched, tier, [*HISTORY, 1])
+    turn = queue_request(sched, "turn", [*HISTORY, 1, 2, 3])
+    kv = sched.kv
+    assert not kv.waits_for_host(turn, 1024)  # this tier answers at once: restored, not admitted yet
+    assert tier.restored_blocks == 250
+    free_before = kv.pool.num_free
+    kv.pool.allocate(kv.pool.num_free)  # everything free is taken by others before the admission
+    assert kv.pool.num_free == 0 and free_before == 600 - 250
+    cached, restored = kv.attach_cached_prefix(turn)
+    assert (cached, restored) == (0, 250 * BLOCK), "the restore survived: none of it computed again"
+    kv.free(turn)
+    assert kv.pool.num_free == 250, "the sequence let go of them once; the fetch holds nothing"

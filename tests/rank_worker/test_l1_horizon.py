@@ -7,6 +7,7 @@ L1 again the blocks L0 evicts next makes the arena keep what L0 lets go, so L0 a
 from __future__ import annotations
 
 import dataclasses
+import time
 from pathlib import Path
 from typing import ClassVar
 
@@ -176,3 +177,30 @@ def test_the_default_horizon_covers_twice_the_longest_step() -> None:
     assert eviction_horizon_blocks(chunked, solo_tokens=104_160) == 2 * 6510  # a solo prefill takes 6510 blocks
     write_through = chunked.engine.model_copy(update={"l1_eviction_horizon_blocks": 0})
     assert eviction_horizon_blocks(dataclasses.replace(chunked, engine=write_through), 104_160) == 0
+
+
+def test_a_block_the_horizon_offers_and_l1_lacks_is_held_until_the_kvstore_answers(tmp_path: Path) -> None:
+    """The horizon offers what L0 evicts next; its Allocate is answered a step or more later. Unheld meanwhile, an
+    allocation of that step evicted the block before its copy (the CPU probe's in-flight losses): held, it stays in
+    L0, is copied once the answer comes, and goes back to the front of the free queue, in L1 now."""
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+        tier, pool = engine.l1, engine.pool
+        assert tier is not None and tier.attached
+        block_hash = b"\x07" * 16
+        (block,) = pool.allocate(1)
+        pool.register(block, block_hash)
+        pool.release([block])  # an idle cache entry L1 has never seen
+        tier._offer([(block, block_hash)], to_front=True)  # the horizon's pass (its answer waits for poll())
+        assert pool.blocks[block].ref_count == 1
+        others = pool.allocate(pool.num_free)  # a step's allocations take every free block ...
+        assert pool.lookup(block_hash) == block, "... but not the offered one"
+        pool.release(others)
+        deadline = time.monotonic() + 10
+        while block_hash not in tier.view:  # answered, copied, committed
+            assert time.monotonic() < deadline, "the offer was never committed"
+            tier.wait_pending()
+        assert pool.blocks[block].ref_count == 0 and pool.lookup(block_hash) == block
+        assert pool.idle_front(1) == [(block, block_hash)], "back at the front: L0 evicts it next, L1 keeps it"
+        engine.close()

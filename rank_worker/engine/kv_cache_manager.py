@@ -167,6 +167,15 @@ class KvCacheManager:
             self._let_go(fetch)  # its blocks are the sequence's now (those of its run)
         return (len(blocks) - restored) * self.block_size, restored * self.block_size
 
+    def drop_restore_hold(self, seq: Sequence) -> None:
+        """A waiting sequence's answered restore stops holding its blocks (they stay in L0 as idle entries, and
+        count as restored if still there at its admission): for when blocks run short, so it never holds up the
+        sequences that would give blocks back."""
+        fetch = seq.host_fetch
+        if fetch is not None and fetch.done and fetch.held:
+            held, fetch.held = fetch.held, []
+            self.pool.release(list(reversed(held)))
+
     def _let_go(self, fetch: HostFetch) -> None:
         """A fetch its sequence is done with: under way, the tier gives it up; answered, what it holds is let go."""
         if not fetch.done:

@@ -342,6 +342,7 @@ class Scheduler:
             if not allocated and not step.preempt:
                 batch.skipped.append(seq)
                 step.closed = True  # blocks are short: admitting anyone would only make it worse
+                self._blocks_short()
                 index += 1
                 continue
             while not allocated:
@@ -378,6 +379,7 @@ class Scheduler:
             if self._waits_for_room(seq, step):
                 step.closed = True
                 self.room_waits += 1
+                self._blocks_short()
                 return
             if self.kv.waits_for_host(seq, step.budget):
                 continue  # WAITING_FOR_L1: its blocks are being restored off the engine thread; admitted after
@@ -391,6 +393,7 @@ class Scheduler:
             elif num_new == 0 or not self.kv.allocate(seq, num_new):
                 self.kv.free(seq)  # give the prefix back; try again next step
                 step.closed = True
+                self._blocks_short()
                 return
             self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
@@ -411,6 +414,12 @@ class Scheduler:
             step.budget = max(step.budget - num_new, 0)  # a solo prefill spends it all
             if step.time_budget_s is not None:
                 step.load = step_load([(seq, num_new)], step.load)
+
+    def _blocks_short(self) -> None:
+        """Blocks ran short this step: restores waiting for their admission let go of what they hold (idle L0
+        entries again, the most recent). Held, they would wait behind whoever ran short, and that one for them."""
+        for seq in self.waiting:
+            self.kv.drop_restore_hold(seq)
 
     def _waits_for_room(self, seq: Sequence, step: _Step) -> bool:
         """seq's context is in the host tier but the free pool cannot take it whole yet (restore_waits_for_room):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import threading
 from pathlib import Path
@@ -97,7 +98,9 @@ def test_stop_stops_the_servers_of_every_peer_tag(tmp_path: Path) -> None:
     # vLLM's call (PEER_TAG=llama-off80) came: that call's stop and start looked only at their own tag's pidfile.
     servers = []
     for state, side in (("state-llama-l1x80", "ours"), ("state", "vllm"), ("state-llama-off80", "vllm")):
-        server = subprocess.Popen(["sleep", "300"], start_new_session=True)  # its own session, as the script's are
+        server = subprocess.Popen(  # its own session, as the script's are; SIGINT ends it (an xdist worker ignores it)
+            ["sleep", "300"], start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL)
+        )
         # reaped the moment it ends (a zombie would still answer the script's `kill -0`)
         threading.Thread(target=server.wait, daemon=True).start()
         servers.append(server)

@@ -17,9 +17,10 @@ BLOCK = 16
 
 
 class AnsweredLater:
-    """A host tier that holds every block and answers each lookup when the test says, with no room."""
+    """A host tier that holds every block (or none) and answers each lookup when the test says, with no room."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, holds: bool = True) -> None:
+        self.holds = holds
         self.fetches: list[HostFetch] = []
         self.abandoned: list[HostFetch] = []
 
@@ -39,7 +40,7 @@ class AnsweredLater:
         pass
 
     def known_run(self, block_hashes: list[bytes]) -> int:
-        return len(block_hashes)
+        return len(block_hashes) if self.holds else 0
 
 
 def test_a_lookup_cut_to_nothing_is_made_again_a_bounded_number_of_times() -> None:
@@ -56,3 +57,30 @@ def test_a_lookup_cut_to_nothing_is_made_again_a_bounded_number_of_times() -> No
     assert not kv.waits_for_host(seq, 256), "the last cut: admitted, it computes what L1 could not restore"
     assert seq.l1_lookups_cut == MAX_LOOKUPS_CUT and len(tier.fetches) == MAX_LOOKUPS_CUT + 1
     assert tier.abandoned == [], "every fetch was answered: none given up"
+
+
+def test_a_held_restore_lets_go_when_blocks_run_short_so_nobody_waits_on_it_forever() -> None:
+    """A restore answered and held for its admission (A), behind B in arrival order, whose prompt does not fit
+    beside A's held blocks. Held on, B would close admission every step and A never be reached (the component
+    soak hung so in CI). When blocks run short the holds go: A's blocks are idle L0 entries again, and both run."""
+    from scheduler_fixtures import advance, queue_request
+
+    from contracts.config import SchedulingConfig
+    from rank_worker.engine.scheduler import Scheduler
+
+    pool = BlockPool(40, caching=True)
+    kv = KvCacheManager(pool, BLOCK, b"held-restore", AnsweredLater(holds=False))
+    sched = Scheduler(kv, 8, 1024, policy=SchedulingConfig(scheduling_policy="fifo"), clock=lambda: 0.0)
+    queue_request(sched, "b", random_prompt(20 * BLOCK, 128, seed=7))
+    a = queue_request(sched, "a", random_prompt(30 * BLOCK + 3, 128, seed=8))
+    held = pool.allocate(30)  # A's restore: 30 blocks registered in L0, held by its answered fetch
+    for block_id, block_hash in zip(held, kv.lookup_hashes(a), strict=False):
+        pool.register(block_id, block_hash)
+    a.host_fetch = HostFetch([], kv.lookup_hashes(a)[:30], lambda n: n, deadline=0.0, held=list(held), done=True)
+    a.host_fetch.restored.update(held)
+    batch = sched.schedule()
+    assert batch.entries == [] and a.host_fetch is not None and a.host_fetch.held == [], "B ran short: A let go"
+    assert pool.num_free == 40
+    batch = sched.schedule()
+    assert [seq.request_id for seq, _ in batch.entries] == ["b"], "B is admitted now, no longer held up"
+    advance(sched, batch)

@@ -345,6 +345,9 @@ class Scheduler:
                 self._blocks_short()
                 index += 1
                 continue
+            if not allocated:  # (step.preempt) restores waiting for their admission give way before anyone running
+                self._blocks_short()
+                allocated = self.kv.allocate(seq, num_new)
             while not allocated:
                 victim = order.pop()
                 self._preempt(victim, batch)

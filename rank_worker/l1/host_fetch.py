@@ -8,10 +8,12 @@ by its deadline is given up: the sequence computes those blocks instead.
 
 A waiting sequence holds only its L0 prefix while its lookup is under way (HostFetch.held; a step or two),
 never blocks for what it will compute. Once answered, the fetch holds the prefix and the restored blocks until
-the sequence's admission takes them (as a rule in the same step: it is the warmest of the waiting) or the
-sequence leaves. Left idle, as they were until 2026-12-06, other admissions of the same burst evicted them first
-(the free pool is short when restores come in bursts): the CPU probe's 40 agents in bursts restored whole
-sessions and computed them all the same, L1 still holding every block (bench/probes/l1_agents_cpu.py --together).
+the sequence's admission takes them (as a rule in the same step: it is the warmest of the waiting), the
+sequence leaves, or blocks run short (Scheduler._blocks_short: then they are idle entries again, so a held
+restore never holds up the sequences that would give blocks back). Left idle, as they were until 2026-12-06,
+other admissions of the same burst evicted them first (the free pool is short when restores come in bursts):
+the CPU probe's 40 agents in bursts restored whole sessions and computed them all the same, L1 still holding
+every block (bench/probes/l1_agents_cpu.py --together).
 """
 
 from __future__ import annotations

@@ -156,7 +156,7 @@ class _EngineCollector(Collector):
         )
         yield counter(
             "kvserve:l1_restore_room_cut_blocks",
-            "Blocks an L1 lookup found that the free pool had no room for when its answer came: computed instead.",
+            "Blocks an L1 lookup found with no room in the free pool by its answer (looked up again or computed).",
             stats.l1_restore_room_cut_blocks,
         )
         yield counter(

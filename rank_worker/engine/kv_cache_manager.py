@@ -12,7 +12,7 @@ from typing import Protocol
 from contracts.block_hash import BLOCK_HASH_BYTES, chain_block_hash, lookup_block_count, prefix_block_hashes
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.sequence import Sequence, SequenceStatus
-from rank_worker.l1.host_fetch import HostFetch
+from rank_worker.l1.host_fetch import HostFetch, release_held
 
 log = logging.getLogger(__name__)
 
@@ -172,18 +172,16 @@ class KvCacheManager:
         count as restored if still there at its admission): for when blocks run short, so it never holds up the
         sequences that would give blocks back."""
         fetch = seq.host_fetch
-        if fetch is not None and fetch.done and fetch.held:
-            held, fetch.held = fetch.held, []
-            self.pool.release(list(reversed(held)))
+        if fetch is not None and fetch.done:
+            release_held(self.pool, fetch)
 
     def _let_go(self, fetch: HostFetch) -> None:
         """A fetch its sequence is done with: under way, the tier gives it up; answered, what it holds is let go."""
         if not fetch.done:
             assert self.host_tier is not None
             self.host_tier.abandon(fetch)
-        elif fetch.held:
-            held, fetch.held = fetch.held, []
-            self.pool.release(list(reversed(held)))
+        else:
+            release_held(self.pool, fetch)
 
     def lookup_hashes(self, seq: Sequence) -> list[bytes]:
         """The sequence's cache keys: hashes of the full blocks of all its tokens but the last (which must be

@@ -46,6 +46,8 @@ class PrefixPool(Protocol):
 
     def acquire_cached(self, block_id: int) -> None: ...
 
+    def release(self, block_ids: list[int]) -> None: ...
+
 
 def hold_prefix(pool: PrefixPool, prefix: list[bytes]) -> list[int] | None:
     """Reference the L0 blocks of `prefix` while blocks are taken for the restore (taking them could evict
@@ -59,3 +61,11 @@ def hold_prefix(pool: PrefixPool, prefix: list[bytes]) -> list[int] | None:
     for block_id in blocks:
         pool.acquire_cached(block_id)
     return blocks
+
+
+def release_held(pool: PrefixPool, fetch: HostFetch) -> None:
+    """Let go of what the fetch holds (its prefix, and once answered its restored blocks), tail first so its head
+    stays longest: idle L0 entries again."""
+    held, fetch.held = fetch.held, []
+    if held:
+        pool.release(list(reversed(held)))

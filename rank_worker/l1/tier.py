@@ -46,7 +46,7 @@ from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.arena import ArenaMapping
 from rank_worker.l1.block_copier import BlockCopier, CopyJob
 from rank_worker.l1.eviction_horizon import MIN_HORIZON_BLOCKS, EvictionHorizon
-from rank_worker.l1.host_fetch import HostFetch, hold_prefix
+from rank_worker.l1.host_fetch import HostFetch, hold_prefix, release_held
 from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
 from rank_worker.l1.kvstore_watch import KvStoreNews, KvStoreWatch
 from rank_worker.l1.l1_calls import CallKind, L1Call, L1Calls, Mailbox
@@ -507,9 +507,7 @@ class L1Tier:
         fetch.done = True
         if fetch in self._fetching:
             self._fetching.remove(fetch)
-        held, fetch.held = fetch.held, []
-        if held:
-            self.pool.release(list(reversed(held)))
+        release_held(self.pool, fetch)
 
     def _on_news(self, news: KvStoreNews) -> None:
         if news is KvStoreNews.LOST and self._arena is not None:

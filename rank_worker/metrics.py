@@ -136,7 +136,7 @@ class _EngineCollector(Collector):
         )
         yield counter(
             "kvserve:l0_evicted_unsaved_in_flight_blocks",
-            "Of the unsaved L0 evictions, blocks on their way to L1 (offered, commit not answered): an upper bound.",
+            "Of the unsaved L0 evictions, blocks on their way to L1 (offered, not copied yet).",
             stats.l0_evicted_unsaved_in_flight_blocks,
         )
         yield counter(

@@ -76,7 +76,9 @@ class _Offload:
     block_ids: list[int]
     block_hashes: list[bytes]
     to_front: bool = False  # blocks about to be evicted from L0 (the horizon): back to the front once copied
-    # the horizon's blocks L1 did not hold when offered: referenced from the offer on, as L0 evicts them next
+    # the blocks L1 did not hold when offered: referenced from the offer until the kvstore's answer, else L0 may
+    # evict them meanwhile (the horizon's, next in line; write-through's, once their sequence ends) and neither
+    # tier keeps them
     pinned: frozenset[int] = frozenset()
 
 
@@ -135,7 +137,8 @@ class L1Tier:
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
-        self._pinned_offers: list[_Offload] = []  # the horizon's offers holding blocks until answered
+        self._pinned_offers: list[_Offload] = []  # offers holding blocks until answered
+        self._committing: set[bytes] = set()  # copied into the arena, their commit not answered yet: saved
         self._queued: deque[_QueuedCopy] = deque()  # offloads waiting for pump(), their slots write-pinned
         self._offloads: deque[CopyJob] = deque()  # copying to the arena, not yet committed (CUDA)
         self._restores: deque[CopyJob] = deque()  # copying from the arena, slots still pinned (CUDA)
@@ -150,9 +153,9 @@ class L1Tier:
         self.issued_blocks = 0  # offload copies issued (pump), committed or not
         # By their EngineStats names: L0's evictions of cached blocks, and those of them L1 did not hold (as far as
         # the view knew): what the two tiers lost together, by the horizon falling behind or L1 evicting them first;
-        # of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, its commit not
-        # answered yet: a horizon copy released as its commit goes and evicted before the answer counts here, though
-        # L1 holds it a moment later), or never offered by the horizon (evicted past its passes' reach).
+        # of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, not copied
+        # yet), or never offered by the horizon (evicted past its passes' reach). A block copied and committing
+        # counts as saved.
         # Then why a restore brought back less than L1 was known to hold: lookups given up at their deadline, blocks
         # the view promised that the answer lacked, blocks found that the free pool had no room for by then.
         self._counts = dict.fromkeys(
@@ -293,7 +296,7 @@ class L1Tier:
         counts = self._counts
         counts["l0_evicted_blocks"] += len(block_hashes)
         for block_hash in block_hashes:
-            if block_hash in self.view:
+            if block_hash in self.view or block_hash in self._committing:
                 continue
             counts["l0_evicted_unsaved_blocks"] += 1
             if block_hash in self._sending:
@@ -319,13 +322,9 @@ class L1Tier:
     def _offer(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
         hashes = [h for _, h in blocks]
         self._sending.update(hashes)
-        pinned: frozenset[int] = frozenset()
-        if to_front:
-            # The horizon offers what L0 evicts next: the blocks L1 lacks are held until the kvstore's answer (a
-            # step or more), else an allocation meanwhile evicts them unsaved; those it holds are only refreshed.
-            pinned = frozenset(b for b, h in blocks if h not in self.view)
-            for block_id in pinned:
-                self.pool.acquire_cached(block_id)
+        pinned = frozenset(b for b, h in blocks if h not in self.view)
+        for block_id in pinned:
+            self.pool.acquire_cached(block_id)
         offload = _Offload([b for b, _ in blocks], hashes, to_front, pinned)
         if pinned:
             self._pinned_offers.append(offload)
@@ -336,7 +335,9 @@ class L1Tier:
         if not offload.pinned:
             return
         self._pinned_offers.remove(offload)
-        self.pool.release([b for b in offload.pinned if b not in keep], to_front=True)
+        # tail first, as a sequence lets go of its blocks: a write-through offer's head stays in L0 longest
+        let_go = [b for b in reversed(offload.block_ids) if b in offload.pinned and b not in keep]
+        self.pool.release(let_go, to_front=offload.to_front)
 
     def _offer_horizon(self) -> None:
         """Offer L1 the cache entries L0 evicts next (eviction_horizon.py), when a pass is due."""
@@ -413,6 +414,7 @@ class L1Tier:
         self.offloaded_bytes += len(job.slots) * self.slot_bytes
         self.offload_seconds += time.perf_counter() - job.issued_at
         self.pool.release(job.block_ids, to_front=job.to_front)
+        self._committing.update(job.block_hashes)
         # write-through (not the horizon's copies, which L0 evicts next): the pool keeps these blocks cached
         self._submit(CallKind.COMMIT, slots=job.slots, purpose=job, gpu_holds=not job.to_front)
 
@@ -420,6 +422,7 @@ class L1Tier:
         self.offloaded_blocks += len(job.slots)
         self.view.add(job.block_hashes)
         self._sending.difference_update(job.block_hashes)
+        self._committing.difference_update(job.block_hashes)
 
     # --- the engine thread's turn ---
 
@@ -596,6 +599,7 @@ class L1Tier:
         for fetch in list(self._fetching):
             self._fail_fetch(fetch)  # nothing restored: the sequence computes its blocks
         self._sending.clear()
+        self._committing.clear()
         self.horizon.clear()
         self._outstanding = 0
         self._epoch += 1

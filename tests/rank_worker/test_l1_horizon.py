@@ -204,3 +204,33 @@ def test_a_block_the_horizon_offers_and_l1_lacks_is_held_until_the_kvstore_answe
         assert pool.blocks[block].ref_count == 0 and pool.lookup(block_hash) == block
         assert pool.idle_front(1) == [(block, block_hash)], "back at the front: L0 evicts it next, L1 keeps it"
         engine.close()
+
+
+def test_a_written_through_block_whose_sequence_ends_before_the_answer_is_held_until_copied(tmp_path: Path) -> None:
+    """Write-through offers a sequence's blocks as they fill; the kvstore answers a step or more later. A sequence
+    that ends meanwhile leaves them idle: unheld, a burst of allocations evicted them before the copy, lost from
+    both tiers (the GPU's `l0_evicted_unsaved_in_flight_blocks`). Held, the block is copied, and once committed it
+    is an idle entry at the back of the free queue (write-through: L0 keeps it as long as any other)."""
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+        tier, pool = engine.l1, engine.pool
+        assert tier is not None and tier.attached
+        block_hash = b"\x09" * 16
+        (block,) = pool.allocate(1)
+        pool.register(block, block_hash)
+        tier.offload([block], [block_hash])  # the sequence's full block (its answer waits for poll())
+        pool.release([block])  # the sequence ends before the answer
+        assert pool.blocks[block].ref_count == 1
+        others = pool.allocate(pool.num_free)  # the next step's allocations take every free block ...
+        assert pool.lookup(block_hash) == block, "... but not the offered one"
+        pool.release(others)
+        deadline = time.monotonic() + 10
+        while block_hash not in tier.view:  # answered, copied, committed
+            assert time.monotonic() < deadline, "the offer was never committed"
+            tier.wait_pending()
+        assert pool.blocks[block].ref_count == 0
+        pool.allocate(pool.num_free - 1)  # all but one free block: the last in line is the written-through one
+        assert pool.lookup(block_hash) == block, "written through: back at the end of the free queue, not the front"
+        assert tier.counts()["l0_evicted_unsaved_blocks"] == 0
+        engine.close()

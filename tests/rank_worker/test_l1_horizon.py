@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
@@ -21,6 +23,7 @@ from rank_worker.engine.interface import EngineStats
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine, eviction_horizon_blocks
 from rank_worker.l1.eviction_horizon import EvictionHorizon
 from rank_worker.l1.kvstore_link import KvStoreLink
+from rank_worker.l1.tier import L1Tier
 
 BLOCK = 16
 SESSIONS = 8
@@ -179,31 +182,49 @@ def test_the_default_horizon_covers_twice_the_longest_step() -> None:
     assert eviction_horizon_blocks(dataclasses.replace(chunked, engine=write_through), 104_160) == 0
 
 
+@contextmanager
+def one_cached_block(tmp_path: Path, block_hash: bytes) -> Iterator[tuple[PagedEngine, int]]:
+    """An engine on a 20-block pool with L1 (a real kvstore), and one block of it registered under block_hash and
+    still referenced (the caller lets it go)."""
+    port = free_port()
+    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+        assert engine.l1 is not None and engine.l1.attached
+        (block,) = engine.pool.allocate(1)
+        engine.pool.register(block, block_hash)
+        yield engine, block
+        engine.close()
+
+
+def take_every_free_block_but(pool: BlockPool, block: int, block_hash: bytes) -> None:
+    """A step's allocations take every free block, but not the offered one (held), and let them go again."""
+    assert pool.blocks[block].ref_count == 1
+    others = pool.allocate(pool.num_free)
+    assert pool.lookup(block_hash) == block, "the offered block was evicted"
+    pool.release(others)
+
+
+def wait_committed(tier: L1Tier, block_hash: bytes) -> None:
+    deadline = time.monotonic() + 10
+    while block_hash not in tier.view:  # answered, copied, committed
+        assert time.monotonic() < deadline, "the offer was never committed"
+        tier.wait_pending()
+
+
 def test_a_block_the_horizon_offers_and_l1_lacks_is_held_until_the_kvstore_answers(tmp_path: Path) -> None:
     """The horizon offers what L0 evicts next; its Allocate is answered a step or more later. Unheld meanwhile, an
     allocation of that step evicted the block before its copy (the CPU probe's in-flight losses): held, it stays in
     L0, is copied once the answer comes, and goes back to the front of the free queue, in L1 now."""
-    port = free_port()
-    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
-        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+    block_hash = b"\x07" * 16
+    with one_cached_block(tmp_path, block_hash) as (engine, block):
         tier, pool = engine.l1, engine.pool
-        assert tier is not None and tier.attached
-        block_hash = b"\x07" * 16
-        (block,) = pool.allocate(1)
-        pool.register(block, block_hash)
+        assert tier is not None
         pool.release([block])  # an idle cache entry L1 has never seen
         tier._offer([(block, block_hash)], to_front=True)  # the horizon's pass (its answer waits for poll())
-        assert pool.blocks[block].ref_count == 1
-        others = pool.allocate(pool.num_free)  # a step's allocations take every free block ...
-        assert pool.lookup(block_hash) == block, "... but not the offered one"
-        pool.release(others)
-        deadline = time.monotonic() + 10
-        while block_hash not in tier.view:  # answered, copied, committed
-            assert time.monotonic() < deadline, "the offer was never committed"
-            tier.wait_pending()
+        take_every_free_block_but(pool, block, block_hash)
+        wait_committed(tier, block_hash)
         assert pool.blocks[block].ref_count == 0 and pool.lookup(block_hash) == block
         assert pool.idle_front(1) == [(block, block_hash)], "back at the front: L0 evicts it next, L1 keeps it"
-        engine.close()
 
 
 def test_a_written_through_block_whose_sequence_ends_before_the_answer_is_held_until_copied(tmp_path: Path) -> None:
@@ -211,26 +232,15 @@ def test_a_written_through_block_whose_sequence_ends_before_the_answer_is_held_u
     that ends meanwhile leaves them idle: unheld, a burst of allocations evicted them before the copy, lost from
     both tiers (the GPU's `l0_evicted_unsaved_in_flight_blocks`). Held, the block is copied, and once committed it
     is an idle entry at the back of the free queue (write-through: L0 keeps it as long as any other)."""
-    port = free_port()
-    with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
-        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+    block_hash = b"\x09" * 16
+    with one_cached_block(tmp_path, block_hash) as (engine, block):
         tier, pool = engine.l1, engine.pool
-        assert tier is not None and tier.attached
-        block_hash = b"\x09" * 16
-        (block,) = pool.allocate(1)
-        pool.register(block, block_hash)
+        assert tier is not None
         tier.offload([block], [block_hash])  # the sequence's full block (its answer waits for poll())
         pool.release([block])  # the sequence ends before the answer
-        assert pool.blocks[block].ref_count == 1
-        others = pool.allocate(pool.num_free)  # the next step's allocations take every free block ...
-        assert pool.lookup(block_hash) == block, "... but not the offered one"
-        pool.release(others)
-        deadline = time.monotonic() + 10
-        while block_hash not in tier.view:  # answered, copied, committed
-            assert time.monotonic() < deadline, "the offer was never committed"
-            tier.wait_pending()
+        take_every_free_block_but(pool, block, block_hash)
+        wait_committed(tier, block_hash)
         assert pool.blocks[block].ref_count == 0
         pool.allocate(pool.num_free - 1)  # all but one free block: the last in line is the written-through one
         assert pool.lookup(block_hash) == block, "written through: back at the end of the free queue, not the front"
         assert tier.counts()["l0_evicted_unsaved_blocks"] == 0
-        engine.close()

@@ -107,7 +107,7 @@ class EngineStats:
     l1_room_waits: int = 0  # steps whose admission waited for room to restore a request's L1 blocks whole
     l0_evicted_blocks: int = 0  # L0 cache entries evicted while L1 was attached ...
     l0_evicted_unsaved_blocks: int = 0  # ... and those of them L1 did not hold: lost to both tiers ...
-    l0_evicted_unsaved_in_flight_blocks: int = 0  # ... of which on their way to L1 (offered, not committed yet)
+    l0_evicted_unsaved_in_flight_blocks: int = 0  # ... of which on their way to L1 (offered, not copied yet)
     l0_evicted_unsaved_unoffered_blocks: int = 0  # ... of which the eviction horizon had not offered
     l1_fetch_timeouts: int = 0  # L1 lookups given up at their deadline: their blocks computed instead
     l1_restore_missing_blocks: int = 0  # blocks L1's event stream promised at a lookup's start, not in its answer

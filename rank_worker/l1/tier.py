@@ -413,7 +413,9 @@ class L1Tier:
         """A finished offload copy: let go of its pool blocks and make it visible in L1."""
         self.offloaded_bytes += len(job.slots) * self.slot_bytes
         self.offload_seconds += time.perf_counter() - job.issued_at
-        self.pool.release(job.block_ids, to_front=job.to_front)
+        # tail first, as _unpin: idle now, a write-through copy's head stays in L0 longest, a horizon copy keeps its
+        # order at the front
+        self.pool.release(job.block_ids[::-1], to_front=job.to_front)
         self._committing.update(job.block_hashes)
         # write-through (not the horizon's copies, which L0 evicts next): the pool keeps these blocks cached
         self._submit(CallKind.COMMIT, slots=job.slots, purpose=job, gpu_holds=not job.to_front)
@@ -590,7 +592,7 @@ class L1Tier:
         if self._copier is not None:
             self._copier.synchronize()
         for job in [*self._offloads, *self._queued]:
-            self.pool.release(job.block_ids, to_front=job.to_front)  # never committed; the kvstore drops the pins
+            self.pool.release(job.block_ids[::-1], to_front=job.to_front)  # never committed; the kvstore drops the pins
         self._offloads.clear()
         self._queued.clear()
         for offload in list(self._pinned_offers):

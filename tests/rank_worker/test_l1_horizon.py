@@ -183,30 +183,31 @@ def test_the_default_horizon_covers_twice_the_longest_step() -> None:
 
 
 @contextmanager
-def one_cached_block(tmp_path: Path, block_hash: bytes) -> Iterator[tuple[PagedEngine, int]]:
-    """An engine on a 20-block pool with L1 (a real kvstore), and one block of it registered under block_hash and
-    still referenced (the caller lets it go)."""
+def cached_blocks(tmp_path: Path, *block_hashes: bytes) -> Iterator[tuple[PagedEngine, list[int]]]:
+    """An engine on a 20-block pool with L1 (a real kvstore), and a block of it registered under each hash and
+    still referenced (the caller lets them go)."""
     port = free_port()
     with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
         engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
         assert engine.l1 is not None and engine.l1.attached
-        (block,) = engine.pool.allocate(1)
-        engine.pool.register(block, block_hash)
-        yield engine, block
+        blocks = engine.pool.allocate(len(block_hashes))
+        for block, block_hash in zip(blocks, block_hashes, strict=True):
+            engine.pool.register(block, block_hash)
+        yield engine, blocks
         engine.close()
 
 
-def take_every_free_block_but(pool: BlockPool, block: int, block_hash: bytes) -> None:
-    """A step's allocations take every free block, but not the offered one (held), and let them go again."""
-    assert pool.blocks[block].ref_count == 1
+def take_every_free_block_but(pool: BlockPool, blocks: list[int], block_hashes: list[bytes]) -> None:
+    """A step's allocations take every free block, but not the offered ones (held), and let them go again."""
+    assert all(pool.blocks[block].ref_count == 1 for block in blocks)
     others = pool.allocate(pool.num_free)
-    assert pool.lookup(block_hash) == block, "the offered block was evicted"
+    assert [pool.lookup(h) for h in block_hashes] == blocks, "an offered block was evicted"
     pool.release(others)
 
 
-def wait_committed(tier: L1Tier, block_hash: bytes) -> None:
+def wait_committed(tier: L1Tier, block_hashes: list[bytes]) -> None:
     deadline = time.monotonic() + 10
-    while block_hash not in tier.view:  # answered, copied, committed
+    while not all(h in tier.view for h in block_hashes):  # answered, copied, committed
         assert time.monotonic() < deadline, "the offer was never committed"
         tier.wait_pending()
 
@@ -216,31 +217,34 @@ def test_a_block_the_horizon_offers_and_l1_lacks_is_held_until_the_kvstore_answe
     allocation of that step evicted the block before its copy (the CPU probe's in-flight losses): held, it stays in
     L0, is copied once the answer comes, and goes back to the front of the free queue, in L1 now."""
     block_hash = b"\x07" * 16
-    with one_cached_block(tmp_path, block_hash) as (engine, block):
+    with cached_blocks(tmp_path, block_hash) as (engine, [block]):
         tier, pool = engine.l1, engine.pool
         assert tier is not None
         pool.release([block])  # an idle cache entry L1 has never seen
         tier._offer([(block, block_hash)], to_front=True)  # the horizon's pass (its answer waits for poll())
-        take_every_free_block_but(pool, block, block_hash)
-        wait_committed(tier, block_hash)
+        take_every_free_block_but(pool, [block], [block_hash])
+        wait_committed(tier, [block_hash])
         assert pool.blocks[block].ref_count == 0 and pool.lookup(block_hash) == block
         assert pool.idle_front(1) == [(block, block_hash)], "back at the front: L0 evicts it next, L1 keeps it"
 
 
-def test_a_written_through_block_whose_sequence_ends_before_the_answer_is_held_until_copied(tmp_path: Path) -> None:
+def test_written_through_blocks_whose_sequence_ends_before_the_answer_are_held_until_copied(tmp_path: Path) -> None:
     """Write-through offers a sequence's blocks as they fill; the kvstore answers a step or more later. A sequence
     that ends meanwhile leaves them idle: unheld, a burst of allocations evicted them before the copy, lost from
-    both tiers (the GPU's `l0_evicted_unsaved_in_flight_blocks`). Held, the block is copied, and once committed it
-    is an idle entry at the back of the free queue (write-through: L0 keeps it as long as any other)."""
-    block_hash = b"\x09" * 16
-    with one_cached_block(tmp_path, block_hash) as (engine, block):
+    both tiers (the GPU's `l0_evicted_unsaved_in_flight_blocks`). Held, they are copied, and once committed they are
+    idle entries at the back of the free queue (write-through: L0 keeps them as long as any other), the head
+    last in line, as the sequence itself lets go of them."""
+    hashes = [b"\x09" * 16, b"\x0a" * 16]  # the sequence's head and tail
+    with cached_blocks(tmp_path, *hashes) as (engine, blocks):
         tier, pool = engine.l1, engine.pool
         assert tier is not None
-        tier.offload([block], [block_hash])  # the sequence's full block (its answer waits for poll())
-        pool.release([block])  # the sequence ends before the answer
-        take_every_free_block_but(pool, block, block_hash)
-        wait_committed(tier, block_hash)
-        assert pool.blocks[block].ref_count == 0
-        pool.allocate(pool.num_free - 1)  # all but one free block: the last in line is the written-through one
-        assert pool.lookup(block_hash) == block, "written through: back at the end of the free queue, not the front"
+        tier.offload(blocks, hashes)  # the sequence's full blocks (their answer waits for poll())
+        pool.release(blocks[::-1])  # the sequence ends before the answer (tail first)
+        take_every_free_block_but(pool, blocks, hashes)
+        wait_committed(tier, hashes)
+        assert all(pool.blocks[block].ref_count == 0 for block in blocks)
+        pool.allocate(pool.num_free - 2)  # all but two free blocks: the last in line are the written-through ones
+        assert [pool.lookup(h) for h in hashes] == blocks, "written through: at the end of the free queue"
+        pool.allocate(1)
+        assert pool.lookup(hashes[0]) == blocks[0] and pool.lookup(hashes[1]) is None, "the head goes last"
         assert tier.counts()["l0_evicted_unsaved_blocks"] == 0

@@ -7,9 +7,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_fixtures import greedy, random_prompt
+from scheduler_fixtures import advance, queue_request
 
+from contracts.config import SchedulingConfig
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.engine.kv_cache_manager import MAX_LOOKUPS_CUT, KvCacheManager
+from rank_worker.engine.scheduler import Scheduler
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.host_fetch import HostFetch
 
@@ -63,11 +66,6 @@ def test_a_held_restore_lets_go_when_blocks_run_short_so_nobody_waits_on_it_fore
     """A restore answered and held for its admission (A), behind B in arrival order, whose prompt does not fit
     beside A's held blocks. Held on, B would close admission every step and A never be reached (the component
     soak hung so in CI). When blocks run short the holds go: A's blocks are idle L0 entries again, and both run."""
-    from scheduler_fixtures import advance, queue_request
-
-    from contracts.config import SchedulingConfig
-    from rank_worker.engine.scheduler import Scheduler
-
     pool = BlockPool(40, caching=True)
     kv = KvCacheManager(pool, BLOCK, b"held-restore", AnsweredLater(holds=False))
     sched = Scheduler(kv, 8, 1024, policy=SchedulingConfig(scheduling_policy="fifo"), clock=lambda: 0.0)

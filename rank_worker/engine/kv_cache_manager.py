@@ -48,6 +48,7 @@ class KvCacheManager:
         self.namespace = hash_namespace
         self.host_tier = host_tier
         self._refusals_logged: set[str] = set()  # why sent hashes were not used, each said once
+        self._lookups: list[HostFetch] = []  # started here and not answered yet: see reserved_blocks
 
     def sent_prompt_hashes(self, prompt: Tokens[int], sent: Tokens[bytes], namespace: bytes) -> list[bytes]:
         """The hash chain a new sequence starts with: the client's hashes of the prompt's full blocks when they
@@ -111,8 +112,28 @@ class KvCacheManager:
         seq.host_fetch = fetch
         if fetch.done:  # a tier that answers at once (the simulator's): admitted in this same step
             return False
+        fetch.reserved = self._restore_blocks(rest_tokens, room(fetch.expected), token_budget) + 1  # and the spare
+        self._lookups.append(fetch)
         seq.status = SequenceStatus.WAITING_FOR_L1
         return True
+
+    def reserved_blocks(self) -> int:
+        """Free blocks promised to host-tier lookups under way: each counted, when it began, the free pool's room
+        for the blocks L1 was known to hold and the chunk after them. Admissions and prefill chunks leave them free
+        until the answer (a step or two): on the H100 at 40-48 agents, others' admissions in between took that
+        room and restores were cut, 82K-234K tokens a step computed again while L1 held them
+        (bench/results/2026-12-07-h100-peer-llama-8b-held, kvserve:l1_restore_room_cut_blocks)."""
+        if self._lookups:
+            self._lookups = [fetch for fetch in self._lookups if not fetch.done]
+        return sum(fetch.reserved for fetch in self._lookups)
+
+    def tokens_within_reserve(self, seq: Sequence, num_new_tokens: int) -> int:
+        """At most num_new_tokens: as many as the free pool takes for seq while leaving reserved_blocks free."""
+        reserved = self.reserved_blocks()
+        if not reserved:
+            return num_new_tokens
+        blocks = len(seq.block_table) + self.pool.num_free - reserved
+        return max(min(num_new_tokens, blocks * self.block_size - seq.num_computed_tokens), 0)
 
     def restore_waits_for_room(self, seq: Sequence, token_budget: int | None = None) -> bool:
         """True when the host tier is known to hold more of a sequence's prompt past its L0 prefix than the free
@@ -126,8 +147,10 @@ class KvCacheManager:
         hashes, prefix, rest_tokens, idle_prefix = found_past
         assert self.host_tier is not None
         needed = self._restore_blocks(rest_tokens, self.host_tier.known_run(hashes[prefix:]), token_budget)
-        # The prefix's idle blocks count as free but are taken with it (its lookup holds them): not room
-        return needed > self.pool.num_free - idle_prefix - 1 and prefix + needed <= self.pool.num_blocks - 1
+        # The prefix's idle blocks count as free but are taken with it (its lookup holds them): not room; nor are
+        # the blocks lookups under way will take
+        free = self.pool.num_free - self.reserved_blocks() - idle_prefix
+        return needed > free - 1 and prefix + needed <= self.pool.num_blocks - 1
 
     def _past_l0(self, seq: Sequence) -> tuple[list[bytes], int, int, int] | None:
         """(lookup hashes, blocks of its L0 prefix, prompt tokens after it, how many of those blocks are idle
@@ -217,9 +240,9 @@ class KvCacheManager:
 
     def _restore_room(self, rest_tokens: int, restorable: int, token_budget: int | None) -> int:
         """The most blocks to restore so that they plus the blocks of the next chunk to compute still fit
-        the free pool (one block spare). Every restored block shortens what is left to compute, so a
-        remainder that fits whole is restored whole."""
-        free = self.pool.num_free
+        the free pool (one block spare), less the blocks other lookups under way will take. Every restored block
+        shortens what is left to compute, so a remainder that fits whole is restored whole."""
+        free = self.pool.num_free - self.reserved_blocks()
         room = min(restorable, free - 1)
         while room > 0 and self._restore_blocks(rest_tokens, room, token_budget) > free - 1:
             room -= 1
@@ -231,10 +254,11 @@ class KvCacheManager:
         chunk = left if token_budget is None else min(left, token_budget)
         return restored + -(-chunk // self.block_size)
 
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short."""
+    def allocate(self, seq: Sequence, num_new_tokens: int, *, spare: int = 0) -> bool:
+        """Grow the sequence's block table to hold num_new_tokens more; False (nothing taken) if short, or if
+        fewer than `spare` free blocks would be left (an admission leaves reserved_blocks)."""
         needed = self.blocks_needed(seq, num_new_tokens)
-        if needed > self.pool.num_free:
+        if needed > self.pool.num_free - spare:
             return False
         if needed:
             seq.block_table.extend(self.pool.allocate(needed))

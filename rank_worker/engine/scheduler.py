@@ -32,7 +32,9 @@ Two policies:
 A request whose context the host tier holds past its L0 prefix is restored whole or waits (both policies):
 when the free pool cannot take all of it beside its next chunk while other sequences run, admission waits for
 them to give blocks back, up to cold_max_wait_secs; restoring in part would have the rest computed again
-(kv_cache_manager.restore_waits_for_room).
+(kv_cache_manager.restore_waits_for_room). While its lookup is under way (a step or two), admissions and prefill
+chunks leave free the blocks the answer will take (kv_cache_manager.reserved_blocks): taken meanwhile, the answer
+would find no room and cut the restore.
 
 Decoders are not stalled by prefill (both policies): while running sequences are decoding, a step's prefill
 tokens are capped so that the step's predicted time (step_cost.py, fitted to the steps the engine measured)
@@ -335,8 +337,10 @@ class Scheduler:
         while index < min(stop, len(order)) and step.budget > 0:
             seq = order[index]
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
+            if num_new > 1:  # a prefill chunk leaves the blocks host-tier lookups under way will take
+                num_new = self.kv.tokens_within_reserve(seq, num_new)
             if num_new == 0:
-                index += 1  # the step's time is spent: this prefill continues in a later step
+                index += 1  # the step's time is spent (or the free pool is promised): it continues in a later step
                 continue
             allocated = self.kv.allocate(seq, num_new)
             if not allocated and not step.preempt:
@@ -391,9 +395,10 @@ class Scheduler:
             self.restored_tokens += restored
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
             solo = self._solo_tokens(seq, step)
-            if solo and self.kv.allocate(seq, solo):
+            spare = self.kv.reserved_blocks()  # host-tier lookups under way take these when answered
+            if solo and self.kv.allocate(seq, solo, spare=spare):
                 num_new = solo
-            elif num_new == 0 or not self.kv.allocate(seq, num_new):
+            elif num_new == 0 or not self.kv.allocate(seq, num_new, spare=spare):
                 self.kv.free(seq)  # give the prefix back; try again next step
                 step.closed = True
                 self._blocks_short()

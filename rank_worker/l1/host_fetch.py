@@ -37,6 +37,9 @@ class HostFetch:
     # Once answered, the restored blocks too, until the admission takes them (KvCacheManager.attach_cached_prefix)
     held: list[int] = field(default_factory=list)
     cut: int = 0  # blocks the answer found that the free pool had no room for (released to L1)
+    # Free blocks the answer will take (the restore L1 was known to hold and the next chunk), counted when it began:
+    # until it is done, admissions and prefill chunks leave them (KvCacheManager.reserved_blocks)
+    reserved: int = 0
     done: bool = False  # answered, given up or failed: the sequence may be admitted
     abandoned: bool = False  # the sequence is gone; an answer still to come is released
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from engine_fixtures import greedy, random_prompt
-from scheduler_fixtures import advance, queue_request
+from scheduler_fixtures import advance, chunk_of, queue_request
 
 from contracts.config import SchedulingConfig
 from rank_worker.engine.block_pool import BlockPool
@@ -82,3 +82,74 @@ def test_a_held_restore_lets_go_when_blocks_run_short_so_nobody_waits_on_it_fore
     batch = sched.schedule()
     assert [seq.request_id for seq, _ in batch.entries] == ["b"], "B is admitted now, no longer held up"
     advance(sched, batch)
+
+
+class AnsweredThroughRoom:
+    """A host tier that holds the given blocks and answers the last lookup when the test says, as the real tier
+    does: done first, then as many blocks as the lookup's room takes then; the rest is cut."""
+
+    def __init__(self, held: set[bytes]) -> None:
+        self.held = held
+        self.fetches: list[HostFetch] = []
+
+    def known_run(self, block_hashes: list[bytes]) -> int:
+        run = 0
+        while run < len(block_hashes) and block_hashes[run] in self.held:
+            run += 1
+        return run
+
+    def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
+        expected = self.known_run(block_hashes)
+        fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, expected=expected)
+        self.fetches.append(fetch)
+        return fetch
+
+    def answer(self) -> int:
+        """How many of the found blocks the room took."""
+        fetch = self.fetches[-1]
+        fetch.done = True
+        wanted = min(fetch.expected, max(fetch.room(fetch.expected), 0))
+        fetch.cut = fetch.expected - wanted
+        return wanted
+
+    def abandon(self, fetch: HostFetch) -> None:
+        fetch.done = True
+
+    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        pass
+
+
+def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> None:
+    """B, a cold 120-block prompt, is in prefill; A's next turn, 40 blocks in L1 only, starts its lookup. B's next
+    chunk (56 blocks) would leave 30 of the 86 free, and A's answer a step later would find room for 29 of its 40:
+    the other 11 computed again. B's chunk is cut to what leaves A's 42 (40, its chunk's block and the spare), and
+    A's answer takes all 40. B gives way while A's turn runs (cold work last under warm_first) and then goes on."""
+    pool = BlockPool(150, caching=True)
+    a_prompt = random_prompt(40 * BLOCK + 3, 128, seed=21)
+    probe = Sequence("probe", list(a_prompt), len(a_prompt), greedy(1), arrival_time=0.0)
+    tier = AnsweredThroughRoom(set())
+    kv = KvCacheManager(pool, BLOCK, b"lookup-reserve", tier)
+    tier.held = set(kv.lookup_hashes(probe))
+    sched = Scheduler(kv, 8, 1024, clock=lambda: 0.0)
+    b = queue_request(sched, "b", random_prompt(120 * BLOCK, 128, seed=22))
+    batch = sched.schedule()
+    assert chunk_of(batch, b) == 1024
+    advance(sched, batch)
+    assert pool.num_free == 86
+
+    a = queue_request(sched, "a", a_prompt)
+    batch = sched.schedule()
+    assert a.status is SequenceStatus.WAITING_FOR_L1 and kv.reserved_blocks() == 42
+    assert chunk_of(batch, b) == 44 * BLOCK, "B's chunk leaves A's 42 blocks free"
+    advance(sched, batch)
+    assert tier.answer() == 40, "A's answer finds room for all of its blocks: none cut"
+    assert kv.reserved_blocks() == 0, "answered: nothing promised any more"
+    batch = sched.schedule()
+    assert chunk_of(batch, a) == a.num_tokens, "A admitted (this tier restores nothing into the pool: computed)"
+    advance(sched, batch)
+    sched.remove(a)  # its turn ends: B, a cold prefill, gave way to it (warm first) and goes on now
+    for _ in range(10):
+        if b.num_output_tokens:
+            break
+        advance(sched, sched.schedule())
+    assert b.num_output_tokens, "B's prefill went on once A's turn was done: it decodes"

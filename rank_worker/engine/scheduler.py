@@ -337,8 +337,8 @@ class Scheduler:
         while index < min(stop, len(order)) and step.budget > 0:
             seq = order[index]
             num_new = self._tokens_within_time(seq, min(seq.num_uncomputed_tokens, step.budget), step)
-            if num_new > 1:  # a prefill chunk leaves the blocks host-tier lookups under way will take
-                num_new = self.kv.tokens_within_reserve(seq, num_new)
+            if num_new > 1 and not seq.starved:  # a prefill chunk leaves the blocks lookups under way will take
+                num_new = self.kv.tokens_within_reserve(seq, num_new)  # (a starved one progresses every step)
             if num_new == 0:
                 index += 1  # the step's time is spent (or the free pool is promised): it continues in a later step
                 continue

@@ -153,3 +153,27 @@ def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> N
             break
         advance(sched, sched.schedule())
     assert b.num_output_tokens, "B's prefill went on once A's turn was done: it decodes"
+
+
+def test_a_starved_prefill_is_not_cut_for_a_lookup_under_way() -> None:
+    """The same B and A, but B has gone cold_max_wait_secs without a chunk (starved): it progresses every step,
+    so its chunk is not cut for A's lookup, and A's answer finds the room gone (as every answer did before)."""
+    pool = BlockPool(150, caching=True)
+    a_prompt = random_prompt(40 * BLOCK + 3, 128, seed=21)
+    probe = Sequence("probe", list(a_prompt), len(a_prompt), greedy(1), arrival_time=0.0)
+    tier = AnsweredThroughRoom(set())
+    kv = KvCacheManager(pool, BLOCK, b"lookup-reserve", tier)
+    tier.held = set(kv.lookup_hashes(probe))
+    now = [0.0]
+    policy = SchedulingConfig(cold_max_wait_secs=5.0, min_prefill_chunk_tokens=512)  # half the step: A's turn too
+    sched = Scheduler(kv, 8, 1024, policy=policy, clock=lambda: now[0])
+    b = queue_request(sched, "b", random_prompt(120 * BLOCK, 128, seed=22))
+    advance(sched, sched.schedule())
+    now[0] = 6.0  # B's last chunk was 6 s ago: starved
+    a = queue_request(sched, "a", a_prompt)
+    batch = sched.schedule()
+    assert a.status is SequenceStatus.WAITING_FOR_L1
+    assert b.starved and kv.reserved_blocks() == 42
+    assert chunk_of(batch, b) == 56 * BLOCK, "B's whole remainder, not cut for A's lookup"
+    advance(sched, batch)
+    assert tier.answer() == 0, "the 30 blocks B left do not take A's 41: cut (it looks them up again later)"

@@ -119,25 +119,35 @@ class AnsweredThroughRoom:
         pass
 
 
-def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> None:
-    """B, a cold 120-block prompt, is in prefill; A's next turn, 40 blocks in L1 only, starts its lookup. B's next
-    chunk (56 blocks) would leave 30 of the 86 free, and A's answer a step later would find room for 29 of its 40:
-    the other 11 computed again. B's chunk is cut to what leaves A's 42 (40, its chunk's block and the spare), and
-    A's answer takes all 40. B gives way while A's turn runs (cold work last under warm_first) and then goes on."""
+A_PROMPT = random_prompt(40 * BLOCK + 3, 128, seed=21)  # A's next turn: its 40 full blocks in L1 only
+
+
+def _b_in_prefill_beside_a_in_l1(
+    policy: SchedulingConfig | None = None, clock: Callable[[], float] = lambda: 0.0
+) -> tuple[Scheduler, AnsweredThroughRoom, Sequence]:
+    """A 150-block pool; B, a cold 120-block prompt, has had its first chunk (64 blocks: 86 free). A is not queued."""
     pool = BlockPool(150, caching=True)
-    a_prompt = random_prompt(40 * BLOCK + 3, 128, seed=21)
-    probe = Sequence("probe", list(a_prompt), len(a_prompt), greedy(1), arrival_time=0.0)
     tier = AnsweredThroughRoom(set())
     kv = KvCacheManager(pool, BLOCK, b"lookup-reserve", tier)
+    probe = Sequence("probe", list(A_PROMPT), len(A_PROMPT), greedy(1), arrival_time=0.0)
     tier.held = set(kv.lookup_hashes(probe))
-    sched = Scheduler(kv, 8, 1024, clock=lambda: 0.0)
+    sched = Scheduler(kv, 8, 1024, policy=policy, clock=clock)
     b = queue_request(sched, "b", random_prompt(120 * BLOCK, 128, seed=22))
     batch = sched.schedule()
     assert chunk_of(batch, b) == 1024
     advance(sched, batch)
     assert pool.num_free == 86
+    return sched, tier, b
 
-    a = queue_request(sched, "a", a_prompt)
+
+def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> None:
+    """B, a cold 120-block prompt, is in prefill; A's next turn, 40 blocks in L1 only, starts its lookup. B's next
+    chunk (56 blocks) would leave 30 of the 86 free, and A's answer a step later would find no room beside its chunk:
+    its 40 blocks cut. B's chunk is cut to what leaves A's 42 (40, its chunk's block and the spare), and A's answer
+    takes all 40. B gives way while A's turn runs (cold work last under warm_first) and then goes on."""
+    sched, tier, b = _b_in_prefill_beside_a_in_l1()
+    kv = sched.kv
+    a = queue_request(sched, "a", A_PROMPT)
     batch = sched.schedule()
     assert a.status is SequenceStatus.WAITING_FOR_L1 and kv.reserved_blocks() == 42
     assert chunk_of(batch, b) == 44 * BLOCK, "B's chunk leaves A's 42 blocks free"
@@ -158,22 +168,14 @@ def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> N
 def test_a_starved_prefill_is_not_cut_for_a_lookup_under_way() -> None:
     """The same B and A, but B has gone cold_max_wait_secs without a chunk (starved): it progresses every step,
     so its chunk is not cut for A's lookup, and A's answer finds the room gone (as every answer did before)."""
-    pool = BlockPool(150, caching=True)
-    a_prompt = random_prompt(40 * BLOCK + 3, 128, seed=21)
-    probe = Sequence("probe", list(a_prompt), len(a_prompt), greedy(1), arrival_time=0.0)
-    tier = AnsweredThroughRoom(set())
-    kv = KvCacheManager(pool, BLOCK, b"lookup-reserve", tier)
-    tier.held = set(kv.lookup_hashes(probe))
     now = [0.0]
     policy = SchedulingConfig(cold_max_wait_secs=5.0, min_prefill_chunk_tokens=512)  # half the step: A's turn too
-    sched = Scheduler(kv, 8, 1024, policy=policy, clock=lambda: now[0])
-    b = queue_request(sched, "b", random_prompt(120 * BLOCK, 128, seed=22))
-    advance(sched, sched.schedule())
+    sched, tier, b = _b_in_prefill_beside_a_in_l1(policy, lambda: now[0])
     now[0] = 6.0  # B's last chunk was 6 s ago: starved
-    a = queue_request(sched, "a", a_prompt)
+    a = queue_request(sched, "a", A_PROMPT)
     batch = sched.schedule()
     assert a.status is SequenceStatus.WAITING_FOR_L1
-    assert b.starved and kv.reserved_blocks() == 42
+    assert b.starved and sched.kv.reserved_blocks() == 42
     assert chunk_of(batch, b) == 56 * BLOCK, "B's whole remainder, not cut for A's lookup"
     advance(sched, batch)
     assert tier.answer() == 0, "the 30 blocks B left do not take A's 41: cut (it looks them up again later)"

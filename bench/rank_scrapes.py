@@ -27,6 +27,7 @@ COUNTERS = (
     "kvserve:l1_restore_missing_blocks",
     "kvserve:l1_restore_room_cut_blocks",
     "kvserve:l1_restore_unstarted_blocks",
+    "kvserve:l1_offer_refused_blocks",
     "kvserve:l1_offload_bytes",
     "kvserve:l1_restore_bytes",
     "kvserve:l1_room_waits",

@@ -164,6 +164,12 @@ class _EngineCollector(Collector):
             "Blocks L1 held past an admitted prompt's L0 prefix that were not looked up: no room in the free pool.",
             stats.l1_restore_unstarted_blocks,
         )
+        yield counter(
+            "kvserve:l1_offer_refused_blocks",
+            "Blocks offered to L1 that the kvstore gave no slot for while L1 was not known to hold them (every slot "
+            "pinned, or another rank writing the block).",
+            stats.l1_offer_refused_blocks,
+        )
         yield gauge(
             "kvserve:step_token_cap",
             "Tokens a step may carry since one ran out of GPU memory; 0: no cap.",

@@ -149,6 +149,7 @@ def main() -> int:
         "l1_restore_missing_blocks": stats.l1_restore_missing_blocks,
         "l1_restore_room_cut_blocks": stats.l1_restore_room_cut_blocks,
         "l1_restore_unstarted_blocks": stats.l1_restore_unstarted_blocks,
+        "l1_offer_refused_blocks": stats.l1_offer_refused_blocks,
     }
     print(json.dumps(result, indent=1))
     if args.json:

@@ -113,6 +113,7 @@ class EngineStats:
     l1_restore_missing_blocks: int = 0  # blocks L1's event stream promised at a lookup's start, not in its answer
     l1_restore_room_cut_blocks: int = 0  # blocks a lookup found that the free pool had no room for by its answer
     l1_restore_unstarted_blocks: int = 0  # blocks L1 held past an admitted prompt's L0 prefix, not looked up: no room
+    l1_offer_refused_blocks: int = 0  # offers the kvstore gave no slot for while L1 was not known to hold the block
 
 
 @dataclass(frozen=True)

@@ -158,6 +158,9 @@ class L1Tier:
         # counts as saved.
         # Then why a restore brought back less than L1 was known to hold: lookups given up at their deadline, blocks
         # the view promised that the answer lacked, blocks found that the free pool had no room for by then.
+        # And offers the kvstore refused a slot for while neither the view nor a commit of ours had the block (no
+        # slot to take: every one pinned; or another rank writing it): of the unsaved evictions neither in flight
+        # nor unoffered, the part L1 refused rather than took and let go.
         self._counts = dict.fromkeys(
             (
                 "l0_evicted_blocks",
@@ -167,6 +170,7 @@ class L1Tier:
                 "l1_fetch_timeouts",
                 "l1_restore_missing_blocks",
                 "l1_restore_room_cut_blocks",
+                "l1_offer_refused_blocks",
             ),
             0,
         )
@@ -355,6 +359,8 @@ class L1Tier:
         for block_id, block_hash, slot in zip(offload.block_ids, offload.block_hashes, call.answer, strict=True):
             if slot < 0:  # already there (or being written), or no room: not ours to send
                 self._sending.discard(block_hash)
+                if block_hash not in self.view and block_hash not in self._committing:
+                    self._counts["l1_offer_refused_blocks"] += 1
             elif self.pool.blocks[block_id].block_hash != block_hash:  # evicted from L0 while we asked
                 self._sending.discard(block_hash)
                 abandoned.append(slot)

@@ -113,6 +113,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l1_restore_missing_blocks": "counter",
         "kvserve:l1_restore_room_cut_blocks": "counter",
         "kvserve:l1_restore_unstarted_blocks": "counter",
+        "kvserve:l1_offer_refused_blocks": "counter",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -141,6 +142,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
                 l1_restore_missing_blocks=8,
                 l1_restore_room_cut_blocks=9,
                 l1_restore_unstarted_blocks=11,
+                l1_offer_refused_blocks=12,
             ),
         ).registry
     )
@@ -156,6 +158,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         ("kvserve:l1_restore_missing_blocks", 8),
         ("kvserve:l1_restore_room_cut_blocks", 9),
         ("kvserve:l1_restore_unstarted_blocks", 11),
+        ("kvserve:l1_offer_refused_blocks", 12),
     ):
         assert value(shrunk, counter, f"{counter}_total") == amount
     assert value(shrunk, "kvserve:step_token_cap") == 2048

@@ -248,3 +248,34 @@ def test_written_through_blocks_whose_sequence_ends_before_the_answer_are_held_u
         pool.allocate(1)
         assert pool.lookup(hashes[0]) == blocks[0] and pool.lookup(hashes[1]) is None, "the head goes last"
         assert tier.counts()["l0_evicted_unsaved_blocks"] == 0
+
+
+def test_an_offer_the_kvstore_has_no_slot_for_is_counted_as_refused(tmp_path: Path) -> None:
+    """Another rank holds every arena slot for writing, so the kvstore answers our offer with no slot: the block
+    stays unsaved, and the rank counts it as refused (kvserve:l1_offer_refused_blocks), which tells an unsaved L0
+    eviction L1 refused from one L1 took and let go (on the H100, 1,367 of 1,390 at 32 agents were neither in
+    flight nor unoffered). Once the other rank lets its slots go, the same offer is taken and nothing more counted."""
+    block_hash = b"\x0b" * 16
+    with cached_blocks(tmp_path, block_hash) as (engine, [block]):
+        tier, pool = engine.l1, engine.pool
+        assert tier is not None and tier.arena is not None
+        layout = tier.arena.layout
+        port = int(tier.client.address.rsplit(":", 1)[1])
+        other = KvStoreLink(f"127.0.0.1:{port}", "rank-other", "other-incarnation")
+        arena_id = other.attach(layout.slot_bytes, tier.namespace).arena_id
+        taken = other.allocate(arena_id, [bytes([1, i % 256, i // 256]) * 5 + b"x" for i in range(layout.num_slots)])
+        assert all(slot >= 0 for slot in taken), "every slot pinned for the other rank's writes"
+
+        tier.offload([block], [block_hash])
+        deadline = time.monotonic() + 10
+        while tier.counts()["l1_offer_refused_blocks"] == 0:
+            assert time.monotonic() < deadline, "the refusal was never counted"
+            tier.wait_pending()
+        assert block_hash not in tier.view and pool.blocks[block].ref_count == 1, "not copied; still ours"
+
+        other.release(arena_id, taken)
+        tier.offload([block], [block_hash])
+        wait_committed(tier, [block_hash])
+        assert tier.counts()["l1_offer_refused_blocks"] == 1
+        pool.release([block])
+        other.close()

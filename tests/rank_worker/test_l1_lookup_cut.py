@@ -28,7 +28,7 @@ class AnsweredLater:
         self.abandoned: list[HostFetch] = []
 
     def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
-        fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, expected=len(block_hashes))
+        fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, expected=self.known_run(block_hashes))
         self.fetches.append(fetch)
         return fetch
 
@@ -84,25 +84,19 @@ def test_a_held_restore_lets_go_when_blocks_run_short_so_nobody_waits_on_it_fore
     advance(sched, batch)
 
 
-class AnsweredThroughRoom:
-    """A host tier that holds the given blocks and answers the last lookup when the test says, as the real tier
-    does: done first, then as many blocks as the lookup's room takes then; the rest is cut."""
+class AnsweredThroughRoom(AnsweredLater):
+    """AnsweredLater holding the given blocks only, whose answer is the real tier's: done first, then as many
+    blocks as the lookup's room takes then; the rest is cut."""
 
     def __init__(self, held: set[bytes]) -> None:
+        super().__init__()
         self.held = held
-        self.fetches: list[HostFetch] = []
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         run = 0
         while run < len(block_hashes) and block_hashes[run] in self.held:
             run += 1
         return run
-
-    def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
-        expected = self.known_run(block_hashes)
-        fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, expected=expected)
-        self.fetches.append(fetch)
-        return fetch
 
     def answer(self) -> int:
         """How many of the found blocks the room took."""
@@ -111,12 +105,6 @@ class AnsweredThroughRoom:
         wanted = min(fetch.expected, max(fetch.room(fetch.expected), 0))
         fetch.cut = fetch.expected - wanted
         return wanted
-
-    def abandon(self, fetch: HostFetch) -> None:
-        fetch.done = True
-
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        pass
 
 
 A_PROMPT = random_prompt(40 * BLOCK + 3, 128, seed=21)  # A's next turn: its 40 full blocks in L1 only

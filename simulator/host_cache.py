@@ -69,10 +69,13 @@ class NodeHostCache:
 class RankHostTier:
     """One rank's host tier over the node cache, as the engine's KvCacheManager uses it."""
 
-    def __init__(self, node: NodeHostCache, pool: BlockPool, horizon_blocks: int = 0) -> None:
+    def __init__(
+        self, node: NodeHostCache, pool: BlockPool, horizon_blocks: int = 0, write_through_while_room: bool = False
+    ) -> None:
         self.node = node
         self.pool = pool
         self.horizon = EvictionHorizon(pool, horizon_blocks)
+        self.write_through_while_room = write_through_while_room  # l1_write_through while_room, as the real tier
         # What this rank sent or restored, oldest first: the real tier's peek for warm-first scheduling.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
@@ -102,6 +105,8 @@ class RankHostTier:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        if self.write_through_while_room and len(self.node) >= self.node.capacity_blocks:
+            return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
         fresh = [h for h in block_hashes if h not in self._known]
         self.node.store(fresh)
         for block_hash in fresh:

@@ -99,7 +99,11 @@ class SimulatedRank:
         horizon = horizon_blocks_for(
             engine.l1_eviction_horizon_blocks, engine.max_num_batched_tokens, engine.block_size
         )
-        self.tier = RankHostTier(node_cache, self.pool, horizon) if node_cache is not None else None
+        self.tier = (
+            RankHostTier(node_cache, self.pool, horizon, engine.l1_write_through == "while_room")
+            if node_cache is not None
+            else None
+        )
         self.kv = KvCacheManager(self.pool, engine.block_size, namespace, self.tier)
         self.scheduler = Scheduler(
             self.kv, engine.max_num_seqs, engine.max_num_batched_tokens, settings.policy, clock=clock

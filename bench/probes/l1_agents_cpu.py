@@ -41,6 +41,12 @@ def main() -> int:
     ap.add_argument("--horizon", type=int, default=64, help="l1_eviction_horizon_blocks")
     ap.add_argument("--offload-blocks", type=int, default=4, help="write-through blocks a step")
     ap.add_argument("--think", type=int, default=100, help="engine steps between an agent's turns")
+    ap.add_argument(
+        "--write-through",
+        choices=["always", "while_room"],
+        default=None,
+        help="l1_write_through (unset: the engine's default)",
+    )
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument(
         "--together",
@@ -84,6 +90,7 @@ def main() -> int:
             max_num_batched_tokens=args.budget,
             l1_eviction_horizon_blocks=args.horizon,
             l1_offload_mb_per_step=args.offload_blocks * slot_bytes / (1 << 20),
+            **({"l1_write_through": args.write_through} if args.write_through else {}),
         )
         assert engine.l1 is not None and engine.l1.slot_bytes == slot_bytes, "the tiny model's block size changed"
         agents = [
@@ -99,6 +106,7 @@ def main() -> int:
         in_flight: dict[str, tuple[dict, list[int], int]] = {}
         outputs: dict[str, list[int]] = {}
         reusable = reused = from_l1 = lost = 0
+        tiers: list[tuple[int, int, int]] = []  # every 20 steps: L0's cache entries, L1's blocks, blocks in both
         step = requests = 0
         while in_flight or any(a["turn"] < args.turns for a in agents):
             for agent in agents:
@@ -127,6 +135,9 @@ def main() -> int:
                 agent["turn"] += 1
                 agent["busy"] = False
                 agent["ready"] = step + args.think
+            if step % 20 == 0:
+                l0_hashes, l1_view = engine.pool.cached_hashes(), engine.l1.view
+                tiers.append((len(l0_hashes), len(l1_view), sum(1 for h in l0_hashes if h in l1_view)))
             step += 1
         stats = engine.stats()
         engine.close()
@@ -150,6 +161,11 @@ def main() -> int:
         "l1_restore_room_cut_blocks": stats.l1_restore_room_cut_blocks,
         "l1_restore_unstarted_blocks": stats.l1_restore_unstarted_blocks,
         "l1_offer_refused_blocks": stats.l1_offer_refused_blocks,
+        # over the run's second half: how far the tiers hold the same blocks (L1 a copy of L0 adds little to it)
+        "second_half_mean_l0_l1_both": [
+            round(sum(sample[i] for sample in tiers[len(tiers) // 2 :]) / max(1, len(tiers) - len(tiers) // 2), 1)
+            for i in range(3)
+        ],
     }
     print(json.dumps(result, indent=1))
     if args.json:

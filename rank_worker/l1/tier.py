@@ -108,6 +108,7 @@ class L1Tier:
         fetch_timeout_s: float = DEFAULT_FETCH_TIMEOUT_S,
         offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP,
         eviction_horizon_blocks: int = MIN_HORIZON_BLOCKS,
+        write_through_while_room: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -120,6 +121,8 @@ class L1Tier:
         # Whole blocks per pump(), at least one so the queue always drains.
         self.offload_blocks_per_step = max(1, offload_bytes_per_step // max(1, self.slot_bytes))
         self.horizon = EvictionHorizon(pool, eviction_horizon_blocks)  # 0 blocks: write-through only
+        # l1_write_through while_room: no write-through into a full L1, whose slots then hold what pools let go
+        self.write_through_while_room = write_through_while_room
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
@@ -319,9 +322,17 @@ class L1Tier:
             for b, h in zip(block_ids, block_hashes, strict=False)
             if h not in self._sending and h not in self.view
         ]
-        if not fresh or not self._ready():
+        if not fresh or not self._ready() or self._full_for_write_through():
             return
         self._offer(fresh, to_front=False)
+
+    def _full_for_write_through(self) -> bool:
+        """l1_write_through while_room and L1 full as far as this rank knows: the blocks its event stream says are
+        stored (every rank's) and this rank's own on their way fill every slot, so a write-through copy would evict
+        a block no pool may hold for one a pool does."""
+        if not self.write_through_while_room or self._arena is None:
+            return False
+        return len(self.view) + len(self._sending) >= self._arena.layout.num_slots
 
     def _offer(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
         hashes = [h for _, h in blocks]

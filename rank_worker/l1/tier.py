@@ -317,12 +317,14 @@ class L1Tier:
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""
+        if self._full_for_write_through():  # first: once L1 is full that is every call, and a prompt has 6K blocks
+            return
         fresh = [
             (b, h)
             for b, h in zip(block_ids, block_hashes, strict=False)
             if h not in self._sending and h not in self.view
         ]
-        if not fresh or not self._ready() or self._full_for_write_through():
+        if not fresh or not self._ready():
             return
         self._offer(fresh, to_front=False)
 

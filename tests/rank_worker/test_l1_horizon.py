@@ -52,13 +52,15 @@ class CommitsSeen(KvStoreLink):
     """The kvstore link, noting of each Commit whether it said the GPU pool holds the blocks (a write-through
     copy), and how many blocks it committed."""
 
-    gpu_holds: ClassVar[list[bool]] = []
-    blocks: ClassVar[list[tuple[bool, int]]] = []
+    commits: ClassVar[list[tuple[bool, int]]] = []  # (gpu_holds, blocks) of each Commit
 
     def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
-        CommitsSeen.gpu_holds.append(gpu_holds)
-        CommitsSeen.blocks.append((gpu_holds, len(slots)))
+        CommitsSeen.commits.append((gpu_holds, len(slots)))
         super().commit(arena_id, slots, gpu_holds=gpu_holds)
+
+    @staticmethod
+    def gpu_holds() -> list[bool]:
+        return [held for held, _ in CommitsSeen.commits]
 
 
 def restored_from_l1(
@@ -70,7 +72,7 @@ def restored_from_l1(
     slot_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
     port = free_port()
     settings = kvstore_settings(tmp_path) | {"KVSERVE_L1_HOST_GB": str(ARENA_SLOTS * slot_bytes / 1e9)} | kvstore
-    CommitsSeen.gpu_holds, CommitsSeen.blocks = [], []
+    CommitsSeen.commits = []
     with start_kvstore(tmp_path / "kvstore.log", port, **settings):
         engine = l1_engine(
             model,
@@ -131,9 +133,9 @@ def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Pat
     the arena still restores the sessions L0 let go, with the computed tokens."""
     on = {"KVSERVE_L1_EVICT_WRITTEN_THROUGH_FIRST": "true"}  # off by default
     restored_from_l1(tmp_path / "through", horizon_blocks=0, **on)
-    assert CommitsSeen.gpu_holds and all(CommitsSeen.gpu_holds)  # write-through alone: all held by the pool
+    assert CommitsSeen.gpu_holds() and all(CommitsSeen.gpu_holds())  # write-through alone: all held by the pool
     with_horizon, turns, _ = restored_from_l1(tmp_path / "horizon", horizon_blocks=8, **on)
-    assert True in CommitsSeen.gpu_holds and False in CommitsSeen.gpu_holds  # both kinds of copy ran
+    assert True in CommitsSeen.gpu_holds() and False in CommitsSeen.gpu_holds()  # both kinds of copy ran
     # 560-608 tokens in runs on 2 busy cores (the switch off: 240-384); 8 blocks is the bar the test above sets
     assert with_horizon >= 8 * BLOCK, with_horizon
     assert_computed(turns)
@@ -144,14 +146,14 @@ def test_write_through_while_room_stops_once_l1_is_full_and_the_tiers_add_up(tmp
     need not evict for them. Once the arena is full it holds what L0 let go (the horizon's offers), not copies of
     what L0 holds, so more of the sessions L0 evicted come back from it; always writes every block."""
     always, _, always_stats = restored_from_l1(tmp_path / "always", horizon_blocks=8, write_through="always")
-    written_always = sum(n for held, n in CommitsSeen.blocks if held)
+    written_always = sum(n for held, n in CommitsSeen.commits if held)
     room, turns, room_stats = restored_from_l1(tmp_path / "room", horizon_blocks=8, write_through="while_room")
-    written_room = sum(n for held, n in CommitsSeen.blocks if held)
+    written_room = sum(n for held, n in CommitsSeen.commits if held)
     # always: every full block of ~1,100 tokens of sessions (~70 blocks), more than the 24-slot arena
     assert written_always > 2 * ARENA_SLOTS, written_always
     # while_room: about an arena's worth, the copies offered while it still had room (their answers racing)
     assert 0 < written_room <= ARENA_SLOTS + 8, written_room
-    assert False in [held for held, _ in CommitsSeen.blocks]  # the horizon's copies went on
+    assert False in CommitsSeen.gpu_holds()  # the horizon's copies went on
     # 1,056 tokens restored against 288-384 in three runs: the arena no longer spends its slots on copies of L0
     assert room >= always + 16 * BLOCK, (always, room)
     assert room_stats.l0_evicted_unsaved_blocks <= always_stats.l0_evicted_unsaved_blocks + 4, (

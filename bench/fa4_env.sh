@@ -5,8 +5,8 @@
 FA4_ACC=${FA4_ACC:-/tmp/fa4acc}
 FA4_SITE=${FA4_SITE:-/tmp/fa4site}
 if [ ! -f "$FA4_SITE"/flash_attn/cute/__init__.py ]; then
-  if [ "$(ls "$FA4_ACC"/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-2}" ]; then  # 2: packed (pack_chunks.py)
-    echo "bench/fa4_env.sh: not every chunk is in $FA4_ACC yet (send .fa4/chunk00..chunk01 first)"
+  if [ "$(ls "$FA4_ACC"/chunk0* 2>/dev/null | wc -l)" -lt "${FA4_CHUNKS:-3}" ]; then  # 3: packed (pack_chunks.py, 26 MiB)
+    echo "bench/fa4_env.sh: not every chunk is in $FA4_ACC yet (send .fa4/chunk00..chunk02 first)"
     return 1 2>/dev/null || exit 1
   fi
   rm -rf /tmp/fa4w && python3 "$(dirname "${BASH_SOURCE[0]}")/unpack_chunks.py" "$FA4_ACC" /tmp/fa4w &&

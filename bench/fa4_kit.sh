@@ -2,8 +2,8 @@
 # Build .fa4/, the flash-attn 4 (CuTe DSL) kit for the GPU machine, which cannot reach a package registry:
 # flash-attn-4 4.0.0b36 and what it needs that the machine lacks (nvidia-cutlass-dsl 4.8.1 with its CUDA 13
 # libraries, quack-kernels, apache-tvm-ffi >= 0.1.11), wheels for Python 3.12, packed by bench/pack_chunks.py
-# (stored wheels, xz over the set: 102 MB -> 67 MB) into .fa4/chunk00..chunk01 (at most 38 MiB each: a call
-# carries at most 64 MiB, the working tree's ~22 MB included). The
+# (stored wheels, xz over the set: 102 MB -> 67 MB) into .fa4/chunk00..chunk02 (26 MiB each at most: a call
+# carries at most 64 MiB, the working tree's ~31-34 MB included). The
 # machine has torch, einops and cuda-bindings. FA4 compiles its kernels at first use (CuTe DSL, seconds; no
 # nvcc), so nothing is prebuilt.
 #

@@ -17,16 +17,16 @@
 # engine JSONs (default OUT: bench/results/<date>-<machine>-peer-<shape>/raw, PEER_TAG appended);
 # bench/peer_results.py assembles them into the run folder's peer.json.
 # Calls, back to back (a machine idle for 30 s is given back, and with it /tmp):
-#   carry [".peer/chunk00"] .. [".peer/chunk06"]: bash bench/peer_h200.sh chunk
-#   carry [".peer/chunk07", ".whl"]:              bash bench/peer_h200.sh chunk vllm-engine
-# (the working tree, ~28 MB on 2026-12-07, travels beside the carried chunks within the 64 MiB a call takes, and .whl
-# is 28 MB. The kits are packed by bench/pack_chunks.py: stored wheels, xz over the set, 33 MiB chunks; vLLM's kit in
-# 8 chunks, the last 1.4 MB, flash-attn 4's in 2, each a call of its own; an xz set re-splits in place with
-# `cat chunk* > all && split -b 33M -d -a 2 all chunk`. Never pipe this script's
+#   carry [".peer/chunk00"] .. [".peer/chunk08"]: bash bench/peer_h200.sh chunk
+#   carry [".whl"]:                               bash bench/peer_h200.sh vllm-engine
+# (the working tree, ~31-34 MB on 2026-12-07, travels beside the carried chunks within the 64 MiB a call takes, and
+# .whl is 28 MB. The kits are packed by bench/pack_chunks.py: stored wheels, xz over the set, 26 MiB chunks; vLLM's kit
+# in 9 chunks, flash-attn 4's in 3, each a call of its own; an xz set re-splits in place with
+# `cat chunk* > all && split -b 26M -d -a 2 all chunk`. Never pipe this script's
 # output into `head`: the pipe closing stops it before it has copied every chunk. A kit of plain tar chunks, as ../shared/tools/vllm-peer builds it,
 # packs in place: `python bench/pack_chunks.py .peer`, ~7 minutes here; either kind installs.)
 #   carry [".whl"]:                               bash bench/peer_h200.sh vllm-agents   (until "all steps done")
-#   carry [".fa4/chunk00"], then [".fa4/chunk01"]: bash bench/peer_h200.sh chunk  (flash-attn 4, for ours)
+#   carry [".fa4/chunk00"] .. [".fa4/chunk02"]:   bash bench/peer_h200.sh chunk  (flash-attn 4, for ours)
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-engine
 #   carry [".whl"]:                               bash bench/peer_h200.sh ours-agents   (until "all steps done")
 # (FlashInfer instead of FA4: carry [".whl", ".fi"] and no .fa4 chunks.)
@@ -61,9 +61,9 @@
 # (bench/results/2026-12-04-cpu-simulate-dsv2-lite/plan-24-turns.json): one step a call, hence STEP_EST and
 # STEP_MAX.
 # One 1800 s lease for the DeepSeek side by side on a bare machine (no compile caches: .caches/ is not kept between
-# sessions), as the calls took on an H100 on 2026-12-06: [".fa4/chunk00"] chunk (<1 s); [".fa4/chunk01"] chunk;
-# [".whl"] `ours-agents` with STEPS=8 (kvserve up ~97 s cold, 8 agents ~330 s); .peer/chunk00..06 one a call;
-# [".peer/chunk07", ".whl"] `chunk vllm-agents` with STEPS=8,4 and DEADLINE=588 (vLLM installs in ~17 s and starts in
+# sessions), as the calls took on an H100 on 2026-12-06: [".fa4/chunk00"] .. [".fa4/chunk02"] chunk, one a call
+# (<1 s each); [".whl"] `ours-agents` with STEPS=8 (kvserve up ~97 s cold, 8 agents ~330 s); .peer/chunk00..08 one
+# a call; [".whl"] `vllm-agents` with STEPS=8,4 and DEADLINE=588 (vLLM installs in ~17 s and starts in
 # ~270 s cold, so its 8-agent step, ~300 s, starts in the next call: repeat vllm-agents until "all steps done").
 # ~1,450 s of calls, the rest for a failed start (~90-135 s). Ours's 4-agent step (~250 s) only where time is left:
 # largest_passing_ratio needs vLLM's 4 and 8 and ours's 8 when ours passes 8. Side order: the last same-lease run

@@ -167,12 +167,14 @@ class EngineConfig(BaseModel):
         description="L1 write-through copies issued per engine step on CUDA, in MiB (~10 ms of PCIe "
         "Gen5); more queue for the next steps, so a step's own token read never waits behind a whole prompt's",
     )
-    # while_room since 2026-12-07: on the CPU probe past L1 (32 agents, 772 blocks of sessions, 400 of L0 and 549 of
-    # L1) writing every block through made L1 mostly a copy of L0 (its blocks L0 also held: 270-400 of L0's 400), so
-    # the two tiers held little more than L1 alone; with the horizon alone filling a full L1 (what L0 lets go) the
-    # tiers add up (bench/results/2026-12-07-cpu-probe-l1-write-through-while-room/).
+    # always: on the CPU probe past L1 while_room won (85% -> 98% of the optimum at 32 agents: with every block written
+    # L1 was mostly a copy of L0; bench/results/2026-12-07-cpu-probe-l1-write-through-while-room/), but on the H100 at
+    # 40 agents it lost (95.0% and 93.3% of the optimum against always's 98.3%): L0 evicted 16-24K blocks L1 lacked
+    # against 1.8K: once writing stops, the horizon's copies (paced by l1_offload_mb_per_step) come only when L0 is
+    # about to evict, and a GPU step's admissions outran them; a 16K-block horizon did no better
+    # (bench/results/2026-12-07-h100-llama-8b-write-through-ab/).
     l1_write_through: Literal["always", "while_room"] = Field(
-        "while_room",
+        "always",
         description="when a rank copies its new full blocks to L1: always (L1 then holds copies of what the GPU pools "
         "hold, evicting what they let go), or while_room: only while L1 has slots it need not evict for them, so "
         "once it is full it keeps what the pools let go (the eviction horizon offers it) and the tiers add up; "

@@ -142,7 +142,7 @@ def test_with_written_through_first_l1_still_keeps_what_l0_lets_go(tmp_path: Pat
 
 
 def test_write_through_while_room_stops_once_l1_is_full_and_the_tiers_add_up(tmp_path: Path) -> None:
-    """l1_write_through while_room (the default): a rank writes its new blocks through only while L1 has slots it
+    """l1_write_through while_room: a rank writes its new blocks through only while L1 has slots it
     need not evict for them. Once the arena is full it holds what L0 let go (the horizon's offers), not copies of
     what L0 holds, so more of the sessions L0 evicted come back from it; always writes every block."""
     always, _, always_stats = restored_from_l1(tmp_path / "always", horizon_blocks=8, write_through="always")

@@ -145,6 +145,12 @@ class _EngineCollector(Collector):
             stats.l0_evicted_unsaved_unoffered_blocks,
         )
         yield counter(
+            "kvserve:l0_evicted_unsaved_past_held_blocks",
+            "Of the unoffered unsaved L0 evictions, those made while blocks the horizon offered were held out of the "
+            "free queue (for the kvstore's answer or their copy): allocation reached past them.",
+            stats.l0_evicted_unsaved_past_held_blocks,
+        )
+        yield counter(
             "kvserve:l1_fetch_timeouts",
             "L1 lookups given up at their deadline (fetch_timeout_s): their blocks were computed instead.",
             stats.l1_fetch_timeouts,

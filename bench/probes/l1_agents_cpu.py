@@ -156,6 +156,7 @@ def main() -> int:
         "l0_evicted_unsaved_blocks": stats.l0_evicted_unsaved_blocks,
         "l0_evicted_unsaved_in_flight_blocks": stats.l0_evicted_unsaved_in_flight_blocks,
         "l0_evicted_unsaved_unoffered_blocks": stats.l0_evicted_unsaved_unoffered_blocks,
+        "l0_evicted_unsaved_past_held_blocks": stats.l0_evicted_unsaved_past_held_blocks,
         "l1_fetch_timeouts": stats.l1_fetch_timeouts,
         "l1_restore_missing_blocks": stats.l1_restore_missing_blocks,
         "l1_restore_room_cut_blocks": stats.l1_restore_room_cut_blocks,

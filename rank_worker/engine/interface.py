@@ -108,7 +108,8 @@ class EngineStats:
     l0_evicted_blocks: int = 0  # L0 cache entries evicted while L1 was attached ...
     l0_evicted_unsaved_blocks: int = 0  # ... and those of them L1 did not hold: lost to both tiers ...
     l0_evicted_unsaved_in_flight_blocks: int = 0  # ... of which on their way to L1 (offered, not copied yet)
-    l0_evicted_unsaved_unoffered_blocks: int = 0  # ... of which the eviction horizon had not offered
+    l0_evicted_unsaved_unoffered_blocks: int = 0  # ... of which the eviction horizon had not offered ...
+    l0_evicted_unsaved_past_held_blocks: int = 0  # ... of which while blocks it offered were held out of the free queue
     l1_fetch_timeouts: int = 0  # L1 lookups given up at their deadline: their blocks computed instead
     l1_restore_missing_blocks: int = 0  # blocks L1's event stream promised at a lookup's start, not in its answer
     l1_restore_room_cut_blocks: int = 0  # blocks a lookup found that the free pool had no room for by its answer

@@ -256,6 +256,34 @@ def test_a_block_the_horizon_offers_and_l1_lacks_is_held_until_the_kvstore_answe
         assert pool.idle_front(1) == [(block, block_hash)], "back at the front: L0 evicts it next, L1 keeps it"
 
 
+def test_unoffered_evictions_while_the_horizon_holds_its_offers_are_told_apart(tmp_path: Path) -> None:
+    """The horizon's offers hold the blocks L1 lacks out of the free queue until copied, so an allocation meanwhile
+    takes the blocks behind them, which no pass offered. Those count as past held (kvserve:
+    l0_evicted_unsaved_past_held_blocks), apart from unoffered blocks evicted with nothing held (past the last
+    pass's reach): on the H100 with write-through while_room, 16-24K unoffered evictions at 40 agents, which of
+    the two undecided."""
+    hashes = [b"\x0c" * 16, b"\x0d" * 16, b"\x0e" * 16]  # offered, and two behind it
+    with cached_blocks(tmp_path, *hashes) as (engine, blocks):
+        tier, pool = engine.l1, engine.pool
+        assert tier is not None
+        pool.release(blocks)  # idle entries L1 has never seen, the offered one first in line
+        tier._offer([(blocks[0], hashes[0])], to_front=True)  # a pass's offer (its answer waits for poll())
+        pool.release(pool.allocate(pool.num_free))  # a step's allocations, past the held block
+        assert [pool.lookup(h) for h in hashes] == [blocks[0], None, None]
+        counts = tier.counts()
+        assert counts["l0_evicted_unsaved_unoffered_blocks"] == counts["l0_evicted_unsaved_past_held_blocks"] == 2
+
+        wait_committed(tier, hashes[:1])  # copied and committed: nothing held any more
+        [later] = pool.allocate(1)
+        pool.register(later, b"\x0f" * 16)
+        pool.release([later])
+        pool.release(pool.allocate(pool.num_free))  # evicts it, unoffered, and the block L1 holds now
+        counts = tier.counts()
+        assert counts["l0_evicted_unsaved_unoffered_blocks"] == 3, counts
+        assert counts["l0_evicted_unsaved_past_held_blocks"] == 2, "nothing held: past the last pass's reach"
+        assert counts["l0_evicted_unsaved_blocks"] == 3, "the committed block was saved"
+
+
 def test_written_through_blocks_whose_sequence_ends_before_the_answer_are_held_until_copied(tmp_path: Path) -> None:
     """Write-through offers a sequence's blocks as they fill; the kvstore answers a step or more later. A sequence
     that ends meanwhile leaves them idle: unheld, a burst of allocations evicted them before the copy, lost from

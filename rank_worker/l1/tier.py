@@ -157,8 +157,8 @@ class L1Tier:
         # By their EngineStats names: L0's evictions of cached blocks, and those of them L1 did not hold (as far as
         # the view knew): what the two tiers lost together, by the horizon falling behind or L1 evicting them first;
         # of those, why (the rest L1 took and let go, or refused): still on their way to L1 (offered, not copied
-        # yet), or never offered by the horizon (evicted past its passes' reach). A block copied and committing
-        # counts as saved.
+        # yet), or never offered by the horizon (evicted past its passes' reach), and of those, the ones evicted while
+        # blocks it offered were held out of the free queue. A block copied and committing counts as saved.
         # Then why a restore brought back less than L1 was known to hold: lookups given up at their deadline, blocks
         # the view promised that the answer lacked, blocks found that the free pool had no room for by then.
         # And offers the kvstore refused a slot for while neither the view nor a commit of ours had the block (no
@@ -318,9 +318,9 @@ class L1Tier:
 
     def _holding_horizon_blocks(self) -> bool:
         """Blocks the eviction horizon offered are out of the free queue: held for the kvstore's answer, queued for
-        their copy or being copied. An allocation then takes the blocks behind them, which no pass offered yet
-        (on the H100 with l1_write_through while_room, 16-24K such evictions at 40 agents: whether they came while
-        offers were held, the copies behind, or between passes, this tells)."""
+        their copy or being copied. An allocation then takes the blocks behind them, which no pass offered yet. On
+        the H100 with l1_write_through while_room L0 evicted 16-24K never-offered blocks at 40 agents; this tells
+        whether they went past held offers or past the last pass's reach."""
         return (
             any(offer.to_front for offer in self._pinned_offers)
             or any(queued.to_front for queued in self._queued)

@@ -1,8 +1,8 @@
 """What the rank's /metrics said after each of ours's agent steps (bench/peer_h200.sh writes
 ours-agents-N.rank-metrics.txt beside each step), as per-step amounts: the counters are the rank's since it started,
-so each step's amount is its value less the previous step's, in the order the steps ran (agent counts ascending);
-a counter below its previous value means the stack was started again between them: that step's amounts are its
-values.
+so each step's amount is its value less the previous step's, in the order the steps ran (by the `date` each step's
+ours-agents-N.json records when it ended; STEPS=44,40 runs 44 first; without it, agent counts ascending); a counter
+below its previous value means the stack was started again between them: that step's amounts are its values.
 
     python bench/rank_scrapes.py bench/results/2026-12-06-h100-peer-llama-8b-restored-first/raw
 """
@@ -44,14 +44,22 @@ def counters(text: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
     return values
 
 
+def ended_at(raw: Path, agents: int) -> str:
+    """When the step of this many agents ended: its load generator JSON's `date` (ISO 8601, UTC, so it sorts as
+    text); empty where that file or field is missing."""
+    try:
+        return str(json.loads((raw / f"ours-agents-{agents}.json").read_text()).get("date") or "")
+    except (OSError, ValueError):
+        return ""
+
+
 def step_amounts(raw: Path, names: tuple[str, ...] = COUNTERS) -> dict[int, dict[str, float]]:
     """Per agent count, each counter's amount during that step."""
-    scrapes = sorted(
-        (int(m["agents"]), path) for path in raw.glob("*.rank-metrics.txt") if (m := SCRAPE.match(path.name))
-    )
+    found = [(int(m["agents"]), path) for path in raw.glob("*.rank-metrics.txt") if (m := SCRAPE.match(path.name))]
+    scrapes = sorted((ended_at(raw, agents), agents, path) for agents, path in found)
     amounts: dict[int, dict[str, float]] = {}
     previous: dict[str, float] = {}
-    for agents, path in scrapes:
+    for _, agents, path in scrapes:
         now = counters(path.read_text(), names)
         if any(value < previous.get(name, 0.0) for name, value in now.items()):
             previous = {}  # started again since the previous scrape: its counters began from zero

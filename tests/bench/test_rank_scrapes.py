@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from bench.rank_scrapes import counters, step_amounts
@@ -34,3 +35,12 @@ def test_each_step_gets_its_own_amount_and_a_restart_counts_from_zero(tmp_path: 
     amounts = step_amounts(tmp_path)
     assert {n: a["kvserve:l0_evicted_blocks"] for n, a in amounts.items()} == {16: 100, 24: 150, 32: 80}
     assert {n: a["kvserve:l0_evicted_unsaved_blocks"] for n, a in amounts.items()} == {16: 10, 24: 2, 32: 5}
+
+
+def test_steps_are_taken_in_the_order_they_ran_not_by_agent_count(tmp_path: Path) -> None:
+    # STEPS=44,40 on one server: 44 ran first, so 40's amount is its scrape less 44's
+    for agents, evicted, ended in ((44, 300, "2026-12-07T14:52:26Z"), (40, 550, "2026-12-07T14:54:00Z")):
+        (tmp_path / f"ours-agents-{agents}.rank-metrics.txt").write_text(scrape(evicted, 0))
+        (tmp_path / f"ours-agents-{agents}.json").write_text(json.dumps({"date": ended}))
+    amounts = step_amounts(tmp_path)
+    assert {n: a["kvserve:l0_evicted_blocks"] for n, a in amounts.items()} == {44: 300, 40: 250}

@@ -42,6 +42,14 @@ def main() -> int:
     ap.add_argument("--offload-blocks", type=int, default=4, help="write-through blocks a step")
     ap.add_argument("--think", type=int, default=100, help="engine steps between an agent's turns")
     ap.add_argument(
+        "--turn-tokens",
+        default="5,30",
+        metavar="LO,HI",
+        help="new tokens a turn adds, drawn from LO..HI (with larger ones a session's restore can outgrow the horizon: "
+        "on the H100 one 80K-token restore allocated 5,000 blocks against a 4,096-block horizon)",
+    )
+    ap.add_argument("--max-context", type=int, default=512, help="the engine's max_model_len")
+    ap.add_argument(
         "--write-through",
         choices=["always", "while_room"],
         default=None,
@@ -64,6 +72,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     rng = random.Random(args.seed)
+    turn_lo, turn_hi = (int(n) for n in args.turn_tokens.split(","))
 
     def tokens(n: int) -> list[int]:
         return [rng.randrange(1, 127) for _ in range(n)]
@@ -81,11 +90,11 @@ def main() -> int:
     port = free_port()
     with start_kvstore(Path(f"/tmp/l1-agents-probe-{port}.log"), port, **env):
         engine = l1_engine(
-            tiny_model(),
+            tiny_model(max_positions=args.max_context),
             None,
             port,
             num_blocks=args.l0,
-            max_model_len=512,
+            max_model_len=args.max_context,
             max_num_seqs=128,
             max_num_batched_tokens=args.budget,
             l1_eviction_horizon_blocks=args.horizon,
@@ -112,7 +121,7 @@ def main() -> int:
             for agent in agents:
                 if agent["busy"] or agent["turn"] >= args.turns or step < agent["ready"]:
                     continue
-                prompt = agent["context"] + (tokens(rng.randint(5, 30)) if agent["turn"] else [])
+                prompt = agent["context"] + (tokens(rng.randint(turn_lo, turn_hi)) if agent["turn"] else [])
                 # the previous turn's full blocks, short of the last prompt token (always computed)
                 full = min(len(agent["context"]) // BLOCK, (len(prompt) - 1) // BLOCK)
                 optimum = full * BLOCK if agent["turn"] else 0
@@ -147,6 +156,7 @@ def main() -> int:
         "steps": step,
         "requests": requests,
         "final_context_blocks": sum(len(a["context"]) for a in agents) // BLOCK,
+        "largest_context_blocks": max(len(a["context"]) for a in agents) // BLOCK,
         "reused_of_optimum": round(reused / max(reusable, 1), 4),
         "l1_share_of_optimum": round(from_l1 / max(reusable, 1), 4),
         "requests_short_by_more_than_a_block": lost,

@@ -32,10 +32,12 @@ TINY_MODEL = {
 }
 
 
-def tiny_model(device: str = "cpu") -> LlamaForCausalLM:
-    """Random float32 weights of a 2-layer model: thousands of steps per second on the CPU."""
+def tiny_model(device: str = "cpu", max_positions: int = 512) -> LlamaForCausalLM:
+    """Random float32 weights of a 2-layer model: thousands of steps per second on the CPU. max_positions: its
+    rotary table (bench/probes/l1_agents_cpu.py --max-context runs longer sessions)."""
+    config = LlamaFamilyConfig.from_hf(TINY_MODEL | {"max_position_embeddings": max(512, max_positions)})
     with torch.device(device):
-        model = LlamaForCausalLM(LlamaFamilyConfig.from_hf(TINY_MODEL), max_positions=512)
+        model = LlamaForCausalLM(config, max_positions=max_positions)
     model.init_random_weights(0)
     return model.eval()
 

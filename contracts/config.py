@@ -180,6 +180,17 @@ class EngineConfig(BaseModel):
         "once it is full it keeps what the pools let go (the eviction horizon offers it) and the tiers add up; "
         "a session a rank still holds is then in no other tier until its pool lets it go",
     )
+    # Off by default until a GPU A/B says otherwise (while_room won on the CPU probe and lost on the H100). Why it
+    # may help: on the H100 at 40 agents one 80K-token session was restored, its L1 copies demoted
+    # (l1_evict_restored_first) and evicted while it ran, and its idle L0 copy evicted 4 s after it ended by a
+    # restore larger than the horizon, so neither tier held it (bench/results/2026-12-07-h100-llama-8b-ours-44/).
+    l1_refresh_finished: bool = Field(
+        False,
+        description="when a request ends, its blocks L1 holds go to L1's most recently used end (an Allocate, no "
+        "copy) and those it lost are written again: L1 then keeps a session L0 has just let go idle, as it keeps "
+        "one written through, where a restore had demoted its copies; with l1_write_through while_room only "
+        "while L1 has room",
+    )
     l1_eviction_horizon_blocks: int | None = Field(
         None,
         ge=0,

@@ -70,12 +70,18 @@ class RankHostTier:
     """One rank's host tier over the node cache, as the engine's KvCacheManager uses it."""
 
     def __init__(
-        self, node: NodeHostCache, pool: BlockPool, horizon_blocks: int = 0, write_through_while_room: bool = False
+        self,
+        node: NodeHostCache,
+        pool: BlockPool,
+        horizon_blocks: int = 0,
+        write_through_while_room: bool = False,
+        refresh_finished: bool = False,
     ) -> None:
         self.node = node
         self.pool = pool
         self.horizon = EvictionHorizon(pool, horizon_blocks)
         self.write_through_while_room = write_through_while_room  # l1_write_through while_room, as the real tier
+        self.refresh_finished = refresh_finished  # l1_refresh_finished, as the real tier
         # What this rank sent or restored, oldest first: the real tier's peek for warm-first scheduling.
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
@@ -104,10 +110,14 @@ class RankHostTier:
     def abandon(self, fetch: HostFetch) -> None:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+    def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         if self.write_through_while_room and len(self.node) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
-        fresh = [h for h in block_hashes if h not in self._known]
+        # a finished sequence with refresh_finished: held blocks refreshed, lost ones stored again (node.store)
+        refresh = finished and self.refresh_finished
+        fresh = [h for h in block_hashes if refresh or h not in self._known]
+        if refresh:
+            fresh.reverse()  # tail first, as the real tier: the head ends the most recent
         self.node.store(fresh)
         for block_hash in fresh:
             self._remember(block_hash)

@@ -30,7 +30,14 @@ from simulator.step_time import StepTimeModel
 # The engine keys a simulated rank runs by; the others (kernels, pool sizing) are the step-time model's and
 # num_blocks'.
 SIMULATED_ENGINE_KEYS = frozenset(
-    {"block_size", "max_num_seqs", "max_num_batched_tokens", "l1_eviction_horizon_blocks"}
+    {
+        "block_size",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "l1_eviction_horizon_blocks",
+        "l1_write_through",
+        "l1_refresh_finished",
+    }
 )
 
 
@@ -100,7 +107,13 @@ class SimulatedRank:
             engine.l1_eviction_horizon_blocks, engine.max_num_batched_tokens, engine.block_size
         )
         self.tier = (
-            RankHostTier(node_cache, self.pool, horizon, engine.l1_write_through == "while_room")
+            RankHostTier(
+                node_cache,
+                self.pool,
+                horizon,
+                engine.l1_write_through == "while_room",
+                refresh_finished=engine.l1_refresh_finished,
+            )
             if node_cache is not None
             else None
         )

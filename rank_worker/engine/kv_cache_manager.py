@@ -27,7 +27,9 @@ class HostCacheTier(Protocol):
 
     def abandon(self, fetch: HostFetch) -> None: ...
 
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None: ...
+    def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
+        """Write registered blocks through to the tier; finished: their sequence ended (l1_refresh_finished)."""
+        ...
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         """How many leading block_hashes the tier is believed to hold, asking no one (a scheduling hint)."""
@@ -293,16 +295,17 @@ class KvCacheManager:
                 self.pool.register(seq.block_table[index], block_hash)
             seq.block_hashes.append(block_hash)
 
-    def offload(self, seq: Sequence) -> None:
-        """Write the sequence's registered (full, immutable) blocks through to the host tier."""
+    def offload(self, seq: Sequence, *, finished: bool = False) -> None:
+        """Write the sequence's registered (full, immutable) blocks through to the host tier; finished: the
+        sequence is ending and its blocks go idle."""
         if self.host_tier is not None and seq.block_hashes:
-            self.host_tier.offload(seq.block_table[: len(seq.block_hashes)], seq.block_hashes)
+            self.host_tier.offload(seq.block_table[: len(seq.block_hashes)], seq.block_hashes, finished=finished)
 
     def free(self, seq: Sequence) -> None:
         fetch, seq.host_fetch = seq.host_fetch, None
         if fetch is not None:
             self._let_go(fetch)  # it left while waiting for the host tier, or before its admission took the restore
-        self.offload(seq)
+        self.offload(seq, finished=True)
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.block_hashes = []

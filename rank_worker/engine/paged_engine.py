@@ -151,6 +151,7 @@ class PagedEngine(Engine):
                 offload_bytes_per_step=settings.engine.l1_offload_bytes_per_step,
                 eviction_horizon_blocks=eviction_horizon_blocks(settings, solo),
                 write_through_while_room=settings.engine.l1_write_through == "while_room",
+                refresh_finished=settings.engine.l1_refresh_finished,
             )
         self.kv = KvCacheManager(self.pool, settings.engine.block_size, self.namespace, self.l1)
         policy = settings.scheduling.model_copy(update={"solo_prefill_tokens": solo})

@@ -109,6 +109,7 @@ class L1Tier:
         offload_bytes_per_step: int = DEFAULT_OFFLOAD_BYTES_PER_STEP,
         eviction_horizon_blocks: int = MIN_HORIZON_BLOCKS,
         write_through_while_room: bool = False,
+        refresh_finished: bool = False,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -123,6 +124,8 @@ class L1Tier:
         self.horizon = EvictionHorizon(pool, eviction_horizon_blocks)  # 0 blocks: write-through only
         # l1_write_through while_room: no write-through into a full L1, whose slots then hold what pools let go
         self.write_through_while_room = write_through_while_room
+        # l1_refresh_finished: a sequence's end offers L1 its blocks L1 holds too, which refreshes them there
+        self.refresh_finished = refresh_finished
         self._clock = clock
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
@@ -331,15 +334,20 @@ class L1Tier:
         """The L0 eviction and restore counters, by their EngineStats names."""
         return dict(self._counts)
 
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i])."""
+    def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
+        """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i]); finished (their
+        sequence ended) with refresh_finished: those L1 holds as well, which its Allocate moves to the most
+        recently used end (no copy: the answer is -1) and, where L1 let one go since the view heard, copies."""
         if self._full_for_write_through():  # first: once L1 is full that is every call, and a prompt has 6K blocks
             return
+        refresh = finished and self.refresh_finished
         fresh = [
             (b, h)
             for b, h in zip(block_ids, block_hashes, strict=False)
-            if h not in self._sending and h not in self.view
+            if h not in self._sending and (refresh or h not in self.view)
         ]
+        if refresh:  # tail first: Allocate touches in order, so the head is the most recent and L1 keeps a prefix
+            fresh.reverse()
         if not fresh or not self._ready():
             return
         self._offer(fresh, to_front=False)

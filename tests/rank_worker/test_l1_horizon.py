@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import ClassVar
 
+import pytest
 from engine_fixtures import generate_one, greedy, make_engine, random_prompt
 from l1_fixtures import kvstore_settings, l1_engine, tiny_model
 from service_processes import free_port, start_kvstore
@@ -211,12 +212,12 @@ def test_the_default_horizon_covers_twice_the_longest_step() -> None:
 
 
 @contextmanager
-def cached_blocks(tmp_path: Path, *block_hashes: bytes) -> Iterator[tuple[PagedEngine, list[int]]]:
+def cached_blocks(tmp_path: Path, *block_hashes: bytes, **settings: object) -> Iterator[tuple[PagedEngine, list[int]]]:
     """An engine on a 20-block pool with L1 (a real kvstore), and a block of it registered under each hash and
-    still referenced (the caller lets them go)."""
+    still referenced (the caller lets them go). settings: more engine settings."""
     port = free_port()
     with start_kvstore(tmp_path / "kvstore.log", port, **kvstore_settings(tmp_path)):
-        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256)
+        engine = l1_engine(tiny_model(), None, port, num_blocks=20, max_model_len=256, **settings)
         assert engine.l1 is not None and engine.l1.attached
         blocks = engine.pool.allocate(len(block_hashes))
         for block, block_hash in zip(blocks, block_hashes, strict=True):
@@ -335,3 +336,44 @@ def test_an_offer_the_kvstore_has_no_slot_for_is_counted_as_refused(tmp_path: Pa
         assert tier.counts()["l1_offer_refused_blocks"] == 1
         pool.release([block])
         other.close()
+
+
+@pytest.mark.parametrize("refresh", [True, False])
+def test_a_finished_sequence_refreshes_the_l1_copies_a_restore_demoted_with_l1_refresh_finished(
+    tmp_path: Path, refresh: bool
+) -> None:
+    """A restore demotes L1's copies of what it copied (l1_evict_restored_first: the GPU holds them). Once the
+    sequence ends its L0 copy is idle and may go in the next burst, past the horizon: with l1_refresh_finished its
+    end offers L1 those blocks, whose Allocate moves them to the most recent end without a copy, so L1 evicts
+    something else first; without it, the demoted copy goes first (on the H100, an 80K-token session lost so)."""
+    session, other_block = [b"\x10" * 16, b"\x11" * 16], b"\x12" * 16
+    with cached_blocks(tmp_path, *session, other_block, l1_refresh_finished=refresh) as (engine, blocks):
+        tier = engine.l1
+        assert tier is not None and tier.arena is not None
+        tier.offload(blocks[:2], session)
+        wait_committed(tier, session)
+        tier.offload(blocks[2:], [other_block])  # committed after the session: more recent in L1's LRU
+        wait_committed(tier, [other_block])
+        port = int(tier.client.address.rsplit(":", 1)[1])
+        reader = KvStoreLink(f"127.0.0.1:{port}", "rank-reader", "reader-incarnation")
+        arena_id = reader.attach(tier.arena.layout.slot_bytes, tier.namespace).arena_id
+        slots = reader.lookup(arena_id, session)
+        reader.release(arena_id, slots, restored=True)  # a restore's release: the session's copies first to evict
+
+        copied = tier.offloaded_blocks
+        tier.offload(blocks, [*session, other_block], finished=True)  # the sequence ends
+        deadline = time.monotonic() + 10
+        while tier._sending:  # the refresh's Allocate answered (-1 for each held block)
+            assert time.monotonic() < deadline, "the offer was never answered"
+            tier.wait_pending()
+        assert tier.offloaded_blocks == copied, "a refresh copies nothing: L1 held every block"
+
+        assert all(h in tier.view for h in [*session, other_block]) and len(tier.view) == 3, "all L1 holds"
+        free = tier.arena.layout.num_slots - 3  # (a lookup here would pin, and its release touch, what it found)
+        taken = reader.allocate(arena_id, [bytes([2, i % 256, i // 256]) * 5 + b"y" for i in range(free + 1)])
+        assert sum(slot >= 0 for slot in taken) == free + 1, "the last one evicted a stored block"
+        kept = [h for h in [*session, other_block] if reader.lookup(arena_id, [h])]
+        if refresh:
+            assert kept == session, "the refreshed session stays; the block it outranked went"
+        else:
+            assert other_block in kept and len(kept) == 2, "a demoted copy of the session went first"

@@ -21,3 +21,19 @@ def test_the_simulators_host_tier_offers_the_front_in_eviction_order() -> None:
     tier.offer_horizon()
     # Offered tail first: the head, evicted from L0 last, is what the node keeps longest.
     assert [h in node for h in hashes] == [True, True, True, False]
+
+
+def test_a_finished_sequence_refreshes_what_its_restore_demoted_with_refresh_finished() -> None:
+    """As the real tier (tests/rank_worker/test_l1_horizon.py): a restore puts the node's copies first to evict;
+    with refresh_finished the sequence's end makes them the most recent again, its head last to go."""
+    for refresh in (True, False):
+        pool = BlockPool(8, caching=True)
+        node = NodeHostCache(capacity_blocks=3)
+        tier = RankHostTier(node, pool, refresh_finished=refresh)
+        session, other = [b"\x01" * 16, b"\x02" * 16], b"\x03" * 16
+        tier.offload([0, 1], session)  # written through, then another block
+        tier.offload([2], [other])
+        node.restored(session)  # a restore's release: first to evict while the pool holds them
+        tier.offload([0, 1], session, finished=True)
+        node.store([b"\x04" * 16])  # one more: the least recent goes
+        assert [h in node for h in [*session, other]] == ([True, True, False] if refresh else [True, False, True])

@@ -340,17 +340,16 @@ class L1Tier:
         recently used end (no copy: the answer is -1) and, where L1 let one go since the view heard, copies."""
         if self._full_for_write_through():  # first: once L1 is full that is every call, and a prompt has 6K blocks
             return
-        refresh = finished and self.refresh_finished
-        fresh = [
-            (b, h)
-            for b, h in zip(block_ids, block_hashes, strict=False)
-            if h not in self._sending and (refresh or h not in self.view)
-        ]
-        if refresh:  # tail first: Allocate touches in order, so the head is the most recent and L1 keeps a prefix
-            fresh.reverse()
-        if not fresh or not self._ready():
+        unsent = [(b, h) for b, h in zip(block_ids, block_hashes, strict=False) if h not in self._sending]
+        fresh = [(b, h) for b, h in unsent if h not in self.view]
+        # The refresh is a call of its own, tail first: Allocate touches in order, so the head ends the most recent
+        # and L1 keeps a prefix of the session. Nothing in it is pinned (L1 holds it all, as far as the view knows).
+        held = [(b, h) for b, h in reversed(unsent) if h in self.view] if finished and self.refresh_finished else []
+        if not (fresh or held) or not self._ready():
             return
-        self._offer(fresh, to_front=False)
+        for offer in (held, fresh):
+            if offer:
+                self._offer(offer, to_front=False)
 
     def _full_for_write_through(self) -> bool:
         """l1_write_through while_room and L1 full as far as this rank knows: the blocks its event stream says are

@@ -182,8 +182,9 @@ class EngineConfig(BaseModel):
     )
     # Off by default until a GPU A/B says otherwise (while_room won on the CPU probe and lost on the H100). Why it
     # may help: on the H100 at 40 agents one 80K-token session was restored, its L1 copies demoted
-    # (l1_evict_restored_first) and evicted while it ran, and its idle L0 copy evicted 4 s after it ended by a
-    # restore larger than the horizon, so neither tier held it (bench/results/2026-12-07-h100-llama-8b-ours-44/).
+    # (l1_evict_restored_first), and 4 s after it ended neither tier held most of it; the step's never-offered L0
+    # evictions, about its size, point to a restore larger than the horizon
+    # (bench/results/2026-12-07-h100-llama-8b-ours-44/).
     l1_refresh_finished: bool = Field(
         False,
         description="when a request ends, its blocks L1 holds go to L1's most recently used end (an Allocate, no "

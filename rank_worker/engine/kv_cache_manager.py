@@ -301,11 +301,13 @@ class KvCacheManager:
         if self.host_tier is not None and seq.block_hashes:
             self.host_tier.offload(seq.block_table[: len(seq.block_hashes)], seq.block_hashes, finished=finished)
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: Sequence, *, finished: bool = False) -> None:
+        """Let go of the sequence's blocks; finished: its request ended (not a preemption or an admission giving its
+        prefix back for the next step, which would refresh L1 every step it waits: l1_refresh_finished)."""
         fetch, seq.host_fetch = seq.host_fetch, None
         if fetch is not None:
             self._let_go(fetch)  # it left while waiting for the host tier, or before its admission took the restore
-        self.offload(seq, finished=True)
+        self.offload(seq, finished=finished)
         self.pool.release(list(reversed(seq.block_table)))
         seq.block_table = []
         seq.block_hashes = []

@@ -540,7 +540,7 @@ class PagedEngine(Engine):
 
     def _release(self, seq: Sequence) -> None:
         """A finished sequence's blocks and block-table row, after the last step that wrote them was read."""
-        self.kv.free(seq)
+        self.kv.free(seq, finished=True)
         self.runner.release(seq)
 
     def _request_stats(self, seq: Sequence) -> RequestStats:

@@ -209,7 +209,7 @@ class Scheduler:
         elif seq in self.waiting:
             self.waiting.remove(seq)
         if release:
-            self.kv.free(seq)
+            self.kv.free(seq, finished=True)
 
     def waiting_prefill_tokens(self) -> int:
         return self.prefill_load().tokens

@@ -26,6 +26,7 @@ class AnsweredLater:
         self.holds = holds
         self.fetches: list[HostFetch] = []
         self.abandoned: list[HostFetch] = []
+        self.offloads: list[bool] = []  # each offload's `finished`
 
     def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
         fetch = HostFetch(list(prefix), list(block_hashes), room, deadline=0.0, expected=self.known_run(block_hashes))
@@ -39,8 +40,8 @@ class AnsweredLater:
     def abandon(self, fetch: HostFetch) -> None:
         self.abandoned.append(fetch)
 
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
-        pass
+    def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
+        self.offloads.append(finished)
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         return len(block_hashes) if self.holds else 0
@@ -144,8 +145,10 @@ def test_a_running_prefill_leaves_the_blocks_a_lookup_under_way_will_take() -> N
     assert kv.reserved_blocks() == 0, "answered: nothing promised any more"
     batch = sched.schedule()
     assert chunk_of(batch, a) == a.num_tokens, "A admitted (this tier restores nothing into the pool: computed)"
+    assert tier.offloads and not any(tier.offloads), "B gave its blocks back: not an end (l1_refresh_finished)"
     advance(sched, batch)
     sched.remove(a)  # its turn ends: B, a cold prefill, gave way to it (warm first) and goes on now
+    assert tier.offloads[-1], "A's end is one"
     for _ in range(10):
         if b.num_output_tokens:
             break

@@ -213,7 +213,7 @@ class _KnownHostTier:
     def restore(self, block_hashes: list[bytes], max_blocks: int) -> list[int]:
         return []
 
-    def offload(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+    def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         return None
 
     def known_run(self, block_hashes: list[bytes]) -> int:

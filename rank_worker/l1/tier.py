@@ -340,11 +340,17 @@ class L1Tier:
         recently used end (no copy: the answer is -1) and, where L1 let one go since the view heard, copies."""
         if self._full_for_write_through():  # first: once L1 is full that is every call, and a prompt has 6K blocks
             return
-        unsent = [(b, h) for b, h in zip(block_ids, block_hashes, strict=False) if h not in self._sending]
-        fresh = [(b, h) for b, h in unsent if h not in self.view]
-        # The refresh is a call of its own, tail first: Allocate touches in order, so the head ends the most recent
-        # and L1 keeps a prefix of the session. Nothing in it is pinned (L1 holds it all, as far as the view knows).
-        held = [(b, h) for b, h in reversed(unsent) if h in self.view] if finished and self.refresh_finished else []
+        refresh = finished and self.refresh_finished
+        fresh: list[tuple[int, bytes]] = []
+        held: list[tuple[int, bytes]] = []  # the refresh: a call of its own, nothing in it pinned (L1 holds it all)
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=False):
+            if block_hash in self._sending:
+                continue
+            if block_hash not in self.view:
+                fresh.append((block_id, block_hash))
+            elif refresh:
+                held.append((block_id, block_hash))
+        held.reverse()  # tail first: Allocate touches in order, so the head ends the most recent (L1 keeps a prefix)
         if not (fresh or held) or not self._ready():
             return
         for offer in (held, fresh):

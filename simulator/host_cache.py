@@ -113,11 +113,14 @@ class RankHostTier:
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         if self.write_through_while_room and len(self.node) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
-        # a finished sequence with refresh_finished: held blocks refreshed, lost ones stored again (node.store)
-        refresh = finished and self.refresh_finished
-        fresh = [h for h in block_hashes if refresh or h not in self._known]
-        if refresh:
-            fresh.reverse()  # tail first, as the real tier: the head ends the most recent
+        if finished and self.refresh_finished:
+            # as the real tier: the blocks the node holds refreshed in an offer of their own, tail first (the head
+            # ends the most recent), then those it lost, in order; "lost" read from the node, as the tier's view
+            held = [h for h in block_hashes if h in self.node]
+            held.reverse()
+            fresh = held + [h for h in block_hashes if h not in self.node]
+        else:
+            fresh = [h for h in block_hashes if h not in self._known]
         self.node.store(fresh)
         for block_hash in fresh:
             self._remember(block_hash)

@@ -37,3 +37,23 @@ def test_a_finished_sequence_refreshes_what_its_restore_demoted_with_refresh_fin
         tier.offload([0, 1], session, finished=True)
         node.store([b"\x04" * 16])  # one more: the least recent goes
         assert [h in node for h in [*session, other]] == ([True, True, False] if refresh else [True, False, True])
+
+
+def test_a_refresh_stores_the_held_blocks_tail_first_then_the_lost_ones_in_order() -> None:
+    """As the real tier's offload: the refresh's own offer (held, tail first) goes before the write-through of
+    what the node lost since, in the sequence's order; "lost" is read from the node, not the rank's memory."""
+    pool = BlockPool(8, caching=True)
+    node = NodeHostCache(capacity_blocks=8)
+    tier = RankHostTier(node, pool, refresh_finished=True)
+    hashes = [bytes([i]) * 16 for i in range(1, 6)]
+    tier.offload([0, 1, 2, 3, 4], hashes)
+    node.store([bytes([0x10 + i]) * 16 for i in range(6)])  # pushes hashes[0..2] out
+    lost = [h for h in hashes if h not in node]
+    assert lost == hashes[:3]
+    node.drain()
+    tier.offload([0, 1, 2, 3, 4], hashes, finished=True)
+    stored, _ = node.drain()
+    assert stored == lost  # only the lost ones are new copies, in the sequence's order
+    # the held ones were refreshed first, so the lost ones, stored after, are the most recent of the five
+    order = [h for h in node._lru if h in hashes]
+    assert order == [hashes[4], hashes[3], *lost]

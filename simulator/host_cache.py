@@ -82,8 +82,6 @@ class RankHostTier:
         self.horizon = EvictionHorizon(pool, horizon_blocks)
         self.write_through_while_room = write_through_while_room  # l1_write_through while_room, as the real tier
         self.refresh_finished = refresh_finished  # l1_refresh_finished, as the real tier
-        # What this rank sent or restored, oldest first: the real tier's peek for warm-first scheduling.
-        self._known: OrderedDict[bytes, None] = OrderedDict()
         self.restored_blocks = 0
 
     def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
@@ -100,7 +98,6 @@ class RankHostTier:
         blocks = self.pool.allocate(run)
         for block_id, block_hash in zip(blocks, block_hashes, strict=False):
             self.pool.register(block_id, block_hash)
-            self._remember(block_hash)
         self.node.restored(block_hashes[:run])
         self.restored_blocks += run
         fetch.restored.update(blocks)
@@ -119,32 +116,17 @@ class RankHostTier:
             held = [h for h in block_hashes if h in self.node]
             held.reverse()
             fresh = held + [h for h in block_hashes if h not in self.node]
-        else:
-            fresh = [h for h in block_hashes if h not in self._known]
+        else:  # what the node lacks, as the real tier's view of the kvstore says (a copy lands at once here)
+            fresh = [h for h in block_hashes if h not in self.node]
         self.node.store(fresh)
-        for block_hash in fresh:
-            self._remember(block_hash)
 
     def offer_horizon(self) -> None:
         """The real tier's eviction-horizon pass: the node cache refreshes what it holds and takes the rest (a
         copy that lands at once here)."""
         due = self.horizon.due(self.node.__contains__)
         if due:
-            hashes = [h for _, h in due]
-            self.node.store(hashes)
-            for block_hash in hashes:
-                self._remember(block_hash)
+            self.node.store([h for _, h in due])
 
     def known_run(self, block_hashes: list[bytes]) -> int:
-        run = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._known:
-                break
-            run += 1
-        return run
-
-    def _remember(self, block_hash: bytes) -> None:
-        self._known[block_hash] = None
-        self._known.move_to_end(block_hash)
-        while len(self._known) > self.node.capacity_blocks:
-            self._known.popitem(last=False)
+        """The real tier's peek for warm-first scheduling: the leading blocks its view says the node holds."""
+        return self.node.leading_run(block_hashes)

@@ -57,3 +57,19 @@ def test_a_refresh_stores_the_held_blocks_tail_first_then_the_lost_ones_in_order
     # the held ones were refreshed first, so the lost ones, stored after, are the most recent of the five
     order = [h for h in node._lru if h in hashes]
     assert order == [hashes[4], hashes[3], *lost]
+
+
+def test_write_through_sends_again_what_the_node_lost_as_the_real_tiers_view_says() -> None:
+    """The real tier offers what its view of the kvstore lacks, its own earlier copies and restores included; the
+    simulator had skipped whatever this rank sent or restored before (what it remembered, not what the node held)."""
+    pool = BlockPool(8, caching=True)
+    node = NodeHostCache(capacity_blocks=2)
+    tier = RankHostTier(node, pool)
+    session = [b"\x01" * 16, b"\x02" * 16]
+    tier.offload([0, 1], session)
+    node.store([b"\x03" * 16, b"\x04" * 16])  # another rank's copies push the session out
+    assert tier.known_run(session) == 0
+    node.drain()
+    tier.offload([0, 1], session)
+    assert node.drain()[0] == session
+    assert tier.known_run(session) == 2

@@ -324,9 +324,22 @@ ours_stop() {  # this PEER_TAG's stack and any other's (they share the port, the
 
 # --- agent steps, the same for both sides ---
 step_done() { grep -qsx "$2" "$STATE/$1-done"; }
+# The rank's gauges every 2 s through a step, one line each: epoch seconds, then name value pairs. The scrape after the
+# step sees the rank idle; on the H100 at 44 agents L0 served 30% of the hits where the simulator, whose copies land at
+# once, needs a pool a third smaller to do the same (bench/results/2026-12-07-cpu-simulate-view-write-through): what
+# holds L0 while a step runs (copies in flight, running and waiting requests) shows only here.
+sample_gauges() {  # file; runs until killed
+  local pattern='^(kvserve:l0_cached_blocks|kvserve:l1_copies_in_flight|vllm:kv_cache_usage_perc|vllm:num_requests_(running|waiting))[{ ]'
+  while sleep 2; do
+    printf '%s' "$(date +%s)"
+    curl -sf -m 2 "http://127.0.0.1:$RANK_METRICS_PORT/metrics" 2>/dev/null | grep -E "$pattern" \
+      | sed -E 's/\{[^}]*\}//' | while read -r name value; do printf ' %s %s' "$name" "$value"; done
+    echo
+  done >> "$1"
+}
 run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when every step is done
   local side=$1; shift
-  local n attempt seed budget file
+  local n attempt seed budget file sampler
   [ -d "$TRACES" ] || { say "no traces at $TRACES: carry .whl (or .whl/traces)"; return 1; }
   for n in ${STEPS//,/ }; do
     step_done "$side" "$n" && continue
@@ -342,10 +355,16 @@ run_steps() {  # side (vllm or ours), then extra load generator flags; 0 when ev
     seed=$((100 * ${attempt:-0} + n))  # the same prompts on both sides; a retry gets fresh ones (no stale cache)
     file=$WORK/$side-agents-$n
     say "$side: $n agents x $TURNS turns (seed $seed, at most $budget s)"
+    sampler=""
+    if [ "$side" = ours ]; then
+      sample_gauges "$file.rank-gauges.txt" &
+      sampler=$!
+    fi
     timeout -k 20 -s INT "$budget" python3 -m loadgen.agents_cli --url "http://127.0.0.1:$PORT" \
       --trace-path "$TRACES" --agents "$n" --turns "$TURNS" --max-output-tokens "$MAX_OUT" \
       --context-scale "$CONTEXT_SCALE" --max-context "$MAX_CONTEXT" --seed "$seed" --no-charts --quiet \
       --out "$file.json" "$@" > "$file.log" 2>&1
+    [ -n "$sampler" ] && { kill "$sampler" 2>/dev/null; wait "$sampler" 2>/dev/null; }
     tail -n 8 "$file.log"
     if [ "$side" = ours ]; then
       # the rank's counters after the step (cumulative: restored tokens, room waits, preemptions)

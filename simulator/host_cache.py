@@ -110,15 +110,13 @@ class RankHostTier:
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         if self.write_through_while_room and len(self.node) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
+        # what the node lacks, as the real tier's view of the kvstore says (a copy lands at once here)
+        lost = [h for h in block_hashes if h not in self.node]
         if finished and self.refresh_finished:
-            # as the real tier: the blocks the node holds refreshed in an offer of their own, tail first (the head
-            # ends the most recent), then those it lost, in order; "lost" read from the node, as the tier's view
-            held = [h for h in block_hashes if h in self.node]
-            held.reverse()
-            fresh = held + [h for h in block_hashes if h not in self.node]
-        else:  # what the node lacks, as the real tier's view of the kvstore says (a copy lands at once here)
-            fresh = [h for h in block_hashes if h not in self.node]
-        self.node.store(fresh)
+            # as the real tier: the blocks the node holds refreshed in an offer of their own first, tail first (the
+            # head ends the most recent); refreshing adds nothing, so it evicts nothing before the lost ones go in
+            self.node.store([h for h in reversed(block_hashes) if h in self.node])
+        self.node.store(lost)
 
     def offer_horizon(self) -> None:
         """The real tier's eviction-horizon pass: the node cache refreshes what it holds and takes the rest (a

@@ -86,6 +86,18 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="L0 entries next in line for eviction offered to L1 again (default: --config's; 0: write-through only)",
     )
+    node.add_argument(
+        "--l1-paced-copies",
+        action="store_true",
+        help="pace write-through copies as the real tier (l1_offload_mb_per_step a step, their blocks pinned in "
+        "the pool until they land); default: each lands at once, pinning nothing",
+    )
+    node.add_argument(
+        "--l1-copy-latency",
+        type=float,
+        default=0.0,
+        help="with --l1-paced-copies: seconds from a copy's issue to its landing (default: by the next step)",
+    )
     node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
@@ -271,6 +283,8 @@ def main(argv: list[str]) -> int:
         engine=engine,
         kv_bytes_per_token=facts.kv_bytes_per_token,
         l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
+        l1_paced_copies=args.l1_paced_copies,
+        l1_copy_latency_s=args.l1_copy_latency,
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * engine.block_size))
     route = RoutePolicy(

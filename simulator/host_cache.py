@@ -3,13 +3,17 @@ of slots), and each rank's view of it as the engine's host tier (the HostCacheTi
 rank_worker/l1/tier.py implements for real).
 
 Only bookkeeping: the time a restore takes is charged by the simulated rank (bytes / measured host
-bandwidth); a write-through offload runs off the step's critical path on the GPU, so it costs nothing here.
+bandwidth); a write-through offload runs off the step's critical path on the GPU, so it costs no step time. With
+a pace (offload_blocks_per_step, the engine's l1_offload_mb_per_step) its copies queue as the real tier's do: the
+offered blocks pinned in the pool until their copy lands, at most the pace issued a step, landing by the next
+step; without one a copy lands at once.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from rank_worker.engine.block_pool import BlockPool
 from rank_worker.l1.eviction_horizon import EvictionHorizon
@@ -66,6 +70,16 @@ class NodeHostCache:
         return stored, removed
 
 
+@dataclass
+class _Copy:
+    """Blocks on their way to the node cache, pinned in the pool until they land."""
+
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    to_front: bool  # the horizon's: L0 evicts them next once they land (the real tier's release order)
+    lands_at: float = 0.0  # issued: the simulated time its bytes have landed
+
+
 class RankHostTier:
     """One rank's host tier over the node cache, as the engine's KvCacheManager uses it."""
 
@@ -76,13 +90,32 @@ class RankHostTier:
         horizon_blocks: int = 0,
         write_through_while_room: bool = False,
         refresh_finished: bool = False,
+        offload_blocks_per_step: int | None = None,
+        copy_latency_s: float = 0.0,
     ) -> None:
         self.node = node
         self.pool = pool
         self.horizon = EvictionHorizon(pool, horizon_blocks)
         self.write_through_while_room = write_through_while_room  # l1_write_through while_room, as the real tier
         self.refresh_finished = refresh_finished  # l1_refresh_finished, as the real tier
+        self.offload_blocks_per_step = offload_blocks_per_step  # None: a copy lands at once
+        self.copy_latency_s = copy_latency_s  # paced: from a copy's issue to its landing (else by the next step)
         self.restored_blocks = 0
+        self.offloaded_blocks = 0
+        self.peak_pinned_blocks = 0  # the most blocks copies in flight held in the pool at once
+        self._queued: deque[_Copy] = deque()  # offered, not issued yet (the real tier's _queued)
+        self._issued: list[_Copy] = []  # issued this step: landed by the next (poll)
+        self._sending: set[bytes] = set()  # hashes queued or issued, not landed
+
+    @property
+    def copies_in_flight(self) -> int:
+        """Blocks queued or issued and not landed: what they hold of the pool (the rank's l1_copies_in_flight
+        counts the issued ones only)."""
+        return sum(len(c.block_ids) for c in self._queued) + sum(len(c.block_ids) for c in self._issued)
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._queued or self._issued)
 
     def fetch(self, prefix: list[bytes], block_hashes: list[bytes], room: Callable[[int], int]) -> HostFetch:
         """Restored at once (the real tier answers a step or so later; the rank charges the copy's time)."""
@@ -108,22 +141,80 @@ class RankHostTier:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
-        if self.write_through_while_room and len(self.node) >= self.node.capacity_blocks:
+        if self.write_through_while_room and len(self.node) + len(self._sending) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
-        # what the node lacks, as the real tier's view of the kvstore says (a copy lands at once here)
-        lost = [h for h in block_hashes if h not in self.node]
+        # what the node lacks and is not on its way, as the real tier's view of the kvstore says
+        lost = [
+            (b, h)
+            for b, h in zip(block_ids, block_hashes, strict=False)
+            if h not in self.node and h not in self._sending
+        ]
         if finished and self.refresh_finished:
             # as the real tier: the blocks the node holds refreshed in an offer of their own first, tail first (the
             # head ends the most recent); refreshing adds nothing, so it evicts nothing before the lost ones go in
             self.node.store([h for h in reversed(block_hashes) if h in self.node])
-        self.node.store(lost)
+        self._send(lost, to_front=False)
 
     def offer_horizon(self) -> None:
-        """The real tier's eviction-horizon pass: the node cache refreshes what it holds and takes the rest (a
-        copy that lands at once here)."""
-        due = self.horizon.due(self.node.__contains__)
-        if due:
+        """The real tier's eviction-horizon pass: the node cache refreshes what it holds and is sent the rest,
+        ahead of write-through's backlog."""
+        due = self.horizon.due(self.node.__contains__, self._sending)
+        if not due:
+            return
+        if self.offload_blocks_per_step is None:  # in one store, in the horizon's order: a copy lands at once
             self.node.store([h for _, h in due])
+            return
+        self.node.store([h for _, h in due if h in self.node])
+        self._send([(b, h) for b, h in due if h not in self.node], to_front=True)
+
+    def _send(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
+        if not blocks:
+            return
+        if self.offload_blocks_per_step is None:
+            self.node.store([h for _, h in blocks])
+            return
+        copy = _Copy([b for b, _ in blocks], [h for _, h in blocks], to_front)
+        for block_id in copy.block_ids:
+            self.pool.acquire_cached(block_id)  # L0 must not evict and reuse it while the copy reads it
+        self._sending.update(copy.block_hashes)
+        if to_front:
+            self._queued.appendleft(copy)
+        else:
+            self._queued.append(copy)
+        self.peak_pinned_blocks = max(self.peak_pinned_blocks, self.copies_in_flight)
+
+    def pump(self, now: float = 0.0) -> int:
+        """After a step's launch at `now`: the horizon's pass, then issue at most the pace of queued blocks (the
+        real tier's pump). Returns the blocks issued."""
+        self.offer_horizon()
+        budget = self.offload_blocks_per_step or 0
+        issued = 0
+        while self._queued and budget > 0:
+            copy = self._queued[0]
+            n = min(budget, len(copy.block_ids))
+            lands_at = now + self.copy_latency_s
+            self._issued.append(_Copy(copy.block_ids[:n], copy.block_hashes[:n], copy.to_front, lands_at))
+            del copy.block_ids[:n], copy.block_hashes[:n]
+            if not copy.block_ids:
+                self._queued.popleft()
+            budget -= n
+            issued += n
+        return issued
+
+    @property
+    def next_landing(self) -> float | None:
+        """When the oldest issued copy lands (None: none issued)."""
+        return self._issued[0].lands_at if self._issued else None
+
+    def poll(self, now: float = float("inf")) -> None:
+        """The issued copies that have landed by `now`, in issue order (one stream): stored in the node, their
+        pool blocks let go (tail first, as the real tier's commit)."""
+        while self._issued and self._issued[0].lands_at <= now:
+            copy = self._issued.pop(0)
+            self.node.store(copy.block_hashes)
+            self.pool.release(copy.block_ids[::-1], to_front=copy.to_front)
+            self._sending.difference_update(copy.block_hashes)
+            self.offloaded_blocks += len(copy.block_ids)
 
     def known_run(self, block_hashes: list[bytes]) -> int:
         """The real tier's peek for warm-first scheduling: the leading blocks its view says the node holds."""

@@ -37,6 +37,7 @@ SIMULATED_ENGINE_KEYS = frozenset(
         "l1_eviction_horizon_blocks",
         "l1_write_through",
         "l1_refresh_finished",
+        "l1_offload_mb_per_step",
     }
 )
 
@@ -53,6 +54,18 @@ class RankSettings:
     policy: SchedulingConfig = field(default_factory=SchedulingConfig)  # the config's section, as a rank's
     kv_bytes_per_token: int = 131072  # for the time an L1 restore takes
     l1_bytes_per_s: float = 50e9
+    # write-through copies paced as the real tier's (l1_offload_mb_per_step a step, their blocks pinned in the pool
+    # until they land), where False lands each at once, pinning nothing
+    l1_paced_copies: bool = False
+    l1_copy_latency_s: float = 0.0  # paced: from a copy's issue to its landing (0: by the next step)
+
+    @property
+    def offload_blocks_per_step(self) -> int | None:
+        """The real tier's pace in blocks, when copies are paced."""
+        if not self.l1_paced_copies:
+            return None
+        block_bytes = self.kv_bytes_per_token * self.engine.block_size
+        return max(1, self.engine.l1_offload_bytes_per_step // block_bytes)
 
     def to_json(self) -> dict[str, Any]:
         """The rank as results record it: its own fields and the engine keys it runs by (its policy apart)."""
@@ -113,6 +126,8 @@ class SimulatedRank:
                 horizon,
                 engine.l1_write_through == "while_room",
                 refresh_finished=engine.l1_refresh_finished,
+                offload_blocks_per_step=settings.offload_blocks_per_step,
+                copy_latency_s=settings.l1_copy_latency_s,
             )
             if node_cache is not None
             else None
@@ -128,7 +143,8 @@ class SimulatedRank:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        # copies on their way keep the real engine stepping (L1Tier.has_pending): they hold pool blocks
+        return self.scheduler.has_work() or (self.tier is not None and self.tier.has_pending)
 
     def add(self, seq: Sequence, now: float) -> None:
         if not self.has_work:
@@ -136,6 +152,8 @@ class SimulatedRank:
         self.scheduler.add(seq)
 
     def step(self, now: float) -> StepOutcome:
+        if self.tier is not None:
+            self.tier.poll(now)  # the copies issued by now have landed
         restored_before = self.scheduler.restored_tokens
         batch = self.scheduler.schedule()
         prefills: list[tuple[int, int]] = []
@@ -169,8 +187,19 @@ class SimulatedRank:
                 seq.finish_time = end
                 outcome.finished.append(seq)
         if self.tier is not None:
-            self.tier.offer_horizon()  # the real tier's pass follows the step's launch; copies cost no step time
-        if not batch.entries and not batch.preempted:
+            # after the step's launch, as the real engine: the horizon's pass and this step's copies, off its
+            # critical path (no step time), but an idle rank's step is those copies (the real one waits for them)
+            issued = self.tier.pump(now)
+            if not batch.entries:
+                block_bytes = self.settings.kv_bytes_per_token * self.settings.engine.block_size
+                end += issued * block_bytes / self.settings.l1_bytes_per_s
+                landing = self.tier.next_landing
+                if landing is not None and not issued:
+                    end = max(end, landing)  # nothing to run: wait for the oldest copy, as the real engine
+                outcome.end = end
+                duration = end - now
+        copying = self.tier is not None and self.tier.has_pending  # the pool blocks they hold come back
+        if not batch.entries and not batch.preempted and self.scheduler.has_work() and not copying:
             raise RuntimeError(
                 f"rank {self.rank_id} is stuck: {len(self.scheduler.waiting)} waiting requests and none fits "
                 f"the {self.settings.num_blocks}-block pool"

@@ -73,3 +73,58 @@ def test_write_through_sends_again_what_the_node_lost_as_the_real_tiers_view_say
     tier.offload([0, 1], session)
     assert node.drain()[0] == session
     assert tier.known_run(session) == 2
+
+
+def _registered(pool: BlockPool, count: int) -> tuple[list[int], list[bytes]]:
+    blocks = pool.allocate(count)
+    hashes = [bytes([0x20 + i]) * 16 for i in range(count)]
+    for block_id, block_hash in zip(blocks, hashes, strict=True):
+        pool.register(block_id, block_hash)
+    return blocks, hashes
+
+
+def test_paced_copies_hold_their_blocks_in_the_pool_until_they_land_at_the_pace() -> None:
+    """As the real tier (l1_offload_mb_per_step): an offer queues, at most the pace is issued a step, and an issued
+    copy's blocks stay pinned (not evictable, still prefix-cache entries) until it lands; an offer already on its
+    way is not sent twice."""
+    pool = BlockPool(8, caching=True)
+    node = NodeHostCache(capacity_blocks=8)
+    tier = RankHostTier(node, pool, offload_blocks_per_step=2)
+    blocks, hashes = _registered(pool, 5)
+    tier.offload(blocks, hashes)
+    tier.offload(blocks, hashes)  # on its way: nothing more queued
+    assert tier.copies_in_flight == 5 and tier.has_pending
+    pool.release(list(reversed(blocks)))  # the sequence ends; the copies still hold every block
+    assert pool.num_free == 3
+    assert tier.pump() == 2 and tier.pump() == 2  # two steps, two blocks each
+    assert len(node) == 0  # issued, none landed yet
+    tier.poll()
+    assert [h in node for h in hashes] == [True, True, True, True, False]
+    assert pool.num_free == 7 and pool.num_cached == 5  # let go, still cached in L0
+    assert tier.pump() == 1
+    tier.poll()
+    assert hashes[4] in node and not tier.has_pending and tier.peak_pinned_blocks == 5
+    assert tier.offloaded_blocks == 5
+
+
+def test_a_paced_copy_lands_after_its_latency() -> None:
+    pool = BlockPool(4, caching=True)
+    node = NodeHostCache(capacity_blocks=4)
+    tier = RankHostTier(node, pool, offload_blocks_per_step=4, copy_latency_s=0.5)
+    blocks, hashes = _registered(pool, 2)
+    tier.offload(blocks, hashes)
+    tier.pump(now=1.0)
+    assert tier.next_landing == 1.5
+    tier.poll(now=1.4)
+    assert len(node) == 0 and tier.has_pending
+    tier.poll(now=1.5)
+    assert len(node) == 2 and not tier.has_pending
+
+
+def test_unpaced_copies_land_at_once_and_pin_nothing() -> None:
+    pool = BlockPool(4, caching=True)
+    node = NodeHostCache(capacity_blocks=4)
+    tier = RankHostTier(node, pool)
+    blocks, hashes = _registered(pool, 3)
+    tier.offload(blocks, hashes)
+    assert len(node) == 3 and not tier.has_pending and tier.copies_in_flight == 0

@@ -79,6 +79,20 @@ def test_the_l1_host_cache_serves_what_l0_evicted() -> None:
     assert hit["l1"] > hit["l0"] + 0.2
 
 
+def test_paced_l1_copies_still_serve_what_l0_evicted_and_all_land() -> None:
+    """Write-through paced as the real tier (its blocks pinned until they land) serves the same load from L1, and
+    the replay ends with no copy left on its way (an idle rank steps on until they land)."""
+    work = sessions(4, base_blocks=160, turns=6, output=8)
+    workload = WorkloadSettings(agents=4, turns=6, think=THINK)
+    paced = replace(node(1, num_blocks=2048, l1_paced_copies=True, l1_copy_latency_s=0.2), l1_blocks=20_000)
+    assert paced.rank.offload_blocks_per_step == 256  # 512 MiB of 2 MiB blocks (llama-8b's 128 KiB a token)
+    sim = Replay(work, workload, paced, STEP_TIME)
+    result = sim.run()
+    assert result.cached_by_tier["l1"] > 0
+    assert all(not r.has_work for r in sim.ranks)
+    assert len(result.records) == 24 and all(r.error is None for r in result.records)
+
+
 def test_two_ranks_share_the_agents_and_keep_each_session_on_its_rank() -> None:
     work = sessions(8, base_blocks=100, turns=4, output=8)
     result = replay(work, WorkloadSettings(agents=8, turns=4, think=THINK), node(2), STEP_TIME)

@@ -99,7 +99,8 @@ def summary(loadgen: dict[str, Any], short: list[dict[str, Any]]) -> dict[str, A
     }
 
 
-def _read(path: Path) -> str:
+def read_text(path: Path) -> str:
+    """A log, plain or gzipped."""
     opener = gzip.open if path.suffix == ".gz" else open
     with opener(path, "rt") as handle:
         return handle.read()
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10, help="calls to print, largest loss first")
     args = parser.parse_args(argv)
     loadgen = json.loads(args.loadgen.read_text())
-    result = summary(loadgen, losses(loadgen, rank_splits(_read(args.rank_log))))
+    result = summary(loadgen, losses(loadgen, rank_splits(read_text(args.rank_log))))
     console = Console()
     console.print(
         f"{result['short_calls']} of {result['warm_calls']} warm calls short of their optimum: "

@@ -4,7 +4,7 @@ largest passing N, and what a million input tokens costs at that N."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from loadgen.report import Thresholds, largest_passing, step_stats
@@ -22,17 +22,21 @@ def simulate_steps(
     node: NodeSettings,
     step_time: StepTimeModel,
     thresholds: Thresholds = Thresholds(),
+    calls: bool = False,
 ) -> list[dict[str, Any]]:
-    """One predicted step per agent count: the load generator's step statistics plus what the node did."""
+    """One predicted step per agent count: the load generator's step statistics plus what the node did (and with
+    calls, each call's record with its L1 tokens)."""
     steps: list[dict[str, Any]] = []
     for index, agents in enumerate(agent_counts):
         result = replay(sessions, replace(workload, agents=agents, step_index=index), node, step_time)
-        steps.append(replayed_step(result, agents, thresholds))
+        steps.append(replayed_step(result, agents, thresholds, calls=calls))
     return steps
 
 
-def replayed_step(result: ReplayResult, agents: int, thresholds: Thresholds) -> dict[str, Any]:
-    """One replayed step judged as the load generator judges a measured one, with what the node's ranks did."""
+def replayed_step(result: ReplayResult, agents: int, thresholds: Thresholds, *, calls: bool = False) -> dict[str, Any]:
+    """One replayed step judged as the load generator judges a measured one, with what the node's ranks did;
+    calls: every call's record too (the load generator's fields, and l1_cached_tokens), to set beside a measured
+    run's call by call (bench/sim_vs_gpu.py)."""
     stats = step_stats(result.records, agents, result.cached_by_tier, result.wall_s, thresholds)
     stats["input_tokens_per_s"] = round(stats["input_tokens"] / result.wall_s, 1) if result.wall_s > 0 else None
     stats["node"] = {
@@ -40,6 +44,11 @@ def replayed_step(result: ReplayResult, agents: int, thresholds: Thresholds) -> 
         "rank_steps": result.rank_steps,
         "route_reasons": result.route_reasons,
     }
+    if calls:
+        stats["calls"] = [
+            {**asdict(record), "l1_cached_tokens": l1}
+            for record, l1 in zip(result.records, result.l1_cached_by_call, strict=True)
+        ]
     return stats
 
 

@@ -143,6 +143,11 @@ def build_parser() -> argparse.ArgumentParser:
     out.add_argument("--monthly-price", type=float, default=None, help="the node's price per month (any currency)")
     out.add_argument("--calibrate", default=None, help="a measured agents JSON to compare with (e.g. agents-h200)")
     out.add_argument("--json", default=None, help="write the results here")
+    out.add_argument(
+        "--calls",
+        action="store_true",
+        help="with --json: every call's record (and its L1 tokens) in each step, for bench/sim_vs_gpu.py",
+    )
     return parser
 
 
@@ -323,7 +328,7 @@ def main(argv: list[str]) -> int:
             )  # fmt: skip
             runs[name] = by_choice[name][choices[0]]
             continue
-        runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds)
+        runs[name] = simulate_steps(sessions, agent_counts, workload, node, step_time, thresholds, calls=args.calls)
         _print_table(f"predicted steps ({name})", runs[name])
     headline = scheduling.scheduling_policy if scheduling.scheduling_policy in runs else policies[-1]
     steps = runs[headline]

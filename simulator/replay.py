@@ -71,6 +71,7 @@ class ReplayResult:
     rank_busy_s: list[float]
     rank_steps: list[int]
     route_reasons: dict[str, int]
+    l1_cached_by_call: list[int] = field(default_factory=list)  # of each record's cached tokens, L1's (same order)
 
 
 @dataclass
@@ -126,6 +127,7 @@ class Replay:
         self.prompts = PromptTokens(workload.context_scale)
         self.sent = SentPrefixes()
         self.records: list[RequestRecord] = []
+        self._l1_by_record: dict[int, int] = {}  # id(record) -> its L1 tokens
         self._l1_tokens = 0
         self.calls: dict[str, _Call] = {}
         self._events: list[tuple[float, int, _Agent]] = []  # (time, tie-breaker, agent to wake)
@@ -184,6 +186,7 @@ class Replay:
         l0 = sum(record.cached_tokens for record in self.records) - self._l1_tokens
         return ReplayResult(
             records=self.records,
+            l1_cached_by_call=[self._l1_by_record[id(record)] for record in self.records],
             cached_by_tier={"l0": float(l0), "l1": float(self._l1_tokens)},
             wall_s=last_answer,
             rank_busy_s=[rank.busy_s for rank in self.ranks],
@@ -266,27 +269,27 @@ class Replay:
         if answered:
             self._l1_tokens += seq.num_l1_cached_tokens
         agent = call.agent
-        self.records.append(
-            RequestRecord(
-                agent=agent.index,
-                session=agent.session.name if agent.session is not None else "",
-                turn=agent.turns_done,
-                session_turn=agent.session_turn,
-                warm=call.reuse >= WARM_REUSE,
-                expected_reuse=round(call.reuse, 4),
-                expected_input_tokens=seq.num_prompt_tokens,
-                max_tokens=call.max_tokens,
-                sent_s=round(call.sent_s, 4),
-                ttft_s=(seq.first_token_time - call.sent_s) if answered and seq.first_token_time else None,
-                decode_s=(seq.finish_time - seq.first_token_time)
-                if answered and seq.finish_time and seq.first_token_time
-                else 0.0,
-                output_tokens=seq.num_output_tokens if answered else 0,
-                input_tokens=seq.num_prompt_tokens if answered else 0,
-                cached_tokens=cached,
-                error=error,
-            )
+        record = RequestRecord(
+            agent=agent.index,
+            session=agent.session.name if agent.session is not None else "",
+            turn=agent.turns_done,
+            session_turn=agent.session_turn,
+            warm=call.reuse >= WARM_REUSE,
+            expected_reuse=round(call.reuse, 4),
+            expected_input_tokens=seq.num_prompt_tokens,
+            max_tokens=call.max_tokens,
+            sent_s=round(call.sent_s, 4),
+            ttft_s=(seq.first_token_time - call.sent_s) if answered and seq.first_token_time else None,
+            decode_s=(seq.finish_time - seq.first_token_time)
+            if answered and seq.finish_time and seq.first_token_time
+            else 0.0,
+            output_tokens=seq.num_output_tokens if answered else 0,
+            input_tokens=seq.num_prompt_tokens if answered else 0,
+            cached_tokens=cached,
+            error=error,
         )
+        self.records.append(record)
+        self._l1_by_record[id(record)] = seq.num_l1_cached_tokens if answered else 0
 
 
 def replay(

@@ -76,6 +76,7 @@ def test_the_l1_host_cache_serves_what_l0_evicted() -> None:
         name: step_stats(r.records, 4, r.cached_by_tier)["cache_hit"] for name, r in (("l0", without), ("l1", with_l1))
     }
     assert with_l1.cached_by_tier["l1"] > 0 and without.cached_by_tier["l1"] == 0
+    assert sum(with_l1.l1_cached_by_call) == with_l1.cached_by_tier["l1"]  # per call, in the records' order
     assert hit["l1"] > hit["l0"] + 0.2
 
 

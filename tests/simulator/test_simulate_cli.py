@@ -105,6 +105,19 @@ def test_ab_runs_both_policies(tmp_path: Path) -> None:
     assert results["steps"] == results["ab"]["warm_first"]  # the default policy's steps are the headline
 
 
+def test_calls_puts_every_call_with_its_l1_tokens_in_the_json(tmp_path: Path) -> None:
+    traces = _trace_file(tmp_path / "traces", sessions=2, turns=3)
+    out = tmp_path / "calls.json"
+    args = ["--trace-path", str(traces), "--agents", "2", "--turns", "3", "--l1-gb", "1", "--json", str(out)]
+    assert main([*args, "--calls"]) == 0
+    step = json.loads(out.read_text())["steps"][0]
+    assert len(step["calls"]) == step["requests"] == 6
+    assert {"agent", "turn", "sent_s", "cached_tokens", "l1_cached_tokens"} <= set(step["calls"][0])
+    assert sum(call["l1_cached_tokens"] for call in step["calls"]) == step["l1_cached_tokens"]
+    assert main(args) == 0
+    assert "calls" not in json.loads(out.read_text())["steps"][0]  # only when asked: a step's JSON stays small
+
+
 def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     traces = _trace_file(tmp_path / "traces", sessions=1, turns=2)
     assert main(["--trace-path", str(traces), "--agents", "0,2"]) == 2

@@ -325,9 +325,9 @@ ours_stop() {  # this PEER_TAG's stack and any other's (they share the port, the
 # --- agent steps, the same for both sides ---
 step_done() { grep -qsx "$2" "$STATE/$1-done"; }
 # The rank's gauges every 2 s through a step, one line each: epoch seconds, then name value pairs. The scrape after the
-# step sees the rank idle; on the H100 at 44 agents L0 served 30% of the hits where the simulator, whose copies land at
-# once, needs a pool a third smaller to do the same (bench/results/2026-12-07-cpu-simulate-view-write-through): what
-# holds L0 while a step runs (copies in flight, running and waiting requests) shows only here.
+# step sees the rank idle: what holds L0 while a step runs (copies in flight, running and waiting requests) shows only
+# here. (The H100's L0 share at 44 agents, 30% against the simulator's 55%, came from the simulator's stale step-time
+# calibration, not from copies in flight: bench/results/2026-12-07-cpu-simulate-paced-copies.)
 sample_gauges() {  # file; runs until killed
   local pattern='^(kvserve:l0_cached_blocks|kvserve:l1_copies_in_flight|vllm:kv_cache_usage_perc|vllm:num_requests_(running|waiting))[{ ]'
   while sleep 2; do

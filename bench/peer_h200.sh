@@ -5,6 +5,7 @@
 #   bash bench/peer_h200.sh vllm-agents      # (alias vllm-serve-start) agent steps against vLLM; stops it when done
 #   bash bench/peer_h200.sh ours-engine      # (alias ours) bench/engine.py bf16 + float32 match, then `kvserve up`
 #   bash bench/peer_h200.sh ours-agents      # agent steps against our stack; stops it when done
+#   bash bench/peer_h200.sh sim-calibrate    # simulator/decode_probe.py: the simulator's decode model on this GPU
 #   bash bench/peer_h200.sh status           # what is installed, running and done on this machine
 #   bash bench/peer_h200.sh stop             # stop both servers (their logs go into stop.tar.gz)
 #   bash bench/peer_h200.sh caches-out       # vLLM's and Triton's compile caches back in parts (.caches/ for later)
@@ -57,6 +58,12 @@
 # STEPS=40,44 KVSERVE_L1_REFRESH_FINISHED=true PEER_TAG=llama-refresh against the default (the simulator, its tier
 # judged as the real one: 98.7-99.9% -> 99.9% at 40 and 44, worse at 48:
 # bench/results/2026-12-07-cpu-simulate-view-write-through).
+# The simulator's step-time model, fitted to the engine of 2026-11-29, ran the H100's cold prompts twice as slowly as
+# the GPU did, which is why it passed 44 agents where the H100 failed (bench/results/2026-12-07-cpu-simulate-paced-copies).
+# To calibrate it on this GPU, two calls after the .fa4 chunks, each carrying [".whl"]:
+#   ENGINE_ONLY=1 bash bench/peer_h200.sh ours-engine    then    bash bench/peer_h200.sh sim-calibrate
+# and on this machine: kvserve bench simulate ... --engine-results raw/ours-engine.json --decode-results
+# raw/decode-probe.json --calls, then bench/sim_vs_gpu.py against the lease's own agent steps.
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8
@@ -104,6 +111,7 @@ RANDOM_WEIGHTS=${RANDOM_WEIGHTS:-normal}
 VLLM_MAX_MODEL_LEN=${VLLM_MAX_MODEL_LEN:-131072}
 VLLM_ARGS=${VLLM_ARGS:-}                 # more `vllm serve` flags (e.g. --kv-offloading-size 64)
 ONLY_MEASURES=${ONLY_MEASURES:-}         # -engine phases: these measures of bench/peer_plan.py alone (e.g. the decodes)
+PROBE_BLOCKS=${PROBE_BLOCKS:-25800}      # sim-calibrate's pool: an H100's for llama-8b (its 524K-token cases are skipped)
 # vLLM's MoE routing for the DeepSeek shape: `uniform_random` (its VLLM_MOE_ROUTING_SIMULATION_STRATEGY) gives each
 # token 6 experts at random, as ours routes under either random draw. Its own router cannot with dummy weights: the
 # gate's bf16 logits are ~1e-5 apart, torch.softmax of bf16 logits returns bf16, and every one of the 64 scores
@@ -471,6 +479,25 @@ phase() {
       agents_part ours
       pack ours-agents
       ;;
+    sim-calibrate)
+      # the simulator's decode model on this GPU (simulator/decode_probe.py), against this call's engine run where
+      # ours-engine ran before it on this machine: with ours-engine.json, `kvserve bench simulate --engine-results
+      # ours-engine.json --decode-results decode-probe.json` replays at this engine's speed (its calibration of
+      # 2026-11-29 ran cold prompts twice as slowly as the H100: bench/results/2026-12-07-cpu-simulate-paced-copies)
+      vllm_stop
+      ours_stop
+      wait_gpu_free
+      engine_json=simulator/results/engine-h200.json
+      [ -f "$WORK/ours-engine.json" ] && engine_json=$WORK/ours-engine.json
+      say "simulator/decode_probe.py --shape $ENGINE_SHAPE --num-blocks $PROBE_BLOCKS (model: $engine_json)"
+      rm -f "$WORK/decode-probe.json" "$WORK/decode-probe.log"
+      budget=$(run_for 10) &&
+      timeout -k 20 "$budget" "${PYTHON:-python3}" -m simulator.decode_probe --shape "$ENGINE_SHAPE" --num-blocks "$PROBE_BLOCKS" \
+        --engine-results "$engine_json" --out "$WORK/decode-probe.json" > "$WORK/decode-probe.log" 2>&1
+      tail -n 30 "$WORK/decode-probe.log"
+      cp "$WORK/decode-probe.json" "$OUT/" 2>/dev/null || say "no decode-probe.json"
+      pack sim-calibrate
+      ;;
     stop)
       vllm_stop
       ours_stop
@@ -485,7 +512,7 @@ phase() {
       say "flash-attn 4 for our prefill: $([ "$FA4_LOADED" = 1 ] && echo on || echo off)"
       say "step budget: vllm serve ${VLLM_MAX_BATCHED/#0/its default}; kvserve up ${VLLM_MAX_BATCHED/#0/its config\'s} ($(ours_budget))"
       ;;
-    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, caches-out, status, stop)"; return 2 ;;
+    *) echo "unknown phase $1 (chunk, vllm-engine, vllm-agents, ours-engine, ours-agents, sim-calibrate, caches-out, status, stop)"; return 2 ;;
   esac
 }
 

@@ -58,11 +58,13 @@ def _sync() -> None:
 
 def _engine(shape: str, num_blocks: int, max_len: int) -> PagedEngine:
     model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
-    # The engine benchmark's chunk size, so a prefill chunk runs whole in one step.
+    # The engine benchmark's chunk size, so a prefill chunk runs whole in one step. Steps one at a time: each is
+    # timed alone (synchronised before and after), and a pipelined step would schedule its successor over the
+    # sequences this probe sets up by hand, which grow past the blocks it gave them.
     settings = EngineSettings(
         num_blocks=num_blocks,
         max_model_len=max_len,
-        engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=32768),
+        engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=32768, pipeline_steps=False),
     )
     return PagedEngine(model, settings)
 
@@ -114,7 +116,7 @@ def measure(engine: PagedEngine, contexts: list[int], prefill: tuple[int, int] |
     return statistics.median(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="llama-8b")
     parser.add_argument("--engine-results", default=str(ROOT / "simulator" / "results" / "engine-h200.json"))
@@ -122,7 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--quick", action="store_true", help="tiny cases (a CPU smoke run of the script)")
     parser.add_argument("--out", default="")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     quick: list[tuple[list[int], tuple[int, int] | None]] = [([64] * 2, None), ([256] + [64] * 3, None)]
     cases = [*quick, ([64], (128, 256))] if args.quick else CASES
     model = fit_step_time(load_engine_results(args.engine_results))
@@ -130,7 +132,15 @@ def main() -> None:
         args.shape, args.num_blocks, max(max(c, default=0) + (p[0] + p[1] if p else 0) for c, p in cases) + 64
     )
     rows = []
+    block_size = engine.kv.block_size
     for case, (contexts, prefill) in enumerate(cases):
+        # blocks the case takes at its longest (every decode step adds a token), and a prefill chunk's own
+        needed = sum(-(-(c + args.steps + 4) // block_size) for c in contexts)
+        needed += -(-(prefill[0] + prefill[1]) // block_size) if prefill else 0
+        if needed > engine.kv.pool.num_free:
+            print(f"skipped: {len(contexts)} x {max(contexts, default=0)} tokens (+ {prefill}) needs {needed} "
+                  f"blocks of a {args.num_blocks}-block pool", flush=True)  # fmt: skip
+            continue
         seconds = measure(engine, contexts, prefill, case, args.steps)
         # Decode contexts as the simulator counts them: the token being decoded included.
         predicted = model.step_s([prefill] if prefill else [], [c + 1 for c in contexts])

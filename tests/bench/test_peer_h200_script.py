@@ -4,10 +4,12 @@ one step budget it gives both servers, and flash-attn 4 taken up by the very cal
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -116,3 +118,19 @@ def test_stop_stops_the_servers_of_every_peer_tag(tmp_path: Path) -> None:
         for server in servers:
             server.kill()
             server.wait()
+
+
+def test_sim_calibrate_probes_decode_against_this_machines_engine_run(tmp_path: Path) -> None:
+    """The phase runs the decode probe against the engine JSON an ours-engine call left on this machine, and sends
+    its rows back; here on the tiny shape with a pool too small for any case, so every case is skipped quickly."""
+    repo = SCRIPT.parents[1]
+    (tmp_path / "work").mkdir()
+    shutil.copy(repo / "simulator" / "results" / "engine-h200.json", tmp_path / "work" / "ours-engine.json")
+    said = phase(
+        "sim-calibrate", tmp_path, tmp_path, tmp_path,
+        ENGINE_SHAPE="tiny", PROBE_BLOCKS="64", PYTHON=sys.executable, PYTHONPATH=str(repo),
+    )  # fmt: skip
+    assert f"(model: {tmp_path / 'work' / 'ours-engine.json'})" in said
+    assert "skipped: 1 x 4096 tokens" in said
+    probe = json.loads((tmp_path / "out" / "decode-probe.json").read_text())
+    assert probe["shape"] == "tiny" and probe["rows"] == []

@@ -25,3 +25,12 @@ def test_a_case_larger_than_the_pool_is_skipped_not_fatal(tmp_path: Path) -> Non
     decode_probe.main(["--quick", "--shape", "tiny", "--steps", "2", "--num-blocks", "20", "--out", str(out)])
     rows = json.loads(out.read_text())["rows"]
     assert [(row["batch"], row["max_context"]) for row in rows] == [(2, 64)]  # 4 x 256 and the prefill do not fit
+
+
+def test_cases_of_more_sequences_in_all_than_table_rows_run(tmp_path: Path, monkeypatch) -> None:
+    """Each case's sequences give their block-table rows back (on the H100 the full set ran out of rows at the
+    sixth case: 266 sequences against max_num_seqs 256)."""
+    monkeypatch.setattr(decode_probe, "CASES", [([32] * 200, None), ([32] * 100, None)])
+    out = tmp_path / "decode.json"
+    decode_probe.main(["--shape", "tiny", "--steps", "1", "--num-blocks", "1600", "--out", str(out)])
+    assert [row["batch"] for row in json.loads(out.read_text())["rows"]] == [200, 100]

@@ -11,7 +11,6 @@ step; without one a copy lands at once.
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -107,7 +106,6 @@ class RankHostTier:
         self._queued: deque[_Copy] = deque()  # offered, not issued yet (the real tier's _queued)
         self._issued: list[_Copy] = []  # issued this step: landed by the next (poll)
         self._sending: set[bytes] = set()  # hashes queued or issued, not landed
-        self._restored: set[bytes] = set()
 
     @property
     def copies_in_flight(self) -> int:
@@ -135,8 +133,6 @@ class RankHostTier:
             self.pool.register(block_id, block_hash)
         self.node.restored(block_hashes[:run])
         self.restored_blocks += run
-        if os.environ.get("SKIP_RESTORED"):
-            self._restored.update(block_hashes[:run])
         fetch.restored.update(blocks)
         fetch.held = held + blocks  # held until the admission takes them, as the rank's tier does
         return fetch
@@ -151,7 +147,7 @@ class RankHostTier:
         lost = [
             (b, h)
             for b, h in zip(block_ids, block_hashes, strict=False)
-            if h not in self.node and h not in self._sending and h not in self._restored
+            if h not in self.node and h not in self._sending
         ]
         if finished and self.refresh_finished:
             # as the real tier: the blocks the node holds refreshed in an offer of their own first, tail first (the

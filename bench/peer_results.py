@@ -334,27 +334,42 @@ def largest_passing(rows: list[dict[str, Any]], side: str) -> int | None:
 
 def passing_ratio(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], float | None, str, str | None]:
     """Each side's largest passing count, kvserve's over vLLM's, what kind of number the ratio is and a note.
-    The ratio is None only when a side ran no step. A side that failed its smallest step N passed fewer than N
-    agents: the ratio then uses N and is a bound ('lower_bound': kvserve's lead is at least this;
-    'upper_bound': at most this), or 'both_below' when neither passed its smallest step (no lead shown)."""
+    The ratio is None only when a side ran no step. A side's count is exact when it failed a step above it; a
+    side that passed its largest step passed at least that many; one that failed its smallest step N passed fewer
+    than N (the ratio then uses N). Hence the kind: 'exact'; 'lower_bound' (kvserve's lead is at least this: its
+    count can only be higher, or vLLM's only lower); 'upper_bound' (at most this); 'both_below' (neither passed
+    its smallest step: no lead shown); 'both_open' (both passed every step they ran: either may be higher)."""
     best = {side: largest_passing(rows, side) for side in SIDES}
     ran = {side: sorted(row["agents"] for row in rows if row[side]) for side in SIDES}
     names = {"ours": "kvserve", "vllm": "vLLM"}
     if not ran["ours"] or not ran["vllm"]:
         parts = [f"{names[side]} ran no step" for side in SIDES if not ran[side]]
         return best, None, None, "no ratio: " + "; ".join(parts)
+
+    def bound(side: str) -> str:
+        if best[side] is None:
+            return "below"
+        return "at_least" if best[side] == ran[side][-1] else "exact"
+
+    ours_bound, vllm_bound = bound("ours"), bound("vllm")
+    if ours_bound == vllm_bound == "exact":
+        kind = "exact"
+    elif ours_bound == vllm_bound == "below":
+        kind = "both_below"
+    elif ours_bound != "below" and vllm_bound != "at_least":
+        kind = "lower_bound"
+    elif ours_bound != "at_least" and vllm_bound != "below":
+        kind = "upper_bound"
+    else:
+        kind = "both_open"
     ours = best["ours"] if best["ours"] is not None else ran["ours"][0]
     vllm = best["vllm"] if best["vllm"] is not None else ran["vllm"][0]
-    kind = {
-        (True, True): "exact",
-        (True, False): "lower_bound",
-        (False, True): "upper_bound",
-        (False, False): "both_below",
-    }[(best["ours"] is not None, best["vllm"] is not None)]
 
     def said(side: str) -> str:
         if best[side] is None:
             return f"{names[side]} failed its smallest step ({ran[side][0]} agents)"
+        if bound(side) == "at_least":
+            return f"{names[side]} passed every step it ran, up to {best[side]} agents"
         return f"{names[side]} passed up to {best[side]} agents"
 
     return best, ours / vllm, kind, f"{said('ours')}; {said('vllm')} ({kind.replace('_', ' ')})"

@@ -171,13 +171,16 @@ def test_a_step_stopped_at_step_max_fails_unless_a_finished_run_of_it_exists(tmp
     assert "unfinished" not in row["ours"]
     assert result["largest_passing"] == {"ours": 80, "vllm": 64}
     assert result["largest_passing_ratio"] == pytest.approx(80 / 64)
-    assert result["largest_passing_ratio_kind"] == "exact"
+    assert result["largest_passing_ratio_kind"] == "lower_bound"  # kvserve passed its largest step: 80 or more
 
 
 @pytest.mark.parametrize(
     ("ours", "vllm", "ratio", "kind"),
     [
-        ([True, True], [True, False], 2.0, "exact"),
+        ([True, False], [True, True, False], 0.5, "exact"),  # both failed a step above their count
+        ([True, True], [True, False], 2.0, "lower_bound"),  # kvserve passed its largest step: at least 2.0
+        ([True, False], [True, True], 0.5, "upper_bound"),  # vLLM passed its largest step: at most 0.5
+        ([True, True], [True, True], 1.0, "both_open"),  # both passed every step: either may be higher
         ([False, False], [True, True], 16 / 32, "upper_bound"),  # kvserve passed fewer than 16: at most 0.5
         ([True, False], [False, False], 16 / 16, "lower_bound"),  # vLLM passed fewer than 16: at least 1.0
         ([False, False], [False, False], 1.0, "both_below"),
@@ -186,14 +189,21 @@ def test_a_step_stopped_at_step_max_fails_unless_a_finished_run_of_it_exists(tmp
 )
 def test_the_largest_passing_ratio_is_never_null_when_both_sides_ran(ours, vllm, ratio, kind) -> None:
     rows = [
-        {"agents": n, "ours": {"passed": ours[i]}, "vllm": None if vllm is None else {"passed": vllm[i]}}
-        for i, n in enumerate((16, 32))
+        {
+            "agents": n,
+            "ours": {"passed": ours[i]} if i < len(ours) else None,
+            "vllm": {"passed": vllm[i]} if vllm is not None and i < len(vllm) else None,
+        }
+        for i, n in enumerate((16, 32, 48))
+        if i < max(len(ours), len(vllm or []))
     ]
     best, got, got_kind, note = passing_ratio(rows)
     assert got == (None if ratio is None else pytest.approx(ratio)) and got_kind == kind
     if ratio is None:
         assert note == "no ratio: vLLM ran no step"
     assert best["ours"] == (None if not ours[0] else (32 if ours[1] else 16))
+    if kind == "upper_bound" and ours[0]:
+        assert "vLLM passed every step it ran, up to 32 agents" in note
 
 
 def test_the_largest_passing_count_ends_at_the_first_failing_step(tmp_path: Path) -> None:

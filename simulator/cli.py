@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="with --l1-paced-copies: seconds from a copy's issue to its landing (default: by the next step)",
     )
+    node.add_argument(
+        "--l1-exclusive-ideal",
+        action="store_true",
+        help="an upper bound for exclusive tiers: no write-through, and every block L0 evicts is in L1 before it "
+        "is reused (no copy time, no pace); what the tiers could hold if their capacities added up",
+    )
     node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
@@ -290,6 +296,7 @@ def main(argv: list[str]) -> int:
         l1_bytes_per_s=_l1_gbps(args, gpu_tag) * 1e9,
         l1_paced_copies=args.l1_paced_copies,
         l1_copy_latency_s=args.l1_copy_latency,
+        l1_exclusive_ideal=args.l1_exclusive_ideal,
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * engine.block_size))
     route = RoutePolicy(

@@ -92,6 +92,7 @@ class RankHostTier:
         refresh_finished: bool = False,
         offload_blocks_per_step: int | None = None,
         copy_latency_s: float = 0.0,
+        exclusive_ideal: bool = False,
     ) -> None:
         self.node = node
         self.pool = pool
@@ -101,6 +102,11 @@ class RankHostTier:
         self.offload_blocks_per_step = offload_blocks_per_step  # None: a copy lands at once
         self.copy_latency_s = copy_latency_s  # paced: from a copy's issue to its landing (else by the next step)
         self.restored_blocks = 0
+        # An upper bound, not a tier that exists: no write-through and no horizon; every block L0 evicts is in the
+        # node cache before allocation reuses it, so the tiers hold different blocks (their capacities add up)
+        self.exclusive_ideal = exclusive_ideal
+        if exclusive_ideal:
+            pool.on_evict = node.store
         self.offloaded_blocks = 0
         self.peak_pinned_blocks = 0  # the most blocks copies in flight held in the pool at once
         self._queued: deque[_Copy] = deque()  # offered, not issued yet (the real tier's _queued)
@@ -141,6 +147,8 @@ class RankHostTier:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
+        if self.exclusive_ideal:
+            return  # L1 takes blocks when L0 evicts them
         if self.write_through_while_room and len(self.node) + len(self._sending) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
         # what the node lacks and is not on its way, as the real tier's view of the kvstore says
@@ -158,6 +166,8 @@ class RankHostTier:
     def offer_horizon(self) -> None:
         """The real tier's eviction-horizon pass: the node cache refreshes what it holds and is sent the rest,
         ahead of write-through's backlog."""
+        if self.exclusive_ideal:
+            return
         due = self.horizon.due(self.node.__contains__, self._sending)
         if not due:
             return

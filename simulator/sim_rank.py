@@ -58,6 +58,8 @@ class RankSettings:
     # until they land), where False lands each at once, pinning nothing
     l1_paced_copies: bool = False
     l1_copy_latency_s: float = 0.0  # paced: from a copy's issue to its landing (0: by the next step)
+    # exclusive tiers as an upper bound: L1 takes what L0 evicts as it evicts it, nothing written through
+    l1_exclusive_ideal: bool = False
 
     @property
     def offload_blocks_per_step(self) -> int | None:
@@ -128,6 +130,7 @@ class SimulatedRank:
                 refresh_finished=engine.l1_refresh_finished,
                 offload_blocks_per_step=settings.offload_blocks_per_step,
                 copy_latency_s=settings.l1_copy_latency_s,
+                exclusive_ideal=settings.l1_exclusive_ideal,
             )
             if node_cache is not None
             else None

@@ -128,3 +128,16 @@ def test_unpaced_copies_land_at_once_and_pin_nothing() -> None:
     blocks, hashes = _registered(pool, 3)
     tier.offload(blocks, hashes)
     assert len(node) == 3 and not tier.has_pending and tier.copies_in_flight == 0
+
+
+def test_ideal_exclusive_tiers_take_what_l0_evicts_and_nothing_written_through() -> None:
+    pool = BlockPool(4, caching=True)
+    node = NodeHostCache(capacity_blocks=8)
+    tier = RankHostTier(node, pool, horizon_blocks=4, exclusive_ideal=True)
+    blocks, hashes = _registered(pool, 3)
+    tier.offload(blocks, hashes)
+    assert len(node) == 0  # no write-through
+    pool.release(list(reversed(blocks)))
+    pool.allocate(4)  # evicts the three cached blocks (the free one first)
+    tier.offer_horizon()
+    assert [h in node for h in hashes] == [True, True, True]

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from contracts.config import EngineConfig  # noqa: E402
+from contracts.config import EngineConfig, SchedulingConfig  # noqa: E402
 from rank_worker.engine.factory import build_random_model  # noqa: E402
 from rank_worker.engine.interface import SamplingParams  # noqa: E402
 from rank_worker.engine.paged_engine import EngineSettings, PagedEngine  # noqa: E402
@@ -60,11 +60,13 @@ def _engine(shape: str, num_blocks: int, max_len: int) -> PagedEngine:
     model = build_random_model(str(ROOT / "bench" / "shapes" / shape / "config.json"), max_len)
     # The engine benchmark's chunk size, so a prefill chunk runs whole in one step. Steps one at a time: each is
     # timed alone (synchronised before and after), and a pipelined step would schedule its successor over the
-    # sequences this probe sets up by hand, which grow past the blocks it gave them.
+    # sequences this probe sets up by hand, which grow past the blocks it gave them. No decode step budget: on a GPU
+    # it would cut the prefill chunk of a case with decoders (the H100's 8K chunk beside 16 decoders ran 18-36 ms).
     settings = EngineSettings(
         num_blocks=num_blocks,
         max_model_len=max_len,
         engine=EngineConfig(max_num_seqs=256, max_num_batched_tokens=32768, pipeline_steps=False),
+        scheduling=SchedulingConfig(decode_step_budget_ms=0.0),
     )
     return PagedEngine(model, settings)
 

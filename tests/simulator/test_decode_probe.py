@@ -34,3 +34,9 @@ def test_cases_of_more_sequences_in_all_than_table_rows_run(tmp_path: Path, monk
     out = tmp_path / "decode.json"
     decode_probe.main(["--shape", "tiny", "--steps", "1", "--num-blocks", "1600", "--out", str(out)])
     assert [row["batch"] for row in json.loads(out.read_text())["rows"]] == [200, 100]
+
+
+def test_the_probes_engine_runs_a_prefill_chunk_whole_beside_decoders() -> None:
+    """No decode step budget (on a GPU the default 40 ms cut the probe's 8K chunk beside 16 decoders)."""
+    engine = decode_probe._engine("tiny", 64, 512)
+    assert engine.settings.scheduling.decode_step_budget_ms == 0.0

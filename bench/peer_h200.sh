@@ -63,7 +63,9 @@
 # To calibrate it on this GPU, two calls after the .fa4 chunks, each carrying [".whl"]:
 #   ENGINE_ONLY=1 bash bench/peer_h200.sh ours-engine    then    bash bench/peer_h200.sh sim-calibrate
 # and on this machine: kvserve bench simulate ... --engine-results raw/ours-engine.json --decode-results
-# raw/decode-probe.json --calls, then bench/sim_vs_gpu.py against the lease's own agent steps.
+# raw/decode-probe.json --calls, then bench/sim_vs_gpu.py against the lease's own agent steps. Done on an H100 on
+# 2026-12-07 (bench/results/2026-12-07-h100-peer-llama-8b-gauges: the simulator then gave the GPU's verdicts at 40 and
+# 44 agents); again when the engine's speed changes.
 # 24 turns, not 12: at the traces' real size a session's first turn is cold and large (up to 783K tokens), so
 # over 12 turns the traces' own reuse is 0.81-0.87 at 2-8 agents, under the 0.9 cache bar for any server, and
 # the cold first turns are more than 5% of the calls (TTFT p95). Over 24 turns: 0.89 / 0.91 / 0.92 at 2 / 4 / 8

@@ -104,6 +104,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="an upper bound for exclusive tiers: no write-through, and every block L0 evicts is in L1 before it "
         "is reused (no copy time, no pace); what the tiers could hold if their capacities added up",
     )
+    node.add_argument(
+        "--l1-exclusive-copy-gbps",
+        type=float,
+        default=None,
+        help="with --l1-exclusive-ideal: charge each step the copies of the blocks its allocations evicted at this "
+        "many GB/s, none overlapping the step before (a bound from below)",
+    )
     node.add_argument("--overload-prefill-tokens", type=int, default=None)
 
     policy = parser.add_argument_group("scheduling")
@@ -297,6 +304,7 @@ def main(argv: list[str]) -> int:
         l1_paced_copies=args.l1_paced_copies,
         l1_copy_latency_s=args.l1_copy_latency,
         l1_exclusive_ideal=args.l1_exclusive_ideal,
+        l1_exclusive_copy_bytes_per_s=args.l1_exclusive_copy_gbps * 1e9 if args.l1_exclusive_copy_gbps else None,
     )
     l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * engine.block_size))
     route = RoutePolicy(

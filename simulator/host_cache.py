@@ -105,8 +105,9 @@ class RankHostTier:
         # An upper bound, not a tier that exists: no write-through and no horizon; every block L0 evicts is in the
         # node cache before allocation reuses it, so the tiers hold different blocks (their capacities add up)
         self.exclusive_ideal = exclusive_ideal
+        self.eviction_copies = 0  # exclusive: blocks L0 evicted that the node lacked (each a copy to the host)
         if exclusive_ideal:
-            pool.on_evict = node.store
+            pool.on_evict = self._on_evict
         self.offloaded_blocks = 0
         self.peak_pinned_blocks = 0  # the most blocks copies in flight held in the pool at once
         self._queued: deque[_Copy] = deque()  # offered, not issued yet (the real tier's _queued)
@@ -145,6 +146,11 @@ class RankHostTier:
 
     def abandon(self, fetch: HostFetch) -> None:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
+
+    def _on_evict(self, block_hashes: list[bytes]) -> None:
+        """Exclusive tiers: what L0 evicts goes to the node cache; those it lacked are copies."""
+        self.eviction_copies += sum(1 for h in block_hashes if h not in self.node)
+        self.node.store(block_hashes)
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         if self.exclusive_ideal:

@@ -60,6 +60,9 @@ class RankSettings:
     l1_copy_latency_s: float = 0.0  # paced: from a copy's issue to its landing (0: by the next step)
     # exclusive tiers as an upper bound: L1 takes what L0 evicts as it evicts it, nothing written through
     l1_exclusive_ideal: bool = False
+    # with it: the copies of what L0 evicts charged to the step that evicts them at this rate (bytes/s), as if none
+    # overlapped the step before (a bound from below); None: free (the bound from above)
+    l1_exclusive_copy_bytes_per_s: float | None = None
 
     @property
     def offload_blocks_per_step(self) -> int | None:
@@ -158,7 +161,10 @@ class SimulatedRank:
         if self.tier is not None:
             self.tier.poll(now)  # the copies issued by now have landed
         restored_before = self.scheduler.restored_tokens
+        copies_before = self.tier.eviction_copies if self.tier is not None else 0
         batch = self.scheduler.schedule()
+        # exclusive tiers with a copy rate: the evictions this step's allocations made, copied before it runs
+        eviction_copies = (self.tier.eviction_copies - copies_before) if self.tier is not None else 0
         prefills: list[tuple[int, int]] = []
         decodes: list[int] = []
         for seq, num_new in batch.entries:
@@ -171,6 +177,9 @@ class SimulatedRank:
         if batch.entries:
             self.scheduler.observe_step(batch.load, duration)  # the model's run: the restore below is not part of it
         duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
+        if eviction_copies and self.settings.l1_exclusive_copy_bytes_per_s:
+            block_bytes = self.settings.kv_bytes_per_token * self.settings.engine.block_size
+            duration += eviction_copies * block_bytes / self.settings.l1_exclusive_copy_bytes_per_s
         end = now + duration
         outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])
         for seq, num_new in batch.entries:

@@ -141,3 +141,14 @@ def test_ideal_exclusive_tiers_take_what_l0_evicts_and_nothing_written_through()
     pool.allocate(4)  # evicts the three cached blocks (the free one first)
     tier.offer_horizon()
     assert [h in node for h in hashes] == [True, True, True]
+
+
+def test_exclusive_tiers_count_as_copies_only_the_evicted_blocks_the_node_lacked() -> None:
+    pool = BlockPool(4, caching=True)
+    node = NodeHostCache(capacity_blocks=8)
+    tier = RankHostTier(node, pool, exclusive_ideal=True)
+    blocks, hashes = _registered(pool, 3)
+    node.store([hashes[0]])  # the node already has the first (a restore's spare copy)
+    pool.release(list(reversed(blocks)))
+    pool.allocate(4)
+    assert tier.eviction_copies == 2 and all(h in node for h in hashes)

@@ -94,6 +94,20 @@ def test_paced_l1_copies_still_serve_what_l0_evicted_and_all_land() -> None:
     assert len(result.records) == 24 and all(r.error is None for r in result.records)
 
 
+def test_exclusive_tiers_with_a_copy_rate_take_longer_than_the_ideal_and_serve_the_same() -> None:
+    """The bound from below charges the copies of what L0 evicts to the steps that evict; the bound from above
+    copies for free. Both serve the load from L1 past the pool."""
+    work = sessions(4, base_blocks=160, turns=6, output=8)
+    workload = WorkloadSettings(agents=4, turns=6, think=THINK)
+    ideal = replace(node(1, num_blocks=2048, l1_exclusive_ideal=True), l1_blocks=20_000)
+    slow = replace(
+        node(1, num_blocks=2048, l1_exclusive_ideal=True, l1_exclusive_copy_bytes_per_s=1e9), l1_blocks=20_000
+    )
+    free, charged = replay(work, workload, ideal, STEP_TIME), replay(work, workload, slow, STEP_TIME)
+    assert free.cached_by_tier["l1"] > 0 and charged.cached_by_tier["l1"] > 0
+    assert sum(charged.rank_busy_s) > sum(free.rank_busy_s)
+
+
 def test_two_ranks_share_the_agents_and_keep_each_session_on_its_rank() -> None:
     work = sessions(8, base_blocks=100, turns=4, output=8)
     result = replay(work, WorkloadSettings(agents=8, turns=4, think=THINK), node(2), STEP_TIME)

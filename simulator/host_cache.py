@@ -158,16 +158,15 @@ class RankHostTier:
         if self.write_through_while_room and len(self.node) + len(self._sending) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
         # what the node lacks and is not on its way, as the real tier's view of the kvstore says
-        lost = [
-            (b, h)
-            for b, h in zip(block_ids, block_hashes, strict=False)
-            if h not in self.node and h not in self._sending
-        ]
+        lost = [i for i, h in enumerate(block_hashes) if h not in self.node and h not in self._sending]
         if finished and self.refresh_finished:
             # as the real tier: the blocks the node holds refreshed in an offer of their own first, tail first (the
             # head ends the most recent); refreshing adds nothing, so it evicts nothing before the lost ones go in
             self.node.store([h for h in reversed(block_hashes) if h in self.node])
-        self._send(lost, to_front=False)
+        if self.offload_blocks_per_step is None:
+            self.node.store([block_hashes[i] for i in lost])  # lands at once: no pool block to pin (tests pass none)
+            return
+        self._send([(block_ids[i], block_hashes[i]) for i in lost], to_front=False)
 
     def offer_horizon(self) -> None:
         """The real tier's eviction-horizon pass: the node cache refreshes what it holds and is sent the rest,

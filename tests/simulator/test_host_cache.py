@@ -152,3 +152,11 @@ def test_exclusive_tiers_count_as_copies_only_the_evicted_blocks_the_node_lacked
     pool.release(list(reversed(blocks)))
     pool.allocate(4)
     assert tier.eviction_copies == 2 and all(h in node for h in hashes)
+
+
+def test_an_unpaced_offload_needs_only_the_hashes() -> None:
+    """tests/rank_worker/test_l1_restore_room.py puts a session in L1 with no pool blocks (offload([], hashes))."""
+    node = NodeHostCache(capacity_blocks=4)
+    tier = RankHostTier(node, BlockPool(4, caching=True))
+    tier.offload([], [b"\x01" * 16, b"\x02" * 16])
+    assert len(node) == 2

@@ -306,7 +306,7 @@ def main(argv: list[str]) -> int:
         l1_exclusive_ideal=args.l1_exclusive_ideal,
         l1_exclusive_copy_bytes_per_s=args.l1_exclusive_copy_gbps * 1e9 if args.l1_exclusive_copy_gbps else None,
     )
-    l1_blocks = int(args.l1_gb * 1e9 // (facts.kv_bytes_per_token * engine.block_size))
+    l1_blocks = int(args.l1_gb * 1e9 // rank.block_bytes)
     route = RoutePolicy(
         l1_restore_cost=scheduling.l1_restore_cost,
         overload_prefill_tokens=args.overload_prefill_tokens,

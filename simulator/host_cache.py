@@ -183,10 +183,8 @@ class RankHostTier:
         self._send([(b, h) for b, h in due if h not in self.node], to_front=True)
 
     def _send(self, blocks: list[tuple[int, bytes]], *, to_front: bool) -> None:
+        """Paced copies only (unpaced, offload and the horizon's pass store at once)."""
         if not blocks:
-            return
-        if self.offload_blocks_per_step is None:
-            self.node.store([h for _, h in blocks])
             return
         copy = _Copy([b for b, _ in blocks], [h for _, h in blocks], to_front)
         for block_id in copy.block_ids:

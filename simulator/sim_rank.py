@@ -65,12 +65,16 @@ class RankSettings:
     l1_exclusive_copy_bytes_per_s: float | None = None
 
     @property
+    def block_bytes(self) -> int:
+        """One KV block's bytes: what a block copy to or from L1 moves."""
+        return self.kv_bytes_per_token * self.engine.block_size
+
+    @property
     def offload_blocks_per_step(self) -> int | None:
         """The real tier's pace in blocks, when copies are paced."""
         if not self.l1_paced_copies:
             return None
-        block_bytes = self.kv_bytes_per_token * self.engine.block_size
-        return max(1, self.engine.l1_offload_bytes_per_step // block_bytes)
+        return max(1, self.engine.l1_offload_bytes_per_step // self.block_bytes)
 
     def to_json(self) -> dict[str, Any]:
         """The rank as results record it: its own fields and the engine keys it runs by (its policy apart)."""
@@ -178,8 +182,7 @@ class SimulatedRank:
             self.scheduler.observe_step(batch.load, duration)  # the model's run: the restore below is not part of it
         duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
         if eviction_copies and self.settings.l1_exclusive_copy_bytes_per_s:
-            block_bytes = self.settings.kv_bytes_per_token * self.settings.engine.block_size
-            duration += eviction_copies * block_bytes / self.settings.l1_exclusive_copy_bytes_per_s
+            duration += eviction_copies * self.settings.block_bytes / self.settings.l1_exclusive_copy_bytes_per_s
         end = now + duration
         outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])
         for seq, num_new in batch.entries:
@@ -203,8 +206,7 @@ class SimulatedRank:
             # critical path (no step time), but an idle rank's step is those copies (the real one waits for them)
             issued = self.tier.pump(now)
             if not batch.entries:
-                block_bytes = self.settings.kv_bytes_per_token * self.settings.engine.block_size
-                end += issued * block_bytes / self.settings.l1_bytes_per_s
+                end += issued * self.settings.block_bytes / self.settings.l1_bytes_per_s
                 landing = self.tier.next_landing
                 if landing is not None and not issued:
                     end = max(end, landing)  # nothing to run: wait for the oldest copy, as the real engine

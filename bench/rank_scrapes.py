@@ -24,6 +24,7 @@ COUNTERS = (
     "kvserve:l0_evicted_unsaved_in_flight_blocks",
     "kvserve:l0_evicted_unsaved_unoffered_blocks",
     "kvserve:l0_evicted_unsaved_past_held_blocks",
+    "kvserve:l0_evicted_unsaved_no_slot_blocks",
     "kvserve:l1_fetch_timeouts",
     "kvserve:l1_restore_missing_blocks",
     "kvserve:l1_restore_room_cut_blocks",

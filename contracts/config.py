@@ -173,12 +173,24 @@ class EngineConfig(BaseModel):
     # against 1.8K: once writing stops, the horizon's copies (paced by l1_offload_mb_per_step) come only when L0 is
     # about to evict, and a GPU step's admissions outran them; a 16K-block horizon did no better
     # (bench/results/2026-12-07-h100-llama-8b-write-through-ab/).
-    l1_write_through: Literal["always", "while_room"] = Field(
+    # on_evict: the simulator's bound for exclusive tiers, calibrated on the H100, passed 44-64 agents at 99.9% of the
+    # optimum where always fails 44 (bench/results/2026-12-07-h100-peer-llama-8b-gauges): with write-through L1 holds
+    # mostly copies of what L0 holds. Off by default until a GPU A/B says otherwise.
+    l1_write_through: Literal["always", "while_room", "on_evict"] = Field(
         "always",
         description="when a rank copies its new full blocks to L1: always (L1 then holds copies of what the GPU pools "
-        "hold, evicting what they let go), or while_room: only while L1 has slots it need not evict for them, so "
+        "hold, evicting what they let go), while_room: only while L1 has slots it need not evict for them, so "
         "once it is full it keeps what the pools let go (the eviction horizon offers it) and the tiers add up; "
-        "a session a rank still holds is then in no other tier until its pool lets it go",
+        "a session a rank still holds is then in no other tier until its pool lets it go; or on_evict "
+        "(exclusive tiers): never written through, each block copied when its pool evicts it and L1 lacks it, "
+        "before the step that reuses it runs (the copy is in that step's way), into slots the rank reserved ahead",
+    )
+    l1_reserved_slots: int | None = Field(
+        None,
+        ge=0,
+        description="with l1_write_through on_evict: L1 slots a rank holds for the blocks its pool evicts (a "
+        "kvstore call is too far away to ask at eviction); evictions past them are lost; unset: twice the blocks "
+        "one step takes (at least 1024)",
     )
     # Off by default until a GPU A/B says otherwise (while_room won on the CPU probe and lost on the H100). Why it
     # may help: on the H100 at 40 agents one 80K-token session was restored, its L1 copies demoted

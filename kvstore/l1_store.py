@@ -93,9 +93,30 @@ class L1Store:
         self._publish()
         return slots
 
-    def commit(self, rank_id: str, arena_id: str, slots: Sequence[int], *, gpu_holds: bool = False) -> None:
+    def reserve(self, rank_id: str, arena_id: str, count: int) -> list[int]:
+        """Up to count slots to write blocks named at commit; renews the caller's reserved slots' pins."""
+        index = self._index_for(rank_id, arena_id)
+        if not 0 <= count <= index.num_slots:
+            raise InvalidRequestError(f"count {count} must be 0 to {index.num_slots} (the arena's slots)")
+        slots = index.reserve(rank_id, count)
+        self._publish()
+        return slots
+
+    def commit(
+        self,
+        rank_id: str,
+        arena_id: str,
+        slots: Sequence[int],
+        *,
+        gpu_holds: bool = False,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> None:
+        """block_hashes: empty or None for allocated slots, one per slot for reserved ones."""
+        if block_hashes:
+            _check_hashes(block_hashes)
         first_to_evict = gpu_holds and self._evict_written_through_first
-        self._index_for(rank_id, arena_id).commit(rank_id, slots, first_to_evict=first_to_evict)
+        index = self._index_for(rank_id, arena_id)
+        index.commit(rank_id, slots, first_to_evict=first_to_evict, block_hashes=block_hashes)
         self._publish()
 
     def lookup(self, rank_id: str, arena_id: str, block_hashes: Sequence[bytes]) -> list[int]:

@@ -1,5 +1,6 @@
 """The kvstore's Prometheus metrics (kvserve: names), read at scrape time from its slot index's counters: the L1
-arena's capacity and use in bytes and slots, lookups and hits, blocks stored and evicted, pins dropped."""
+arena's capacity and use in bytes and slots, lookups and hits, blocks stored and evicted, pins dropped, slots
+reserved and the spare copies committed into them."""
 
 from __future__ import annotations
 
@@ -50,6 +51,12 @@ class _KvStoreCollector(Collector):
             ("kvserve:l1_stored_blocks", "Blocks written to L1 (committed).", "stored_total"),
             ("kvserve:l1_evicted_blocks", "Blocks evicted from L1 (LRU) to make room.", "evicted_total"),
             ("kvserve:l1_expired_pins", "Pins dropped after l1_pin_ttl_secs (a dead copier).", "expired_pins_total"),
+            ("kvserve:l1_reserved_slots", "Slots ranks reserved for blocks named at commit.", "reserved_total"),
+            (
+                "kvserve:l1_duplicate_commits",
+                "Reserved slots committed with a block L1 already had (freed: a spare copy).",
+                "duplicate_commits_total",
+            ),
         ):
             yield CounterMetricFamily(name, doc, value=getattr(stats, field) if stats is not None else 0)
 

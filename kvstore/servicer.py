@@ -1,6 +1,6 @@
 """The KvStore gRPC service: wire messages in and out of the L1 store, errors onto status codes.
 
-INVALID_ARGUMENT: a malformed request or slots the caller may not commit/release (fix the caller).
+INVALID_ARGUMENT: a malformed request or slots the caller may not commit/release as asked (fix the caller).
 FAILED_PRECONDITION: a stale arena_id, a rank that has not attached, or blocks that do not fit the
 arena's layout (attach again, or give up L1). UNAVAILABLE: the arena is still being created.
 """
@@ -67,10 +67,22 @@ class KvStoreServicer(pb_grpc.KvStoreServicer):
         slots = await _call(context, lambda: store.allocate(request.rank_id, request.arena_id, request.block_hashes))
         return pb.AllocateResponse(slots=slots)
 
+    async def Reserve(self, request: pb.ReserveRequest, context: grpc.aio.ServicerContext) -> pb.ReserveResponse:
+        store = await self._ready(context)
+        slots = await _call(context, lambda: store.reserve(request.rank_id, request.arena_id, request.count))
+        return pb.ReserveResponse(slots=slots)
+
     async def Commit(self, request: pb.CommitRequest, context: grpc.aio.ServicerContext) -> pb.CommitResponse:
         store = await self._ready(context)
         await _call(
-            context, lambda: store.commit(request.rank_id, request.arena_id, request.slots, gpu_holds=request.gpu_holds)
+            context,
+            lambda: store.commit(
+                request.rank_id,
+                request.arena_id,
+                request.slots,
+                gpu_holds=request.gpu_holds,
+                block_hashes=list(request.block_hashes),
+            ),
         )
         return pb.CommitResponse()
 

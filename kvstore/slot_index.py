@@ -1,12 +1,13 @@
 """The L1 slot index: which block hash lives in which arena slot, who holds it, and what to evict.
 
 Every slot is in exactly one state: free (no block), writing (allocated to one rank, which is copying a
-block in; not visible to lookups) or stored (a committed block, visible to lookups). Pins stop a slot
-from changing under a copy in flight: a writer pin from Allocate until Commit or Release, reader pins
-(counted per owner) from Lookup until Release. Stored slots without pins are evictable, least recently
-used first. A pin belongs to a rank incarnation; a new incarnation of the rank, or a pin older than the
-TTL (a copier that died without releasing), drops it. Not thread-safe: one caller (the servicer's event
-loop) at a time.
+block in, or reserved by one rank for a block it names at commit; not visible to lookups) or stored (a
+committed block, visible to lookups). Pins stop a slot from changing under a copy in flight: a writer pin
+from Allocate or Reserve until Commit or Release, reader pins (counted per owner) from Lookup until
+Release. Stored slots without pins are evictable, least recently used first. A pin belongs to a rank
+incarnation; a new incarnation of the rank, or a pin older than the TTL (a copier that died without
+releasing), drops it; each Reserve renews its caller's reservations. Not thread-safe: one caller (the
+servicer's event loop) at a time.
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ class SlotIndexStats:
     stored_total: int
     evicted_total: int
     expired_pins_total: int
+    reserved_total: int  # slots handed out by reserve
+    duplicate_commits_total: int  # reserved slots committed with a hash already stored or being written: freed
 
 
 class _Slot:
@@ -67,7 +70,7 @@ class _Slot:
 
     def __init__(self) -> None:
         self.state = SlotState.FREE
-        self.block_hash: bytes | None = None
+        self.block_hash: bytes | None = None  # None while free, or writing a reserved slot
         self.writer: PinOwner | None = None
         self.writer_since = 0.0
         self.readers: dict[PinOwner, list[float]] | None = None  # owner -> the time of each of its pins
@@ -84,7 +87,7 @@ class SlotIndex:
         self._clock = clock
         self._slots = [_Slot() for _ in range(num_slots)]
         self._free = list(range(num_slots - 1, -1, -1))  # a stack: slot 0 is handed out first
-        self._by_hash: dict[bytes, int] = {}  # writing and stored slots
+        self._by_hash: dict[bytes, int] = {}  # stored slots and allocated (not reserved) writing ones
         self._lru: OrderedDict[int, None] = OrderedDict()  # stored, unpinned slots; least recent first
         self._pinned: set[int] = set()
         self._incarnations: dict[str, str] = {}
@@ -96,6 +99,8 @@ class SlotIndex:
         self._stored_total = 0
         self._evicted_total = 0
         self._expired_pins_total = 0
+        self._reserved_total = 0
+        self._duplicate_commits_total = 0
 
     # ---- ranks ----
 
@@ -116,7 +121,7 @@ class SlotIndex:
             raise UnknownRankError(f"rank {rank_id!r} has not attached to this arena: call Attach first")
         return PinOwner(rank_id, incarnation)
 
-    # ---- the four slot operations ----
+    # ---- the slot operations ----
 
     def allocate(self, rank_id: str, block_hashes: Sequence[bytes]) -> list[int]:
         """A slot to write for each hash, pinned for writing, or -1 when the hash is already stored
@@ -146,23 +151,72 @@ class SlotIndex:
             slots.append(slot)
         return slots
 
-    def commit(self, rank_id: str, slots: Sequence[int], *, first_to_evict: bool = False) -> None:
-        """The caller's written slots become stored blocks (all or none: a bad slot changes nothing), at the most
-        recently used end, or with first_to_evict at the least recently used end (a copy its GPU still holds)."""
+    def reserve(self, rank_id: str, count: int) -> list[int]:
+        """Up to count slots pinned for writing with no block yet (fewer when nothing is left to evict); the
+        caller names their blocks at commit. Also renews the pins of every slot the caller holds reserved."""
         owner = self.owner(rank_id)
+        now = self._clock()
+        for slot in self._pinned:
+            entry = self._slots[slot]
+            if entry.writer == owner and entry.block_hash is None:
+                entry.writer_since = now
+        slots: list[int] = []
+        while len(slots) < count:
+            slot = self._take_slot()
+            if slot is None:
+                break
+            entry = self._slots[slot]
+            entry.state, entry.writer, entry.writer_since = SlotState.WRITING, owner, now
+            self._writing += 1
+            self._pinned.add(slot)
+            slots.append(slot)
+        self._reserved_total += len(slots)
+        return slots
+
+    def commit(
+        self,
+        rank_id: str,
+        slots: Sequence[int],
+        *,
+        first_to_evict: bool = False,
+        block_hashes: Sequence[bytes] | None = None,
+    ) -> None:
+        """The caller's written slots become stored blocks (all or none: a bad slot changes nothing), at the most
+        recently used end, or with first_to_evict at the least recently used end (a copy its GPU still holds).
+        Slots from allocate take no block_hashes (or an empty list); slots from reserve take one hash each, and
+        one whose hash is already stored or being written goes back to free instead."""
+        owner = self.owner(rank_id)
+        bound = bool(block_hashes)
         self._check_range(slots)
+        if block_hashes and len(block_hashes) != len(slots):
+            raise SlotRequestError(f"{len(block_hashes)} block_hashes for {len(slots)} slots: give one per slot")
         for slot, count in Counter(slots).items():
             entry = self._slots[slot]
             if entry.state is not SlotState.WRITING or entry.writer != owner:
                 raise SlotRequestError(
                     f"slot {slot} is not being written by {rank_id!r} (it is {entry.state.value}); "
-                    f"commit only slots your Allocate returned, before Release and within "
+                    f"commit only slots your Allocate or Reserve returned, before Release and within "
                     f"l1_pin_ttl_secs ({self.pin_ttl_s:g} s)"
                 )
             if count > 1:
                 raise SlotRequestError(f"slot {slot} appears {count} times in one commit")
-        for slot in slots:
+            if bound and entry.block_hash is not None:
+                raise SlotRequestError(
+                    f"slot {slot} came from Allocate, its block already named: commit it without block_hashes, "
+                    "apart from reserved slots"
+                )
+            if not bound and entry.block_hash is None:
+                raise SlotRequestError(f"slot {slot} came from Reserve: commit it with the hash of its block")
+        for position, slot in enumerate(slots):
             entry = self._slots[slot]
+            if block_hashes:
+                block_hash = block_hashes[position]
+                if block_hash in self._by_hash:  # someone got there first: this copy is a spare
+                    self._duplicate_commits_total += 1
+                    self._abandon_write(slot)
+                    continue
+                entry.block_hash = block_hash
+                self._by_hash[block_hash] = slot
             entry.state, entry.writer = SlotState.STORED, None
             self._writing -= 1
             self._stored += 1
@@ -196,10 +250,10 @@ class SlotIndex:
 
     def release(self, rank_id: str, slots: Sequence[int], *, restored: bool = False) -> None:
         """Drop one of the caller's pins per listed slot: a reader pin, or a writer pin (the write is
-        abandoned and the slot is free again). All or none: a slot the caller does not hold changes nothing.
-        restored: the reader copied the blocks into its GPU cache, so a slot it leaves unread goes to the
-        least recently used end, first to evict: while a GPU holds the block this copy is the spare one, and the
-        rank offers it again (the eviction horizon) before it lets it go. Otherwise the most recent end."""
+        abandoned or a reservation given up, and the slot is free again). All or none: a slot the caller does not
+        hold changes nothing. restored: the reader copied the blocks into its GPU cache, so a slot it leaves unread
+        goes to the least recently used end, first to evict: while a GPU holds the block this copy is the spare one,
+        and the rank offers it again (the eviction horizon) before it lets it go. Otherwise the most recent end."""
         owner = self.owner(rank_id)
         self._check_range(slots)
         wanted = Counter(slots)
@@ -208,7 +262,7 @@ class SlotIndex:
             held = 1 if entry.writer == owner else len(entry.readers.get(owner, ())) if entry.readers else 0
             if held == 0:
                 raise SlotRequestError(
-                    f"slot {slot} is not pinned by {rank_id!r}: never returned to it by Allocate or Lookup, "
+                    f"slot {slot} is not pinned by {rank_id!r}: never returned to it by Allocate, Reserve or Lookup, "
                     f"already released, or its pin expired after l1_pin_ttl_secs ({self.pin_ttl_s:g} s)"
                 )
             if count > held:
@@ -271,6 +325,8 @@ class SlotIndex:
             stored_total=self._stored_total,
             evicted_total=self._evicted_total,
             expired_pins_total=self._expired_pins_total,
+            reserved_total=self._reserved_total,
+            duplicate_commits_total=self._duplicate_commits_total,
         )
 
     def slot(self, slot: int) -> SlotView:
@@ -314,8 +370,9 @@ class SlotIndex:
 
     def _abandon_write(self, slot: int) -> None:
         entry = self._slots[slot]
-        assert entry.state is SlotState.WRITING and entry.block_hash is not None
-        del self._by_hash[entry.block_hash]
+        assert entry.state is SlotState.WRITING
+        if entry.block_hash is not None:  # None: a reserved slot, never named
+            del self._by_hash[entry.block_hash]
         entry.state, entry.block_hash, entry.writer = SlotState.FREE, None, None
         self._writing -= 1
         self._pinned.discard(slot)

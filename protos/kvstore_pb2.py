@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from protos import kv_events_pb2 as protos_dot_kv__events__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x12kvserve.kvstore.v1\x1a\x16protos/kv_events.proto\"a\n\rAttachRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ehash_namespace\x18\x04 \x01(\x0c\"r\n\x0e\x41ttachResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_slots\x18\x05 \x01(\x05\"J\n\x0f\x41llocateRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"!\n\x10\x41llocateResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"T\n\rCommitRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x11\n\tgpu_holds\x18\x04 \x01(\x08\"\x10\n\x0e\x43ommitResponse\"H\n\rLookupRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"T\n\x0eReleaseRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x10\n\x08restored\x18\x04 \x01(\x08\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xc3\x02\n\rStatsResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x14\n\x0cstored_slots\x18\x06 \x01(\x05\x12\x15\n\rwriting_slots\x18\x07 \x01(\x05\x12\x14\n\x0cpinned_slots\x18\x08 \x01(\x05\x12\x15\n\rlookup_blocks\x18\t \x01(\x03\x12\x12\n\nhit_blocks\x18\n \x01(\x03\x12\x14\n\x0cstored_total\x18\x0b \x01(\x03\x12\x15\n\revicted_total\x18\x0c \x01(\x03\x12\x1e\n\x16\x62udget_requested_bytes\x18\r \x01(\x04\x12\x15\n\rbudget_reason\x18\x0e \x01(\t2\xce\x04\n\x07KvStore\x12O\n\x06\x41ttach\x12!.kvserve.kvstore.v1.AttachRequest\x1a\".kvserve.kvstore.v1.AttachResponse\x12U\n\x08\x41llocate\x12#.kvserve.kvstore.v1.AllocateRequest\x1a$.kvserve.kvstore.v1.AllocateResponse\x12O\n\x06\x43ommit\x12!.kvserve.kvstore.v1.CommitRequest\x1a\".kvserve.kvstore.v1.CommitResponse\x12O\n\x06Lookup\x12!.kvserve.kvstore.v1.LookupRequest\x1a\".kvserve.kvstore.v1.LookupResponse\x12R\n\x07Release\x12\".kvserve.kvstore.v1.ReleaseRequest\x1a#.kvserve.kvstore.v1.ReleaseResponse\x12L\n\x05Stats\x12 .kvserve.kvstore.v1.StatsRequest\x1a!.kvserve.kvstore.v1.StatsResponse\x12W\n\x08KvEvents\x12%.kvserve.kv_events.v1.KvEventsRequest\x1a\".kvserve.kv_events.v1.KvEventBatch0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14protos/kvstore.proto\x12\x12kvserve.kvstore.v1\x1a\x16protos/kv_events.proto\"a\n\rAttachRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x13\n\x0bincarnation\x18\x02 \x01(\t\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x16\n\x0ehash_namespace\x18\x04 \x01(\x0c\"r\n\x0e\x41ttachResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x12\n\narena_path\x18\x02 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x03 \x01(\x04\x12\x12\n\nslot_bytes\x18\x04 \x01(\x04\x12\x11\n\tnum_slots\x18\x05 \x01(\x05\"J\n\x0f\x41llocateRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"!\n\x10\x41llocateResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"B\n\x0eReserveRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\r\n\x05\x63ount\x18\x03 \x01(\x05\" \n\x0fReserveResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"j\n\rCommitRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x11\n\tgpu_holds\x18\x04 \x01(\x08\x12\x14\n\x0c\x62lock_hashes\x18\x05 \x03(\x0c\"\x10\n\x0e\x43ommitResponse\"H\n\rLookupRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x03 \x03(\x0c\"\x1f\n\x0eLookupResponse\x12\r\n\x05slots\x18\x01 \x03(\x05\"T\n\x0eReleaseRequest\x12\x0f\n\x07rank_id\x18\x01 \x01(\t\x12\x10\n\x08\x61rena_id\x18\x02 \x01(\t\x12\r\n\x05slots\x18\x03 \x03(\x05\x12\x10\n\x08restored\x18\x04 \x01(\x08\"\x11\n\x0fReleaseResponse\"\x0e\n\x0cStatsRequest\"\xc3\x02\n\rStatsResponse\x12\x10\n\x08\x61rena_id\x18\x01 \x01(\t\x12\x13\n\x0b\x61rena_bytes\x18\x02 \x01(\x04\x12\x12\n\nslot_bytes\x18\x03 \x01(\x04\x12\x11\n\tnum_slots\x18\x04 \x01(\x05\x12\x12\n\nfree_slots\x18\x05 \x01(\x05\x12\x14\n\x0cstored_slots\x18\x06 \x01(\x05\x12\x15\n\rwriting_slots\x18\x07 \x01(\x05\x12\x14\n\x0cpinned_slots\x18\x08 \x01(\x05\x12\x15\n\rlookup_blocks\x18\t \x01(\x03\x12\x12\n\nhit_blocks\x18\n \x01(\x03\x12\x14\n\x0cstored_total\x18\x0b \x01(\x03\x12\x15\n\revicted_total\x18\x0c \x01(\x03\x12\x1e\n\x16\x62udget_requested_bytes\x18\r \x01(\x04\x12\x15\n\rbudget_reason\x18\x0e \x01(\t2\xa2\x05\n\x07KvStore\x12O\n\x06\x41ttach\x12!.kvserve.kvstore.v1.AttachRequest\x1a\".kvserve.kvstore.v1.AttachResponse\x12U\n\x08\x41llocate\x12#.kvserve.kvstore.v1.AllocateRequest\x1a$.kvserve.kvstore.v1.AllocateResponse\x12R\n\x07Reserve\x12\".kvserve.kvstore.v1.ReserveRequest\x1a#.kvserve.kvstore.v1.ReserveResponse\x12O\n\x06\x43ommit\x12!.kvserve.kvstore.v1.CommitRequest\x1a\".kvserve.kvstore.v1.CommitResponse\x12O\n\x06Lookup\x12!.kvserve.kvstore.v1.LookupRequest\x1a\".kvserve.kvstore.v1.LookupResponse\x12R\n\x07Release\x12\".kvserve.kvstore.v1.ReleaseRequest\x1a#.kvserve.kvstore.v1.ReleaseResponse\x12L\n\x05Stats\x12 .kvserve.kvstore.v1.StatsRequest\x1a!.kvserve.kvstore.v1.StatsResponse\x12W\n\x08KvEvents\x12%.kvserve.kv_events.v1.KvEventsRequest\x1a\".kvserve.kv_events.v1.KvEventBatch0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,22 +40,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ALLOCATEREQUEST']._serialized_end=357
   _globals['_ALLOCATERESPONSE']._serialized_start=359
   _globals['_ALLOCATERESPONSE']._serialized_end=392
-  _globals['_COMMITREQUEST']._serialized_start=394
-  _globals['_COMMITREQUEST']._serialized_end=478
-  _globals['_COMMITRESPONSE']._serialized_start=480
-  _globals['_COMMITRESPONSE']._serialized_end=496
-  _globals['_LOOKUPREQUEST']._serialized_start=498
-  _globals['_LOOKUPREQUEST']._serialized_end=570
-  _globals['_LOOKUPRESPONSE']._serialized_start=572
-  _globals['_LOOKUPRESPONSE']._serialized_end=603
-  _globals['_RELEASEREQUEST']._serialized_start=605
-  _globals['_RELEASEREQUEST']._serialized_end=689
-  _globals['_RELEASERESPONSE']._serialized_start=691
-  _globals['_RELEASERESPONSE']._serialized_end=708
-  _globals['_STATSREQUEST']._serialized_start=710
-  _globals['_STATSREQUEST']._serialized_end=724
-  _globals['_STATSRESPONSE']._serialized_start=727
-  _globals['_STATSRESPONSE']._serialized_end=1050
-  _globals['_KVSTORE']._serialized_start=1053
-  _globals['_KVSTORE']._serialized_end=1643
+  _globals['_RESERVEREQUEST']._serialized_start=394
+  _globals['_RESERVEREQUEST']._serialized_end=460
+  _globals['_RESERVERESPONSE']._serialized_start=462
+  _globals['_RESERVERESPONSE']._serialized_end=494
+  _globals['_COMMITREQUEST']._serialized_start=496
+  _globals['_COMMITREQUEST']._serialized_end=602
+  _globals['_COMMITRESPONSE']._serialized_start=604
+  _globals['_COMMITRESPONSE']._serialized_end=620
+  _globals['_LOOKUPREQUEST']._serialized_start=622
+  _globals['_LOOKUPREQUEST']._serialized_end=694
+  _globals['_LOOKUPRESPONSE']._serialized_start=696
+  _globals['_LOOKUPRESPONSE']._serialized_end=727
+  _globals['_RELEASEREQUEST']._serialized_start=729
+  _globals['_RELEASEREQUEST']._serialized_end=813
+  _globals['_RELEASERESPONSE']._serialized_start=815
+  _globals['_RELEASERESPONSE']._serialized_end=832
+  _globals['_STATSREQUEST']._serialized_start=834
+  _globals['_STATSREQUEST']._serialized_end=848
+  _globals['_STATSRESPONSE']._serialized_start=851
+  _globals['_STATSRESPONSE']._serialized_end=1174
+  _globals['_KVSTORE']._serialized_start=1177
+  _globals['_KVSTORE']._serialized_end=1851
 # @@protoc_insertion_point(module_scope)

@@ -49,17 +49,35 @@ class AllocateResponse(_message.Message):
     slots: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("rank_id", "arena_id", "count")
+    RANK_ID_FIELD_NUMBER: _ClassVar[int]
+    ARENA_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNT_FIELD_NUMBER: _ClassVar[int]
+    rank_id: str
+    arena_id: str
+    count: int
+    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., count: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("slots",)
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, slots: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class CommitRequest(_message.Message):
-    __slots__ = ("rank_id", "arena_id", "slots", "gpu_holds")
+    __slots__ = ("rank_id", "arena_id", "slots", "gpu_holds", "block_hashes")
     RANK_ID_FIELD_NUMBER: _ClassVar[int]
     ARENA_ID_FIELD_NUMBER: _ClassVar[int]
     SLOTS_FIELD_NUMBER: _ClassVar[int]
     GPU_HOLDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     rank_id: str
     arena_id: str
     slots: _containers.RepeatedScalarFieldContainer[int]
     gpu_holds: bool
-    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., gpu_holds: _Optional[bool] = ...) -> None: ...
+    block_hashes: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, rank_id: _Optional[str] = ..., arena_id: _Optional[str] = ..., slots: _Optional[_Iterable[int]] = ..., gpu_holds: _Optional[bool] = ..., block_hashes: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class CommitResponse(_message.Message):
     __slots__ = ()

@@ -45,6 +45,11 @@ class KvStoreStub:
                 request_serializer=protos_dot_kvstore__pb2.AllocateRequest.SerializeToString,
                 response_deserializer=protos_dot_kvstore__pb2.AllocateResponse.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/kvserve.kvstore.v1.KvStore/Reserve',
+                request_serializer=protos_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=protos_dot_kvstore__pb2.ReserveResponse.FromString,
+                _registered_method=True)
         self.Commit = channel.unary_unary(
                 '/kvserve.kvstore.v1.KvStore/Commit',
                 request_serializer=protos_dot_kvstore__pb2.CommitRequest.SerializeToString,
@@ -86,6 +91,15 @@ class KvStoreServicer:
 
     def Allocate(self, request, context):
         """Slots to write blocks into. Each returned slot is pinned for writing until Commit or Release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Reserve(self, request, context):
+        """Slots pinned for writing with no block yet, for blocks the caller names at Commit (a rank that must copy a
+        block out the moment its GPU evicts it cannot wait for an Allocate). Each Reserve also renews the pins of the
+        caller's reserved slots (their l1_pin_ttl_secs clock restarts), so a rank that keeps reserving keeps them.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -138,6 +152,11 @@ def add_KvStoreServicer_to_server(servicer, server):
                     servicer.Allocate,
                     request_deserializer=protos_dot_kvstore__pb2.AllocateRequest.FromString,
                     response_serializer=protos_dot_kvstore__pb2.AllocateResponse.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=protos_dot_kvstore__pb2.ReserveRequest.FromString,
+                    response_serializer=protos_dot_kvstore__pb2.ReserveResponse.SerializeToString,
             ),
             'Commit': grpc.unary_unary_rpc_method_handler(
                     servicer.Commit,
@@ -219,6 +238,33 @@ class KvStore:
             '/kvserve.kvstore.v1.KvStore/Allocate',
             protos_dot_kvstore__pb2.AllocateRequest.SerializeToString,
             protos_dot_kvstore__pb2.AllocateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvserve.kvstore.v1.KvStore/Reserve',
+            protos_dot_kvstore__pb2.ReserveRequest.SerializeToString,
+            protos_dot_kvstore__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -118,7 +118,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens", "rank_id", "l1_attached", "l1_restored_tokens", "l1_offloaded_blocks", "l1_copies_in_flight", "waiting_warm_prefill_tokens", "oom_dropped_steps", "step_token_cap", "l1_room_waits", "l0_evicted_blocks", "l0_evicted_unsaved_blocks", "l0_evicted_unsaved_in_flight_blocks", "l0_evicted_unsaved_unoffered_blocks", "l1_fetch_timeouts", "l1_restore_missing_blocks", "l1_restore_room_cut_blocks", "l1_restore_unstarted_blocks", "l1_offer_refused_blocks", "l0_evicted_unsaved_past_held_blocks")
+    __slots__ = ("total_blocks", "free_blocks", "cached_blocks", "used_blocks", "running", "waiting", "prefix_query_tokens", "prefix_hit_tokens", "finished_requests", "preemptions", "block_size", "waiting_prefill_tokens", "rank_id", "l1_attached", "l1_restored_tokens", "l1_offloaded_blocks", "l1_copies_in_flight", "waiting_warm_prefill_tokens", "oom_dropped_steps", "step_token_cap", "l1_room_waits", "l0_evicted_blocks", "l0_evicted_unsaved_blocks", "l0_evicted_unsaved_in_flight_blocks", "l0_evicted_unsaved_unoffered_blocks", "l1_fetch_timeouts", "l1_restore_missing_blocks", "l1_restore_room_cut_blocks", "l1_restore_unstarted_blocks", "l1_offer_refused_blocks", "l0_evicted_unsaved_past_held_blocks", "l0_evicted_unsaved_no_slot_blocks")
     TOTAL_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class StatsResponse(_message.Message):
     L1_RESTORE_UNSTARTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     L1_OFFER_REFUSED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     L0_EVICTED_UNSAVED_PAST_HELD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    L0_EVICTED_UNSAVED_NO_SLOT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     total_blocks: int
     free_blocks: int
     cached_blocks: int
@@ -181,7 +182,8 @@ class StatsResponse(_message.Message):
     l1_restore_unstarted_blocks: int
     l1_offer_refused_blocks: int
     l0_evicted_unsaved_past_held_blocks: int
-    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., rank_id: _Optional[str] = ..., l1_attached: _Optional[bool] = ..., l1_restored_tokens: _Optional[int] = ..., l1_offloaded_blocks: _Optional[int] = ..., l1_copies_in_flight: _Optional[int] = ..., waiting_warm_prefill_tokens: _Optional[int] = ..., oom_dropped_steps: _Optional[int] = ..., step_token_cap: _Optional[int] = ..., l1_room_waits: _Optional[int] = ..., l0_evicted_blocks: _Optional[int] = ..., l0_evicted_unsaved_blocks: _Optional[int] = ..., l0_evicted_unsaved_in_flight_blocks: _Optional[int] = ..., l0_evicted_unsaved_unoffered_blocks: _Optional[int] = ..., l1_fetch_timeouts: _Optional[int] = ..., l1_restore_missing_blocks: _Optional[int] = ..., l1_restore_room_cut_blocks: _Optional[int] = ..., l1_restore_unstarted_blocks: _Optional[int] = ..., l1_offer_refused_blocks: _Optional[int] = ..., l0_evicted_unsaved_past_held_blocks: _Optional[int] = ...) -> None: ...
+    l0_evicted_unsaved_no_slot_blocks: int
+    def __init__(self, total_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., finished_requests: _Optional[int] = ..., preemptions: _Optional[int] = ..., block_size: _Optional[int] = ..., waiting_prefill_tokens: _Optional[int] = ..., rank_id: _Optional[str] = ..., l1_attached: _Optional[bool] = ..., l1_restored_tokens: _Optional[int] = ..., l1_offloaded_blocks: _Optional[int] = ..., l1_copies_in_flight: _Optional[int] = ..., waiting_warm_prefill_tokens: _Optional[int] = ..., oom_dropped_steps: _Optional[int] = ..., step_token_cap: _Optional[int] = ..., l1_room_waits: _Optional[int] = ..., l0_evicted_blocks: _Optional[int] = ..., l0_evicted_unsaved_blocks: _Optional[int] = ..., l0_evicted_unsaved_in_flight_blocks: _Optional[int] = ..., l0_evicted_unsaved_unoffered_blocks: _Optional[int] = ..., l1_fetch_timeouts: _Optional[int] = ..., l1_restore_missing_blocks: _Optional[int] = ..., l1_restore_room_cut_blocks: _Optional[int] = ..., l1_restore_unstarted_blocks: _Optional[int] = ..., l1_offer_refused_blocks: _Optional[int] = ..., l0_evicted_unsaved_past_held_blocks: _Optional[int] = ..., l0_evicted_unsaved_no_slot_blocks: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

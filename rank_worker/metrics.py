@@ -171,6 +171,11 @@ class _EngineCollector(Collector):
             stats.l1_restore_unstarted_blocks,
         )
         yield counter(
+            "kvserve:l0_evicted_unsaved_no_slot_blocks",
+            "With l1_write_through on_evict: L0 evictions L1 lacked that found no reserved L1 slot in hand (lost).",
+            stats.l0_evicted_unsaved_no_slot_blocks,
+        )
+        yield counter(
             "kvserve:l1_offer_refused_blocks",
             "Blocks offered to L1 that the kvstore gave no slot for while L1 was not known to hold them (every slot "
             "pinned, or another rank writing the block).",

@@ -43,6 +43,7 @@ def replayed_step(result: ReplayResult, agents: int, thresholds: Thresholds, *, 
         "rank_busy_s": [round(s, 2) for s in result.rank_busy_s],
         "rank_steps": result.rank_steps,
         "route_reasons": result.route_reasons,
+        "rank_l1_blocks": result.rank_l1_blocks,
     }
     if calls:
         stats["calls"] = [

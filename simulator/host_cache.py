@@ -53,6 +53,21 @@ class NodeHostCache:
                 continue
             self._lru[block_hash] = None
             self.stored.append(block_hash)
+        self._trim()
+
+    def reserve(self, count: int) -> None:
+        """Slots taken for a rank's reservation (l1_write_through on_evict): out of what stores may use, the least
+        recent blocks evicted to make them, as the kvstore's Reserve does."""
+        self.capacity_blocks -= count
+        self._trim()
+
+    def store_reserved(self, block_hashes: list[bytes]) -> None:
+        """Blocks written into reserved slots: the slots count again, holding them (one already held is refreshed
+        and its slot goes back to free)."""
+        self.capacity_blocks += len(block_hashes)
+        self.store(block_hashes)
+
+    def _trim(self) -> None:
         while len(self._lru) > self.capacity_blocks:
             evicted, _ = self._lru.popitem(last=False)
             self.removed.append(evicted)
@@ -93,6 +108,8 @@ class RankHostTier:
         offload_blocks_per_step: int | None = None,
         copy_latency_s: float = 0.0,
         exclusive_ideal: bool = False,
+        save_evicted: bool = False,
+        reserved_slots: int = 0,
     ) -> None:
         self.node = node
         self.pool = pool
@@ -105,8 +122,15 @@ class RankHostTier:
         # An upper bound, not a tier that exists: no write-through and no horizon; every block L0 evicts is in the
         # node cache before allocation reuses it, so the tiers hold different blocks (their capacities add up)
         self.exclusive_ideal = exclusive_ideal
+        # l1_write_through on_evict, as the real tier: no write-through, the horizon as always, and what L0 evicts and
+        # the node lacks copied into slots reserved ahead (reserved_slots, topped up at half by the next step's pump);
+        # evictions past them are lost. The ideal is this without a horizon or a limit.
+        self.save_evicted = save_evicted or exclusive_ideal
+        self.reserved_target = reserved_slots
+        self.reserved = 0  # slots in hand
         self.eviction_copies = 0  # exclusive: blocks L0 evicted that the node lacked (each a copy to the host)
-        if exclusive_ideal:
+        self.unsaved_no_slot = 0  # on_evict: of those, the ones no reserved slot was left for
+        if self.save_evicted:
             pool.on_evict = self._on_evict
         self.offloaded_blocks = 0
         self.peak_pinned_blocks = 0  # the most blocks copies in flight held in the pool at once
@@ -147,13 +171,23 @@ class RankHostTier:
     def abandon(self, fetch: HostFetch) -> None:
         fetch.abandoned = True  # nothing in flight: fetches here are done when they start
 
-    def _on_evict(self, block_hashes: list[bytes]) -> None:
-        """Exclusive tiers: what L0 evicts goes to the node cache; those it lacked are copies."""
-        self.eviction_copies += sum(1 for h in block_hashes if h not in self.node)
-        self.node.store(block_hashes)
+    def _on_evict(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Exclusive tiers: what L0 evicts goes to the node cache (those it holds refreshed, the rest copies), in
+        eviction order; with a reservation only as many copies as it has slots left."""
+        if self.exclusive_ideal:
+            self.eviction_copies += sum(1 for h in block_hashes if h not in self.node)
+            self.node.store(block_hashes)
+            return
+        lacking = [h for h in block_hashes if h not in self.node and h not in self._sending]
+        saved = set(lacking[: self.reserved])
+        self.reserved -= len(saved)
+        self.unsaved_no_slot += len(lacking) - len(saved)
+        self.eviction_copies += len(saved)
+        self.node.store([h for h in block_hashes if h in self.node])  # refreshed first: nothing evicted for them
+        self.node.store_reserved([h for h in block_hashes if h in saved])
 
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
-        if self.exclusive_ideal:
+        if self.save_evicted:
             return  # L1 takes blocks when L0 evicts them
         if self.write_through_while_room and len(self.node) + len(self._sending) >= self.node.capacity_blocks:
             return  # a full arena keeps what the pools let go (the horizon's offers), as the real tier
@@ -198,7 +232,11 @@ class RankHostTier:
 
     def pump(self, now: float = 0.0) -> int:
         """After a step's launch at `now`: the horizon's pass, then issue at most the pace of queued blocks (the
-        real tier's pump). Returns the blocks issued."""
+        real tier's pump). Returns the blocks issued. With on_evict, first the reservation topped up once half
+        spent (the real tier's Reserve is answered within a step or so)."""
+        if self.save_evicted and not self.exclusive_ideal and self.reserved <= self.reserved_target // 2:
+            self.node.reserve(self.reserved_target - self.reserved)
+            self.reserved = self.reserved_target
         self.offer_horizon()
         budget = self.offload_blocks_per_step or 0
         issued = 0
@@ -213,6 +251,16 @@ class RankHostTier:
             budget -= n
             issued += n
         return issued
+
+    def block_counts(self) -> dict[str, int]:
+        """What the tier moved, in blocks: restored, written (write-through and the horizon's copies), copied at
+        eviction (exclusive tiers) and, of those evictions, lost for want of a reserved slot."""
+        return {
+            "restored": self.restored_blocks,
+            "offloaded": self.offloaded_blocks,
+            "eviction_copies": self.eviction_copies,
+            "unsaved_no_slot": self.unsaved_no_slot,
+        }
 
     @property
     def next_landing(self) -> float | None:

@@ -72,6 +72,7 @@ class ReplayResult:
     rank_steps: list[int]
     route_reasons: dict[str, int]
     l1_cached_by_call: list[int] = field(default_factory=list)  # of each record's cached tokens, L1's (same order)
+    rank_l1_blocks: list[dict[str, int]] = field(default_factory=list)  # each rank's host tier's block counters
 
 
 @dataclass
@@ -192,6 +193,7 @@ class Replay:
             rank_busy_s=[rank.busy_s for rank in self.ranks],
             rank_steps=[rank.steps for rank in self.ranks],
             route_reasons=dict(self.router.reasons),
+            rank_l1_blocks=[rank.tier.block_counts() if rank.tier is not None else {} for rank in self.ranks],
         )
 
     # --- agents ---

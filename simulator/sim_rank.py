@@ -24,6 +24,7 @@ from rank_worker.engine.kv_cache_manager import KvCacheManager
 from rank_worker.engine.scheduler import Scheduler
 from rank_worker.engine.sequence import Sequence, SequenceStatus
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
+from rank_worker.l1.slot_reserve import reserved_slots_for
 from simulator.host_cache import NodeHostCache, RankHostTier
 from simulator.step_time import StepTimeModel
 
@@ -38,6 +39,7 @@ SIMULATED_ENGINE_KEYS = frozenset(
         "l1_write_through",
         "l1_refresh_finished",
         "l1_offload_mb_per_step",
+        "l1_reserved_slots",
     }
 )
 
@@ -138,6 +140,10 @@ class SimulatedRank:
                 offload_blocks_per_step=settings.offload_blocks_per_step,
                 copy_latency_s=settings.l1_copy_latency_s,
                 exclusive_ideal=settings.l1_exclusive_ideal,
+                save_evicted=engine.l1_write_through == "on_evict",
+                reserved_slots=reserved_slots_for(
+                    engine.l1_reserved_slots, engine.max_num_batched_tokens, engine.block_size
+                ),
             )
             if node_cache is not None
             else None
@@ -161,6 +167,15 @@ class SimulatedRank:
             self.busy_until = max(self.busy_until, now)  # an idle rank starts when work arrives
         self.scheduler.add(seq)
 
+    def _eviction_copy_bytes_per_s(self) -> float:
+        """Exclusive tiers' copies, in the way of the step that evicts: at the given rate, else free for the ideal
+        (the bound from above) and at the host link's measured rate for l1_write_through on_evict, as the real tier
+        queues them on the compute stream."""
+        rate = self.settings.l1_exclusive_copy_bytes_per_s
+        if rate:
+            return rate
+        return float("inf") if self.settings.l1_exclusive_ideal else self.settings.l1_bytes_per_s
+
     def step(self, now: float) -> StepOutcome:
         if self.tier is not None:
             self.tier.poll(now)  # the copies issued by now have landed
@@ -181,8 +196,8 @@ class SimulatedRank:
         if batch.entries:
             self.scheduler.observe_step(batch.load, duration)  # the model's run: the restore below is not part of it
         duration += restored * self.settings.kv_bytes_per_token / self.settings.l1_bytes_per_s
-        if eviction_copies and self.settings.l1_exclusive_copy_bytes_per_s:
-            duration += eviction_copies * self.settings.block_bytes / self.settings.l1_exclusive_copy_bytes_per_s
+        if eviction_copies:
+            duration += eviction_copies * self.settings.block_bytes / self._eviction_copy_bytes_per_s()
         end = now + duration
         outcome = StepOutcome(start=now, end=end, first_tokens=[], finished=[], events=[])
         for seq, num_new in batch.entries:

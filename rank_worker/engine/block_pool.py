@@ -34,7 +34,9 @@ class BlockPool:
         # STORED events carry each block's parent and tokens (vLLM-format KV events want them; off: not paid)
         self.record_stored_tokens = False
         self.allocated_total = 0  # blocks handed out since start: how far eviction has moved down the queue
-        self.on_evict: Callable[[list[bytes]], None] | None = None  # the hashes of each allocation's evictions
+        # Each allocation's evictions: (blocks, their hashes), heard before the caller gets the blocks, so the L1 tier
+        # can queue a copy of what they held ahead of any kernel that writes them (l1_write_through on_evict)
+        self.on_evict: Callable[[list[int], list[bytes]], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -53,11 +55,13 @@ class BlockPool:
             raise RuntimeError(f"asked for {count} blocks, {len(self._free)} free")
         taken: list[int] = []
         evicted: list[bytes] = []
+        evicted_ids: list[int] = []
         for _ in range(count):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 evicted.append(block.block_hash)
+                evicted_ids.append(block_id)
                 del self._by_hash[block.block_hash]
                 block.block_hash = None
             block.ref_count = 1
@@ -66,7 +70,7 @@ class BlockPool:
         if evicted:
             self._events.append(KvEvent(KvEventKind.REMOVED, tuple(evicted)))
             if self.on_evict is not None:
-                self.on_evict(evicted)
+                self.on_evict(evicted_ids, evicted)
         return taken
 
     def acquire_cached(self, block_id: int) -> None:

@@ -115,6 +115,7 @@ class EngineStats:
     l1_restore_room_cut_blocks: int = 0  # blocks a lookup found that the free pool had no room for by its answer
     l1_restore_unstarted_blocks: int = 0  # blocks L1 held past an admitted prompt's L0 prefix, not looked up: no room
     l1_offer_refused_blocks: int = 0  # offers the kvstore gave no slot for while L1 was not known to hold the block
+    l0_evicted_unsaved_no_slot_blocks: int = 0  # on_evict: evictions L1 lacked with no reserved slot in hand
 
 
 @dataclass(frozen=True)

@@ -39,6 +39,7 @@ from rank_worker.engine.step_trace import phase
 from rank_worker.expert_parallel.lockstep import Lockstep
 from rank_worker.l1.eviction_horizon import horizon_blocks_for
 from rank_worker.l1.kvstore_client import KvStoreClient
+from rank_worker.l1.slot_reserve import reserved_slots_for
 from rank_worker.l1.tier import DEFAULT_RETRY_INTERVAL_S, L1Tier
 from rank_worker.model.attention import kv_quant
 from rank_worker.model.attention.backend import AttentionBackend
@@ -152,6 +153,12 @@ class PagedEngine(Engine):
                 eviction_horizon_blocks=eviction_horizon_blocks(settings, solo),
                 write_through_while_room=settings.engine.l1_write_through == "while_room",
                 refresh_finished=settings.engine.l1_refresh_finished,
+                save_evicted=settings.engine.l1_write_through == "on_evict",
+                reserved_slots=reserved_slots_for(
+                    settings.engine.l1_reserved_slots,
+                    settings.engine.max_num_batched_tokens,
+                    settings.engine.block_size,
+                ),
             )
         self.kv = KvCacheManager(self.pool, settings.engine.block_size, self.namespace, self.l1)
         policy = settings.scheduling.model_copy(update={"solo_prefill_tokens": solo})

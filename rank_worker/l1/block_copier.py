@@ -1,9 +1,9 @@
 """Copies of whole KV blocks between the pool and arena slots, grouped into as few copies as the layout allows.
 
 Pairs (pool block, slot) whose block ids and slot numbers both run consecutively become one copy of the
-whole run. On CUDA, offloads run on a side stream (after the compute stream's pending writes) and restores
-on the compute stream, both asynchronous: a CopyJob's event says when the bytes have landed, so the engine
-polls instead of waiting. On the CPU a copy is done when the call returns.
+whole run. On CUDA, offloads run on a side stream (after the compute stream's pending writes), restores and
+saves (an evicted block's copy) on the compute stream, all asynchronous: a CopyJob's event says when the bytes
+have landed, so the engine polls instead of waiting. On the CPU a copy is done when the call returns.
 """
 
 from __future__ import annotations
@@ -76,6 +76,17 @@ class BlockCopier:
             self._copy_runs(contiguous_runs(block_ids, slots), self.kv_cache, self.slots)
             job.event = torch.cuda.Event()
             job.event.record(self._side_stream)
+        return job
+
+    def save(self, block_ids: list[int], slots: list[int]) -> CopyJob:
+        """Pool blocks -> arena slots on the compute stream (exclusive tiers: blocks the pool just evicted): behind
+        every kernel already queued and ahead of any queued later, so the step that reuses the blocks writes them
+        only once their bytes are read."""
+        job = CopyJob(list(block_ids), list(slots))
+        self._copy_runs(contiguous_runs(block_ids, slots), self.kv_cache, self.slots)
+        if self.on_cuda:
+            job.event = torch.cuda.Event()
+            job.event.record(torch.cuda.current_stream(self.kv_cache.device))
         return job
 
     def restore(self, slots: list[int], block_ids: list[int]) -> CopyJob:

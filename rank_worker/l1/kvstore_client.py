@@ -46,9 +46,17 @@ class KvStoreClient(Protocol):
         """A slot to write for each hash, pinned until commit/release; -1 = already stored or no room."""
         ...
 
-    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+    def reserve(self, arena_id: str, count: int) -> list[int]:
+        """Up to count slots pinned for writing blocks named at commit (fewer when L1 has no room); also renews
+        the pins of the slots this rank holds reserved, so a rank that keeps reserving keeps them."""
+        ...
+
+    def commit(
+        self, arena_id: str, slots: list[int], *, gpu_holds: bool = False, block_hashes: list[bytes] | None = None
+    ) -> None:
         """Written slots become stored blocks. gpu_holds: written through while the GPU pool holds the blocks
-        (L1 may then evict them first, until they are offered again)."""
+        (L1 may then evict them first, until they are offered again). block_hashes: None for allocated slots; for
+        reserved ones the block written into each (one whose block L1 already has goes back to free)."""
         ...
 
     def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:

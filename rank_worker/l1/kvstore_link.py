@@ -103,8 +103,19 @@ class KvStoreLink(KvStoreClient):
             raise L1UnavailableError(f"Allocate answered {len(slots)} slots for {len(block_hashes)} hashes")
         return slots
 
-    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
-        request = pb.CommitRequest(rank_id=self.rank_id, arena_id=arena_id, slots=slots, gpu_holds=gpu_holds)
+    def reserve(self, arena_id: str, count: int) -> list[int]:
+        request = pb.ReserveRequest(rank_id=self.rank_id, arena_id=arena_id, count=count)
+        slots = list(self._call("Reserve", request).slots)
+        if len(slots) > count:
+            raise L1UnavailableError(f"Reserve answered {len(slots)} slots for {count}")
+        return slots
+
+    def commit(
+        self, arena_id: str, slots: list[int], *, gpu_holds: bool = False, block_hashes: list[bytes] | None = None
+    ) -> None:
+        request = pb.CommitRequest(
+            rank_id=self.rank_id, arena_id=arena_id, slots=slots, gpu_holds=gpu_holds, block_hashes=block_hashes or []
+        )
         self._call("Commit", request)
 
     def lookup(self, arena_id: str, block_hashes: list[bytes]) -> list[int]:

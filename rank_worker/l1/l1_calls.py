@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 class CallKind(enum.Enum):
     LOOKUP = "lookup"
     ALLOCATE = "allocate"
+    RESERVE = "reserve"
     COMMIT = "commit"
     RELEASE = "release"
 
@@ -33,13 +34,14 @@ class L1Call:
     kind: CallKind
     epoch: int
     arena_id: str
-    hashes: list[bytes] = field(default_factory=list)  # lookup, allocate
+    hashes: list[bytes] = field(default_factory=list)  # lookup, allocate; commit: the blocks of reserved slots
     slots: list[int] = field(default_factory=list)  # commit, release
     purpose: object = None  # what the tier does with the answer (a HostFetch, an offload)
     answer: list[int] = field(default_factory=list)
     error: BaseException | None = None
     restored: bool = False  # release: the slots' blocks were copied into the pool
     gpu_holds: bool = False  # commit: written through, the pool still holds the blocks
+    count: int = 0  # reserve: how many slots
 
 
 class Mailbox:
@@ -117,8 +119,12 @@ class L1Calls:
                 call.answer = self.client.lookup(call.arena_id, call.hashes)
             elif call.kind is CallKind.ALLOCATE:
                 call.answer = self.client.allocate(call.arena_id, call.hashes)
+            elif call.kind is CallKind.RESERVE:
+                call.answer = self.client.reserve(call.arena_id, call.count)
             elif call.kind is CallKind.COMMIT:
-                self.client.commit(call.arena_id, call.slots, gpu_holds=call.gpu_holds)
+                self.client.commit(
+                    call.arena_id, call.slots, gpu_holds=call.gpu_holds, block_hashes=call.hashes or None
+                )
             else:
                 self.client.release(call.arena_id, call.slots, restored=call.restored)
         except Exception as exc:  # L1StaleArenaError, L1UnavailableError, or a bug: L1 goes down, serving goes on

@@ -16,6 +16,10 @@ return; answers come back through a Mailbox that poll() drains each step, never 
   as write-through blocks are (ahead of them) and go back to the front of L0's free queue once copied. Those L1
   lacks are held from the offer on (L0 evicts them next; unheld, a step's allocations took them before the
   kvstore's answer: the CPU probe's in-flight losses).
+- Exclusive tiers (l1_write_through on_evict): nothing is written through; when an allocation evicts a block L1
+  lacks, its copy is queued on the compute stream at once (ahead of the kernels of the step that reuses it) into
+  a slot the rank reserved ahead (slot_reserve.py), and committed with its hash once it has landed; the blocks L1
+  holds are refreshed there instead. L0 and L1 then hold different blocks and their capacities add up.
 - Restore: a sequence about to be admitted whose blocks past its L0 prefix L1 holds starts a HostFetch and
   waits; the lookup's slots are copied into fresh pool blocks (on the compute stream on CUDA, so the next
   step's kernels see them), registered in L0, held by the fetch until the admission takes them, and the slots
@@ -51,6 +55,7 @@ from rank_worker.l1.kvstore_client import KvStoreClient, L1StaleArenaError
 from rank_worker.l1.kvstore_watch import KvStoreNews, KvStoreWatch
 from rank_worker.l1.l1_calls import CallKind, L1Call, L1Calls, Mailbox
 from rank_worker.l1.l1_view import L1View
+from rank_worker.l1.slot_reserve import RENEW_INTERVAL_S, SlotReserve
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +74,12 @@ class _Attached:
 @dataclass(frozen=True)
 class _RetryDue:
     """Posted when a detached tier's next attach is due: an idle engine steps (polls) only for mailbox items."""
+
+
+@dataclass(frozen=True)
+class _RenewDue:
+    """Posted every RENEW_INTERVAL_S with on_evict: an idle rank's reserved slots are renewed before their pins'
+    TTL (an idle engine polls only for mailbox items)."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,6 +121,8 @@ class L1Tier:
         eviction_horizon_blocks: int = MIN_HORIZON_BLOCKS,
         write_through_while_room: bool = False,
         refresh_finished: bool = False,
+        save_evicted: bool = False,
+        reserved_slots: int = 0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.client = client
@@ -126,7 +139,15 @@ class L1Tier:
         self.write_through_while_room = write_through_while_room
         # l1_refresh_finished: a sequence's end offers L1 its blocks L1 holds too, which refreshes them there
         self.refresh_finished = refresh_finished
+        # l1_write_through on_evict: no write-through; what L0 evicts and L1 lacks is copied into reserved slots
+        self.save_evicted = save_evicted
         self._clock = clock
+        self._reserved_slots = reserved_slots if save_evicted else 0
+        self.reserve = SlotReserve(0, clock())  # sized at attach (a share of the arena)
+        self._saves: deque[CopyJob] = deque()  # evicted blocks copying into reserved slots, not committed yet
+        # evicted blocks L1 holds, to refresh there: one offer a step (an allocation evicts, and there are dozens a
+        # step: a call each would queue the restores' lookups behind them on the calls thread)
+        self._refresh_due: list[tuple[int, bytes]] = []
         self._arena: ArenaMapping | None = None
         self._copier: BlockCopier | None = None
         self._epoch = 0  # +1 per adopted arena: answers of an older one are void
@@ -140,6 +161,7 @@ class L1Tier:
         self._attach_again = False
         self._down_reported = False
         self._retry_timer: threading.Timer | None = None
+        self._renew_timer: threading.Timer | None = None
         self._outstanding = 0  # calls of this epoch not answered yet
         self._fetching: list[HostFetch] = []  # waiting for their lookup's answer
         self._sending: set[bytes] = set()  # hashes offered to L1 and not committed or refused yet
@@ -166,7 +188,8 @@ class L1Tier:
         # the view promised that the answer lacked, blocks found that the free pool had no room for by then.
         # And offers the kvstore refused a slot for while neither the view nor a commit of ours had the block (no
         # slot to take: every one pinned; or another rank writing it): of the unsaved evictions neither in flight
-        # nor unoffered, the part L1 refused rather than took and let go.
+        # nor unoffered, the part L1 refused rather than took and let go. With on_evict: the evictions L1 lacked that
+        # found no reserved slot in hand (an allocation burst past the reservation).
         self._counts = dict.fromkeys(
             (
                 "l0_evicted_blocks",
@@ -178,6 +201,7 @@ class L1Tier:
                 "l1_restore_missing_blocks",
                 "l1_restore_room_cut_blocks",
                 "l1_offer_refused_blocks",
+                "l0_evicted_unsaved_no_slot_blocks",
             ),
             0,
         )
@@ -189,6 +213,7 @@ class L1Tier:
         self._attaching.exception()
         self._adopt(self._attaching)
         self._watch.start()
+        self._schedule_renew()
 
     def set_wake(self, wake: Callable[[], None]) -> None:
         """Call wake() (from the tier's threads) whenever the engine thread has something to poll."""
@@ -210,10 +235,21 @@ class L1Tier:
         return sum(len(job.block_ids) for job in self._offloads) + sum(len(q.block_ids) for q in self._queued)
 
     @property
+    def saves_in_flight(self) -> int:
+        """Evicted blocks copying into reserved slots or committing (on_evict): they hold no pool block."""
+        return sum(len(job.slots) for job in self._saves)
+
+    @property
     def has_pending(self) -> bool:
         """Calls, copies or news the engine must still step for (its blocks and the kvstore's pins)."""
         return bool(
-            self._outstanding or self._fetching or self._queued or self._offloads or self._restores or self._mailbox
+            self._outstanding
+            or self._fetching
+            or self._queued
+            or self._offloads
+            or self._restores
+            or self._saves
+            or self._mailbox
         )
 
     def known_run(self, block_hashes: list[bytes]) -> int:
@@ -300,10 +336,13 @@ class L1Tier:
 
     # --- offload ---
 
-    def _on_l0_evictions(self, block_hashes: list[bytes]) -> None:
-        """L0 evicted these cached blocks (the pool's on_evict): counted, and those L1 does not hold apart."""
+    def _on_l0_evictions(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """L0 evicted these cached blocks (the pool's on_evict): with on_evict saved first (their blocks are not
+        written yet), then counted, and those L1 does not hold apart."""
         if self._arena is None:
             return
+        if self.save_evicted:
+            self._save_evicted(block_ids, block_hashes)
         counts = self._counts
         counts["l0_evicted_blocks"] += len(block_hashes)
         held: bool | None = None  # asked once, at the first unoffered block
@@ -318,6 +357,72 @@ class L1Tier:
                 if held is None:
                     held = self._holding_horizon_blocks()
                 counts["l0_evicted_unsaved_past_held_blocks"] += held
+
+    def _save_evicted(self, block_ids: list[int], block_hashes: list[bytes]) -> None:
+        """Exclusive tiers: copy the evicted blocks L1 lacks into reserved slots, on the compute stream before the
+        caller gets the blocks (so before any kernel that writes them), and refresh those L1 holds, which L0 has
+        just let go: the most recent there, as a block L1 took at this moment would be."""
+        lacking: list[tuple[int, bytes]] = []
+        held: list[tuple[int, bytes]] = []
+        for block_id, block_hash in zip(block_ids, block_hashes, strict=True):
+            if block_hash in self._committing or block_hash in self._sending:
+                continue  # on its way to L1 already (a refresh in flight, or a copy landing)
+            (held if block_hash in self.view else lacking).append((block_id, block_hash))
+        self._refresh_due.extend(held)  # offered by the next pump()
+        slots = self.reserve.take(len(lacking))
+        self._counts["l0_evicted_unsaved_no_slot_blocks"] += len(lacking) - len(slots)
+        if not slots:
+            return
+        assert self._copier is not None
+        saved = lacking[: len(slots)]
+        try:
+            job = self._copier.save([b for b, _ in saved], slots)
+        except Exception as exc:
+            self._go_down(exc)
+            return
+        job.block_hashes = [h for _, h in saved]
+        self._committing.update(job.block_hashes)  # from here on it counts as saved
+        self.issued_blocks += len(slots)
+        self._saves.append(job)  # committed by the next poll() that finds it landed (on the CPU: the next)
+
+    def _commit_saves(self) -> None:
+        """The landed saves, in one Commit: the kvstore binds each slot to its hash (a slot whose hash another copy
+        stored first goes back to free there). Their pool blocks were never the tier's to let go."""
+        landed: list[CopyJob] = []
+        while self._saves and self._saves[0].done:
+            landed.append(self._saves.popleft())
+        if not landed:
+            return
+        now = time.perf_counter()
+        merged = CopyJob([], [])
+        for job in landed:
+            merged.block_ids += job.block_ids
+            merged.slots += job.slots
+            merged.block_hashes += job.block_hashes
+            self.offload_seconds += now - job.issued_at
+        self.offloaded_bytes += len(merged.slots) * self.slot_bytes
+        self._submit(CallKind.COMMIT, slots=merged.slots, hashes=merged.block_hashes, purpose=merged)
+
+    def _offer_refreshes(self) -> None:
+        """Offer L1 the evicted blocks it holds (on_evict), gathered since the last pump(): the most recent there
+        now, as a block it took at their eviction would be. Only those L1 still holds as far as the view knows: the
+        pool blocks are reused, so none may be pinned (an answer with a slot, L1 having let one go since the view
+        heard, finds its block reused and releases the slot)."""
+        due, self._refresh_due = self._refresh_due, []
+        due = [(b, h) for b, h in due if h in self.view and h not in self._sending]
+        if due and self._arena is not None:
+            self._offer(due, to_front=True)
+
+    def _ask_reserve(self) -> None:
+        """Top the reservation up (or renew it) when due; the answer comes through the mailbox."""
+        if self._arena is None:
+            return
+        now = self._clock()
+        count = self.reserve.wanted(now)
+        if count is None:
+            return
+        self.reserve.asked(now)
+        self._submit(CallKind.RESERVE, count=count, purpose=self.reserve)
 
     def _holding_horizon_blocks(self) -> bool:
         """Blocks the eviction horizon offered are out of the free queue: held for the kvstore's answer, queued for
@@ -337,8 +442,10 @@ class L1Tier:
     def offload(self, block_ids: list[int], block_hashes: list[bytes], *, finished: bool = False) -> None:
         """Send registered blocks L1 does not have yet (block_ids[i] holds block_hashes[i]); finished (their
         sequence ended) with refresh_finished: those L1 holds as well, which its Allocate moves to the most
-        recently used end (no copy: the answer is -1) and, where L1 let one go since the view heard, copies."""
-        if self._full_for_write_through():  # first: once L1 is full that is every call, and a prompt has 6K blocks
+        recently used end (no copy: the answer is -1) and, where L1 let one go since the view heard, copies.
+        Nothing with on_evict: L1 takes blocks as L0 evicts them."""
+        # first: once L1 is full that is every call, and a prompt has 6K blocks
+        if self.save_evicted or self._full_for_write_through():
             return
         refresh = finished and self.refresh_finished
         fresh: list[tuple[int, bytes]] = []
@@ -429,8 +536,10 @@ class L1Tier:
         """Issue queued offload copies, at most offload_blocks_per_step blocks of them; call it after the step's
         launch, so on CUDA its tokens' copy goes first. Never waits for a CUDA copy (a CPU copy is done when it
         returns, and is paced all the same: a CPU step never stalls behind a whole prompt's memcpy either).
-        First, when due, the eviction horizon's offer."""
+        First, when due, the eviction horizon's offer and the reservation's top-up."""
         self._offer_horizon()
+        self._offer_refreshes()
+        self._ask_reserve()
         budget = self.offload_blocks_per_step
         while self._queued and self._copier is not None and budget > 0:
             queued = self._queued[0]
@@ -488,8 +597,12 @@ class L1Tier:
                 self._adopt(item.future)
             elif isinstance(item, _RetryDue):
                 self._next_attach = 0.0  # due by its timer (whatever self._clock says): _ready below attaches
+            elif isinstance(item, _RenewDue):
+                self._ask_reserve()
+                self._schedule_renew()
         while self._offloads and self._offloads[0].done:
             self._commit(self._offloads.popleft())
+        self._commit_saves()
         while self._restores and self._restores[0].done:
             job = self._restores.popleft()
             self._restored(job)
@@ -505,10 +618,12 @@ class L1Tier:
     def wait_pending(self) -> None:
         """The engine has nothing to run: wait a little for an answer or the oldest copy, then poll."""
         self.pump()
-        if self._outstanding or self._fetching or not (self._offloads or self._restores):
+        if self._outstanding or self._fetching or not (self._offloads or self._restores or self._saves):
             self._mailbox.wait(IDLE_WAIT_S)
         elif self._offloads:
             self._offloads[0].wait()
+        elif self._saves:
+            self._saves[0].wait()
         else:
             self._restores[0].wait()
         self.poll()
@@ -522,11 +637,20 @@ class L1Tier:
         purpose: object = None,
         restored: bool = False,
         gpu_holds: bool = False,
+        count: int = 0,
     ) -> None:
         assert self._arena is not None
         arena_id = self._arena.layout.arena_id
         call = L1Call(
-            kind, self._epoch, arena_id, hashes or [], slots or [], purpose, restored=restored, gpu_holds=gpu_holds
+            kind,
+            self._epoch,
+            arena_id,
+            hashes=hashes or [],
+            slots=slots or [],
+            purpose=purpose,
+            restored=restored,
+            gpu_holds=gpu_holds,
+            count=count,
         )
         self._outstanding += 1
         self._calls.submit(call)
@@ -542,6 +666,8 @@ class L1Tier:
                 self._sending.difference_update(call.purpose.block_hashes)
                 if current:  # (an older arena's offers were let go when it was detached)
                     self._unpin(call.purpose)
+            elif call.purpose is self.reserve and current:
+                self.reserve.failed()
             if current and call.error is not None:
                 self._go_down(call.error)
             return  # an older arena's answer: its pins went with it (or go when we attach again)
@@ -554,6 +680,8 @@ class L1Tier:
         elif call.kind is CallKind.COMMIT:
             assert isinstance(call.purpose, CopyJob)
             self._on_commit(call.purpose)
+        elif call.kind is CallKind.RESERVE:
+            self.reserve.answered(call.answer)
 
     def _fail_fetch(self, fetch: HostFetch) -> None:
         """Done without a restore (or its sequence gone): what it holds is let go, as idle L0 entries again."""
@@ -615,6 +743,8 @@ class L1Tier:
         self._attach_again = False
         self._arena = arena
         self._epoch += 1
+        # a reservation is evicted from L1 ahead of use: never more than a quarter of the arena
+        self.reserve.target = min(self._reserved_slots, arena.layout.num_slots // 4)
         self._watch.mapped_arena_id = arena.layout.arena_id
         self._down_reported = False
         self.last_error = ""
@@ -643,6 +773,9 @@ class L1Tier:
             self.pool.release(job.block_ids[::-1], to_front=job.to_front)  # never committed; the kvstore drops the pins
         self._offloads.clear()
         self._queued.clear()
+        self._saves.clear()  # (their pool blocks were never held; their slots' pins are the kvstore's to drop)
+        self._refresh_due.clear()
+        self.reserve.clear()
         for offload in list(self._pinned_offers):
             self._unpin(offload)  # its answer, if it comes, is dropped with the epoch
         self._restores.clear()
@@ -694,10 +827,21 @@ class L1Tier:
         timer.start()
         self._retry_timer = timer
 
+    def _schedule_renew(self) -> None:
+        """Wake the engine when the reservation's renewal is due (on_evict only)."""
+        if not self.save_evicted:
+            return
+        timer = threading.Timer(RENEW_INTERVAL_S, self._mailbox.post, args=(_RenewDue(),))
+        timer.daemon = True
+        timer.start()
+        self._renew_timer = timer
+
     def close(self) -> None:
         """Wait for copies in flight (and an attach under way), unmap the arena, stop the tier's threads."""
         if self._retry_timer is not None:
             self._retry_timer.cancel()
+        if self._renew_timer is not None:
+            self._renew_timer.cancel()
         self._watch.stop()
         self._detach()
         self._attacher.shutdown(wait=True)

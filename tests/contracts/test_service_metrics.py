@@ -110,6 +110,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
         "kvserve:l0_evicted_unsaved_in_flight_blocks": "counter",
         "kvserve:l0_evicted_unsaved_unoffered_blocks": "counter",
         "kvserve:l0_evicted_unsaved_past_held_blocks": "counter",
+        "kvserve:l0_evicted_unsaved_no_slot_blocks": "counter",
         "kvserve:l1_fetch_timeouts": "counter",
         "kvserve:l1_restore_missing_blocks": "counter",
         "kvserve:l1_restore_room_cut_blocks": "counter",
@@ -140,6 +141,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
                 l0_evicted_unsaved_in_flight_blocks=2,
                 l0_evicted_unsaved_unoffered_blocks=4,
                 l0_evicted_unsaved_past_held_blocks=3,
+                l0_evicted_unsaved_no_slot_blocks=13,
                 l1_fetch_timeouts=6,
                 l1_restore_missing_blocks=8,
                 l1_restore_room_cut_blocks=9,
@@ -152,7 +154,7 @@ def test_a_rank_exports_vllms_names_types_and_labels() -> None:
     assert value(shrunk, "kvserve:oom_dropped_steps", "kvserve:oom_dropped_steps_total") == 3
     assert value(shrunk, "kvserve:l0_evicted_blocks", "kvserve:l0_evicted_blocks_total") == 40
     assert value(shrunk, "kvserve:l0_evicted_unsaved_blocks", "kvserve:l0_evicted_unsaved_blocks_total") == 7
-    for name, amount in (("in_flight", 2), ("unoffered", 4), ("past_held", 3)):
+    for name, amount in (("in_flight", 2), ("unoffered", 4), ("past_held", 3), ("no_slot", 13)):
         counter = f"kvserve:l0_evicted_unsaved_{name}_blocks"
         assert value(shrunk, counter, f"{counter}_total") == amount
     for counter, amount in (

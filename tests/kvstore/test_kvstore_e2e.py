@@ -234,12 +234,26 @@ def test_bad_input_is_refused_and_the_service_keeps_serving(stub: pb_grpc.KvStor
         match="Attach first",
     )
 
+    expect_error(
+        invalid,
+        stub.Reserve,
+        pb.ReserveRequest(rank_id="rank-a", arena_id=arena_id, count=arena.num_slots + 1),
+        match=f"must be 0 to {arena.num_slots}",
+    )
+    expect_error(
+        precondition, stub.Reserve, pb.ReserveRequest(rank_id="rank-a", arena_id="old", count=1), match="attach again"
+    )
+
     # Still serving, and nothing changed.
     slots = list(stub.Allocate(pb.AllocateRequest(rank_id="rank-a", arena_id=arena_id, block_hashes=[h(1)])).slots)
     assert slots == [0]
+    reserved = list(stub.Reserve(pb.ReserveRequest(rank_id="rank-a", arena_id=arena_id, count=1)).slots)
+    assert reserved == [1]
+    mixed = pb.CommitRequest(rank_id="rank-a", arena_id=arena_id, slots=[*slots, *reserved], block_hashes=[h(2), h(3)])
+    expect_error(invalid, stub.Commit, mixed, match="came from Allocate")
     stats = stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S)
-    assert (stats.writing_slots, stats.stored_slots, stats.pinned_slots) == (1, 0, 1)
-    # A restarted rank (a new incarnation) drops its old write pin.
+    assert (stats.writing_slots, stats.stored_slots, stats.pinned_slots) == (2, 0, 2)
+    # A restarted rank (a new incarnation) drops its old write pins, reserved or not.
     attach(stub, "rank-a", incarnation="2")
     assert stub.Stats(pb.StatsRequest(), timeout=TIMEOUT_S).writing_slots == 0
 

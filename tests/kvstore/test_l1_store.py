@@ -16,7 +16,7 @@ from kvstore.arena_layout import (
     plan_layout,
 )
 from kvstore.l1_store import ArenaInfo, InvalidRequestError, L1Store, StaleArenaError
-from kvstore.slot_index import UnknownRankError
+from kvstore.slot_index import SlotRequestError, UnknownRankError
 
 NS = b"n" * 16
 
@@ -153,3 +153,43 @@ def test_l1_evict_restored_first_decides_where_a_restored_release_puts_its_block
     kept = store.lookup("r0", "arena-1", [h(1)])
     store.release("r0", "arena-1", kept)
     assert (kept != []) is evict_restored_first, "h1, never copied to a GPU, is kept only while the switch is on"
+
+
+def test_reserve_then_a_commit_naming_the_blocks_publishes_them() -> None:
+    async def scenario() -> None:
+        store = make_store(arena_bytes=3_000)
+        store.attach("r0", "a", 1_000, NS)  # 3 slots
+        store.commit("r0", "arena-1", store.allocate("r0", "arena-1", [h(1), h(2)]))
+        subscription = store.feed.subscribe()
+        await subscription.get()  # the snapshot
+        reserved = store.reserve("r0", "arena-1", 2)  # the free slot, then h1's (the least recently used)
+        assert reserved == [2, 0]
+        assert (await subscription.get()).events == (KvEvent(KvEventKind.REMOVED, (h(1),)),)
+        store.commit("r0", "arena-1", reserved, block_hashes=[h(2), h(3)])  # h2 is there already
+        assert (await subscription.get()).events == (KvEvent(KvEventKind.STORED, (h(3),)),)
+        assert store.lookup("r0", "arena-1", [h(3)]) == [0]
+        stats = store.stats()
+        assert stats is not None and (stats.free_slots, stats.stored_slots, stats.duplicate_commits_total) == (1, 2, 1)
+
+    asyncio.run(scenario())
+
+
+def test_reserve_and_a_bound_commit_are_checked() -> None:
+    store = make_store()
+    with pytest.raises(UnknownRankError, match="Attach first"):
+        store.reserve("r0", "arena-1", 1)
+    store.attach("r0", "a", 1_000, NS)  # 10 slots
+    with pytest.raises(StaleArenaError):
+        store.reserve("r0", "arena-0", 1)
+    for count in (-1, 11):
+        with pytest.raises(InvalidRequestError, match=r"count -?\d+ must be 0 to 10"):
+            store.reserve("r0", "arena-1", count)
+    assert store.reserve("r0", "arena-1", 10) == list(range(10))
+    with pytest.raises(InvalidRequestError, match=r"block_hashes\[0\] has 3 bytes"):
+        store.commit("r0", "arena-1", [0], block_hashes=[b"abc"])
+    with pytest.raises(SlotRequestError, match="came from Reserve"):
+        store.commit("r0", "arena-1", [0], block_hashes=[])  # the wire's empty list: allocated slots
+    store.commit("r0", "arena-1", [0], block_hashes=[h(1)])
+    store.release("r0", "arena-1", list(range(1, 10)))
+    stats = store.stats()
+    assert stats is not None and (stats.stored_slots, stats.free_slots, stats.writing_slots) == (1, 9, 0)

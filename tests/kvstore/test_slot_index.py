@@ -11,6 +11,7 @@ from kvstore.slot_index import (
     SlotIndex,
     SlotRequestError,
     SlotState,
+    SlotView,
     UnknownRankError,
 )
 
@@ -294,3 +295,135 @@ def test_making_room_evicts_blocks_the_request_itself_names_last() -> None:
     store(index, "r0", h(1), h(2), h(3))  # h1 is the least recently used
     assert index.allocate("r0", [h(1), h(4)]) == [-1, 1]  # h2 goes, not h1 (named in the request)
     assert index.slot_of(h(1)) == 0 and index.slot_of(h(2)) is None
+
+
+# ---- reserved slots: pinned for writing before the caller knows which block goes in ----
+
+
+def test_reserve_takes_free_slots_then_evicts_the_least_recently_used_block() -> None:
+    index, _ = make_index(num_slots=4)
+    store(index, "r0", h(1), h(2))
+    index.drain_events()
+    assert index.reserve("r1", 2) == [2, 3]  # free slots first
+    assert index.slot(2) == SlotView(SlotState.WRITING, None, PinOwner("r1", "inc-b"), 0)
+    assert index.drain_events() == []
+    index.release("r0", index.lookup("r0", [h(1)]))  # h1 is now the most recently used
+    assert index.reserve("r1", 3) == [1, 0]  # h2 then h1 go; nothing is left for a third
+    assert index.drain_events() == [KvEvent(KvEventKind.REMOVED, (h(2), h(1)))]
+    stats = index.stats()
+    assert (stats.free_slots, stats.stored_slots, stats.writing_slots, stats.pinned_slots) == (0, 0, 4, 4)
+    assert (stats.evicted_total, stats.reserved_total) == (2, 4)
+    assert index.reserve("r0", 1) == []  # every slot pinned: reserved slots are never evicted
+    assert index.allocate("r0", [h(3)]) == [-1]
+
+
+def test_a_reserve_renews_the_callers_reserved_pins_and_only_those() -> None:
+    index, clock = make_index(num_slots=8, ttl=10.0)
+    kept = index.reserve("r0", 2)
+    allocated = index.allocate("r0", [h(1)])
+    theirs = index.reserve("r1", 1)
+    clock.now += 8
+    assert index.reserve("r0", 0) == []  # renews alone
+    clock.now += 8  # 16 s since the first reserve, 8 since the renewal
+    assert index.expire_pins() == 2  # r0's allocated slot and r1's reservation
+    assert [index.slot(slot).state for slot in kept] == [SlotState.WRITING] * 2
+    assert index.slot(allocated[0]).state is SlotState.FREE and index.slot(theirs[0]).state is SlotState.FREE
+    clock.now += 11
+    assert index.expire_pins() == 2  # not renewed since: they go too
+    assert index.stats().writing_slots == 0 and index.stats().free_slots == 8
+
+
+def test_a_bound_commit_stores_each_reserved_slot_under_its_hash() -> None:
+    index, _ = make_index()
+    slots = index.reserve("r0", 2)
+    index.commit("r0", slots, block_hashes=[h(7), h(8)])
+    assert index.drain_events() == [KvEvent(KvEventKind.STORED, (h(7), h(8)))]
+    assert index.slot(slots[0]) == SlotView(SlotState.STORED, h(7), None, 0)
+    assert index.lookup("r1", [h(7), h(8)]) == slots
+    stats = index.stats()
+    assert (stats.stored_slots, stats.writing_slots, stats.pinned_slots, stats.stored_total) == (2, 0, 2, 2)
+    assert index.allocate("r1", [h(7)]) == [-1]  # stored like any other block
+
+
+def test_a_bound_commit_puts_gpu_held_copies_first_to_evict() -> None:
+    index, _ = make_index(num_slots=3)
+    store(index, "r0", h(1))
+    index.commit("r0", index.reserve("r0", 2), first_to_evict=True, block_hashes=[h(2), h(3)])
+    assert store(index, "r0", h(4)) == [2]  # h3, the last spare committed, goes before the plain h1
+    assert index.slot_of(h(1)) == 0
+
+
+def test_a_reserved_slot_committed_with_a_hash_l1_already_has_goes_back_to_free() -> None:
+    index, _ = make_index(num_slots=6)
+    store(index, "r1", h(1))
+    writing = index.allocate("r1", [h(2)])  # another rank is writing h2
+    index.drain_events()
+    slots = index.reserve("r0", 4)
+    # h1 stored, h2 being written, h3 new, h3 again: the earlier slot of this commit got there first
+    index.commit("r0", slots, block_hashes=[h(1), h(2), h(3), h(3)])
+    free, stored = SlotState.FREE, SlotState.STORED
+    assert [index.slot(slot).state for slot in slots] == [free, free, stored, free]
+    assert index.slot_of(h(1)) == 0 and index.slot_of(h(2)) == writing[0] and index.slot_of(h(3)) == slots[2]
+    assert index.drain_events() == [KvEvent(KvEventKind.STORED, (h(3),))]
+    stats = index.stats()
+    assert (stats.free_slots, stats.stored_slots, stats.writing_slots, stats.pinned_slots) == (3, 2, 1, 1)
+    assert (stats.stored_total, stats.duplicate_commits_total) == (2, 3)
+
+
+def test_releasing_a_reserved_slot_frees_it() -> None:
+    index, _ = make_index(num_slots=2)
+    slots = index.reserve("r0", 2)
+    index.release("r0", [slots[1]])
+    assert index.slot(slots[1]) == SlotView(SlotState.FREE, None, None, 0)
+    assert index.stats().free_slots == 1 and index.stats().pinned_slots == 1
+    assert index.drain_events() == []  # never stored, never announced
+    with pytest.raises(SlotRequestError, match="not pinned by 'r1'"):
+        index.release("r1", [slots[0]])  # another rank's reservation
+    assert index.allocate("r1", [h(1)]) == [slots[1]]
+
+
+def test_a_new_incarnation_drops_the_old_ones_reservations() -> None:
+    index, _ = make_index()
+    mine = index.reserve("r0", 2)
+    theirs = index.reserve("r1", 1)
+    assert index.attach("r0", "inc-c") == 2
+    assert [index.slot(slot).state for slot in mine] == [SlotState.FREE, SlotState.FREE]
+    assert index.slot(theirs[0]).writer == PinOwner("r1", "inc-b")
+    with pytest.raises(SlotRequestError, match="not being written by 'r0'"):
+        index.commit("r0", mine, block_hashes=[h(1), h(2)])
+    assert index.stats().writing_slots == 1 and index.stats().free_slots == 3
+
+
+def test_a_bound_commit_checks_every_slot_first_and_changes_nothing_when_one_is_wrong() -> None:
+    index, _ = make_index(num_slots=8)
+    reserved = index.reserve("r0", 2)
+    allocated = index.allocate("r0", [h(1)])
+    theirs = index.reserve("r1", 1)
+    before = index.stats()
+    with pytest.raises(SlotRequestError, match="came from Allocate"):
+        index.commit("r0", [*reserved, *allocated], block_hashes=[h(2), h(3), h(4)])  # mixed
+    with pytest.raises(SlotRequestError, match="came from Reserve"):
+        index.commit("r0", [*allocated, *reserved])  # mixed, without hashes
+    with pytest.raises(SlotRequestError, match="came from Reserve"):
+        index.commit("r0", reserved, block_hashes=[])  # empty names no block
+    with pytest.raises(SlotRequestError, match="came from Allocate"):
+        index.commit("r0", allocated, block_hashes=[h(2)])
+    with pytest.raises(SlotRequestError, match="1 block_hashes for 2 slots"):
+        index.commit("r0", reserved, block_hashes=[h(2)])
+    with pytest.raises(SlotRequestError, match="appears 2 times"):
+        index.commit("r0", [reserved[0], reserved[0]], block_hashes=[h(2), h(3)])
+    with pytest.raises(SlotRequestError, match="not being written by 'r0'"):
+        index.commit("r0", [reserved[0], theirs[0]], block_hashes=[h(2), h(3)])
+    with pytest.raises(SlotRequestError, match="out of range"):
+        index.commit("r0", [8], block_hashes=[h(2)])
+    assert index.stats() == before and index.drain_events() == []
+    assert index.slot_of(h(2)) is None and index.slot(reserved[0]).state is SlotState.WRITING
+    index.commit("r0", reserved, block_hashes=[h(2), h(3)])
+    index.commit("r0", allocated)
+    assert index.stats().stored_slots == 3
+
+
+def test_reserve_needs_an_attached_rank() -> None:
+    index, _ = make_index()
+    with pytest.raises(UnknownRankError, match="call Attach first"):
+        index.reserve("stranger", 1)

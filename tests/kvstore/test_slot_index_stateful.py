@@ -1,8 +1,9 @@
 """Random sequences of every slot index operation, checked against a model of who holds which pins.
 
 Invariants after every step: each slot in exactly one state and the counts add up to num_slots; the
-hash index and the slots agree; a pinned slot keeps its block (never evicted, never reused); pin counts
-match the model and are never negative; exactly the stored, unpinned slots are evictable."""
+hash index and the slots agree (a reserved slot has no hash until its commit names one); a pinned slot keeps
+its block (never evicted, never reused); pin counts match the model and are never negative; exactly the
+stored, unpinned slots are evictable."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from contracts.block_hash import BLOCK_HASH_BYTES
+from contracts.kv_events import KvEventKind
 from kvstore.slot_index import SlotIndex, SlotRequestError, SlotState
 
 NUM_SLOTS = 5
@@ -37,7 +39,7 @@ class SlotIndexMachine(RuleBasedStateMachine):
         for rank in RANKS:
             self.index.attach(rank, "0")
         # The model: who holds what, since when, on which block.
-        self.writes: dict[int, tuple[str, float, bytes]] = {}  # slot -> (rank, since, hash)
+        self.writes: dict[int, tuple[str, float, bytes | None]] = {}  # slot -> (rank, since, hash; None: reserved)
         self.reads: dict[tuple[str, int], list[float]] = {}  # (rank, slot) -> pin times, oldest first
         self.read_hash: dict[int, bytes] = {}  # slot -> hash it held when first pinned for reading
 
@@ -63,9 +65,74 @@ class SlotIndexMachine(RuleBasedStateMachine):
                 self.writes[slot] = (rank, self.now, block_hash)
             seen.add(block_hash)
 
+    @rule(rank=ranks, count=st.integers(0, NUM_SLOTS + 1))
+    def reserve(self, rank: str, count: int) -> None:
+        pinned_before = set(self.writes) | {slot for _, slot in self.reads}
+        free_before = self.index.stats().free_slots
+        self.drain_events()
+        slots = self.index.reserve(rank, count)
+        assert len(slots) <= count and len(set(slots)) == len(slots)
+        if len(slots) < count:
+            assert self.index.stats().free_slots == 0 and self.index.evictable_slots() == []
+        assert not set(slots) & pinned_before, "a pinned slot was handed out again"
+        events = self.index.drain_events()
+        evicted = max(0, len(slots) - free_before)  # free slots first, then the least recently used blocks
+        assert all(event.kind is KvEventKind.REMOVED for event in events)
+        assert sum(len(event.block_hashes) for event in events) == evicted
+        # the caller's earlier reservations are renewed with the new ones; its allocated slots are not
+        for slot, (owner, _, block_hash) in list(self.writes.items()):
+            if owner == rank and block_hash is None:
+                self.writes[slot] = (owner, self.now, None)
+        for slot in slots:
+            self.writes[slot] = (rank, self.now, None)
+
+    @rule(rank=ranks, data=st.data())
+    def commit_reserved_with_hashes(self, rank: str, data: st.DataObject) -> None:
+        mine = sorted(
+            slot for slot, (owner, _, block_hash) in self.writes.items() if owner == rank and block_hash is None
+        )
+        chosen = data.draw(st.lists(st.sampled_from(mine), min_size=1, unique=True) if mine else st.just([]))
+        hashes = [h(data.draw(hash_ids)) for _ in chosen]
+        known = {block_hash for block_hash in hashes if self.index.slot_of(block_hash) is not None}
+        expected_stored: list[bytes] = []
+        for block_hash in hashes:
+            if block_hash not in known:  # else another write or an earlier slot of this commit got there first
+                expected_stored.append(block_hash)
+                known.add(block_hash)
+        self.drain_events()
+        self.index.commit(rank, chosen, first_to_evict=data.draw(st.booleans()), block_hashes=hashes)
+        stored_events = [event for event in self.index.drain_events() if event.kind is KvEventKind.STORED]
+        assert [block_hash for event in stored_events for block_hash in event.block_hashes] == expected_stored
+        for slot, block_hash in zip(chosen, hashes, strict=True):
+            view = self.index.slot(slot)
+            if view.state is SlotState.STORED:
+                assert view.block_hash == block_hash and self.index.slot_of(block_hash) == slot
+            else:
+                assert view.state is SlotState.FREE and self.index.slot_of(block_hash) != slot
+            del self.writes[slot]
+
+    @rule(rank=ranks, data=st.data())
+    def commit_a_write_of_the_wrong_kind(self, rank: str, data: st.DataObject) -> None:
+        """A reserved slot without hashes, an allocated one with a hash, or hashes that do not match the slots."""
+        mine = sorted(slot for slot, (owner, _, _) in self.writes.items() if owner == rank)
+        if not mine:
+            return
+        slot = data.draw(st.sampled_from(mine))
+        before = self.index.stats()
+        with pytest.raises(SlotRequestError):
+            if data.draw(st.booleans()):
+                self.index.commit(rank, [slot], block_hashes=[h(0), h(1)])
+            elif self.writes[slot][2] is None:
+                self.index.commit(rank, [slot])
+            else:
+                self.index.commit(rank, [slot], block_hashes=[h(0)])
+        assert self.index.stats() == before
+
     @rule(rank=ranks, data=st.data())
     def commit_own_writes(self, rank: str, data: st.DataObject) -> None:
-        mine = sorted(slot for slot, (owner, _, _) in self.writes.items() if owner == rank)
+        mine = sorted(
+            slot for slot, (owner, _, block_hash) in self.writes.items() if owner == rank and block_hash is not None
+        )
         chosen = data.draw(st.lists(st.sampled_from(mine), unique=True) if mine else st.just([]))
         # where a commit puts its slots (first_to_evict: a copy the writer's GPU holds) changes no state
         self.index.commit(rank, chosen, first_to_evict=data.draw(st.booleans()))
@@ -172,6 +239,8 @@ class SlotIndexMachine(RuleBasedStateMachine):
             view = self.index.slot(slot)
             if view.state is SlotState.FREE:
                 assert view.block_hash is None and view.writer is None and view.readers == 0
+            elif view.block_hash is None:  # reserved: being written, its block not named yet
+                assert view.state is SlotState.WRITING
             else:
                 assert view.block_hash is not None and self.index.slot_of(view.block_hash) == slot
                 hashed += 1

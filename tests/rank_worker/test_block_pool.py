@@ -63,8 +63,8 @@ def test_caching_off_never_registers() -> None:
 
 def test_on_evict_hears_the_hashes_each_allocation_evicts() -> None:
     pool = BlockPool(3, caching=True)
-    heard: list[list[bytes]] = []
-    pool.on_evict = heard.append
+    heard: list[tuple[list[int], list[bytes]]] = []
+    pool.on_evict = lambda blocks, hashes: heard.append((blocks, hashes))
     a, b = pool.allocate(2)
     pool.register(a, b"A" * 16)
     pool.register(b, b"B" * 16)
@@ -72,4 +72,4 @@ def test_on_evict_hears_the_hashes_each_allocation_evicts() -> None:
     pool.allocate(1)  # the block never used: nothing evicted
     assert heard == []
     pool.allocate(2)  # both cached blocks, the first released first
-    assert heard == [[b"A" * 16, b"B" * 16]]
+    assert heard == [([a, b], [b"A" * 16, b"B" * 16])]

@@ -34,6 +34,7 @@ class InMemoryKvStore:
         self.layout: ArenaLayout | None = None
         self.stored: dict[bytes, int] = {}
         self.writing: dict[int, bytes] = {}
+        self.reserved: set[int] = set()
         self.read_pins: dict[int, int] = {}
         self.free = list(range(num_slots - 1, -1, -1))  # popped from the end: slot 0 first
 
@@ -58,7 +59,22 @@ class InMemoryKvStore:
                 self.writing[slots[-1]] = block_hash
         return slots
 
-    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+    def reserve(self, arena_id: str, count: int) -> list[int]:
+        slots = [self.free.pop() for _ in range(min(count, len(self.free)))]
+        self.reserved.update(slots)
+        return slots
+
+    def commit(
+        self, arena_id: str, slots: list[int], *, gpu_holds: bool = False, block_hashes: list[bytes] | None = None
+    ) -> None:
+        if block_hashes:
+            for slot, block_hash in zip(slots, block_hashes, strict=True):
+                self.reserved.remove(slot)
+                if block_hash in self.stored or block_hash in self.writing.values():
+                    self.free.append(slot)  # a copy L1 already has
+                else:
+                    self.stored[block_hash] = slot
+            return
         for slot in slots:
             self.stored[self.writing.pop(slot)] = slot
 
@@ -73,6 +89,10 @@ class InMemoryKvStore:
 
     def release(self, arena_id: str, slots: list[int], *, restored: bool = False) -> None:
         for slot in slots:
+            if slot in self.reserved:  # a reservation given up
+                self.reserved.remove(slot)
+                self.free.append(slot)
+                continue
             self.read_pins[slot] -= 1
             if not self.read_pins[slot]:
                 del self.read_pins[slot]

@@ -55,9 +55,11 @@ class CommitsSeen(KvStoreLink):
 
     commits: ClassVar[list[tuple[bool, int]]] = []  # (gpu_holds, blocks) of each Commit
 
-    def commit(self, arena_id: str, slots: list[int], *, gpu_holds: bool = False) -> None:
+    def commit(
+        self, arena_id: str, slots: list[int], *, gpu_holds: bool = False, block_hashes: list[bytes] | None = None
+    ) -> None:
         CommitsSeen.commits.append((gpu_holds, len(slots)))
-        super().commit(arena_id, slots, gpu_holds=gpu_holds)
+        super().commit(arena_id, slots, gpu_holds=gpu_holds, block_hashes=block_hashes)
 
     @staticmethod
     def gpu_holds() -> list[bool]:

@@ -117,6 +117,13 @@ def test_cuda_copies_are_asynchronous_and_exact(tmp_path: Path, where: str) -> N
     restore = copier.restore(slots, list(range(16)))
     restore.wait()
     assert torch.equal(pool[:16], original[4:20])
+    # a save runs on the compute stream: a kernel queued after it (the step that reuses the blocks) writes them
+    # only once they are read, with no wait in between on the host
+    pool.copy_(original)
+    save = copier.save(list(range(20, 28)), list(range(0, 8)))
+    pool.zero_()
+    save.wait()
+    assert torch.equal(arena.slots[0:8], original[20:28].cpu()) and not pool.any()
     copier.synchronize()
     arena.close()
     assert not arena.pinned

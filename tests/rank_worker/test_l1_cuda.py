@@ -157,3 +157,39 @@ def test_cuda_offload_is_asynchronous_and_restore_gives_back_the_same_bytes(shm_
     assert not store.read_pins and not store.writing
     engine.close()
     assert engine.l1.arena is None
+
+
+def test_cuda_on_evict_copies_an_evicted_block_before_the_step_that_reuses_it_writes_it(shm_dir: Path) -> None:
+    """l1_write_through on_evict: nothing written through; the blocks a later prompt's allocation evicts are copied
+    on the compute stream into reserved slots before that prompt's step overwrites them, and come back exact."""
+    model = tiny_model("cuda")
+    store = InMemoryKvStore(shm_dir, num_slots=256)
+    engine_config = EngineConfig(
+        block_size=BLOCK, l1_write_through="on_evict", l1_eviction_horizon_blocks=0, l1_reserved_slots=64
+    )
+    settings = EngineSettings(num_blocks=20, max_model_len=320, engine=engine_config)
+    engine = PagedEngine(model, settings, None, l1_client=store)
+    assert engine.l1 is not None and engine.l1.arena is not None and engine.l1.arena.pinned
+
+    a1_prompt = random_prompt(8 * BLOCK + 5, 128, seed=1)
+    a1 = generate_one(engine, a1_prompt, greedy(8), "a1")
+    assert not store.stored and not store.writing  # nothing written through
+    assert len(store.reserved) == 64  # a quarter of the arena, asked once the first step ran
+    computed = {h: engine.kv_cache[engine.pool.lookup(h)].clone() for h in engine.pool.cached_hashes()}
+    assert len(computed) == 8
+
+    generate_one(engine, random_prompt(300, 128, seed=2), greedy(2), "b")  # 19 of the 20 blocks: a1's evicted
+    while engine.l1.has_pending:
+        engine.l1.wait_pending()
+    assert engine.stats().l0_evicted_unsaved_blocks == 0
+    arena = engine.l1.arena.slots
+    for block_hash, data in computed.items():
+        assert block_hash in store.stored
+        assert torch.equal(arena[store.stored[block_hash]], data.cpu())  # read before b's step wrote the block
+
+    a2 = generate_one(engine, a1_prompt + a1.new_token_ids + random_prompt(20, 128, seed=3), greedy(8), "a2")
+    assert a2.stats.l1_cached_tokens >= 6 * BLOCK
+    for block_hash, data in computed.items():
+        block_id = engine.pool.lookup(block_hash)
+        assert block_id is not None and torch.equal(engine.kv_cache[block_id], data)
+    engine.close()

@@ -67,8 +67,15 @@ class CommitsSeen(KvStoreLink):
 
 
 def restored_from_l1(
-    tmp_path: Path, horizon_blocks: int, write_through: str = "always", **kvstore: str
+    tmp_path: Path,
+    horizon_blocks: int,
+    write_through: str = "always",
+    link_class: type[KvStoreLink] = CommitsSeen,
+    engine_keys: dict[str, object] | None = None,
+    **kvstore: str,
 ) -> tuple[int, list[tuple[list[int], list[int]]], EngineStats]:
+    """SESSIONS sessions played through an engine linked to a real kvstore (link_class records its calls); the
+    tokens restored, every turn, and the engine's stats once the last copies have been committed."""
     tmp_path.mkdir()
     model = tiny_model()
     probe = make_engine(model, None, num_blocks=2)
@@ -81,16 +88,19 @@ def restored_from_l1(
             model,
             None,
             port,
-            link_class=CommitsSeen,
+            link_class=link_class,
             num_blocks=POOL_BLOCKS,
             max_model_len=320,
             l1_eviction_horizon_blocks=horizon_blocks,
             l1_write_through=write_through,
+            **(engine_keys or {}),
         )
         assert engine.l1 is not None and engine.l1.attached
         assert engine.l1.arena is not None and ARENA_SLOTS <= engine.l1.arena.layout.num_slots <= ARENA_SLOTS + 2
         restored, turns = play_sessions(engine, model.cfg.vocab_size)
         assert all(block.ref_count == 0 for block in engine.pool.blocks)  # the copies let every block go
+        while engine.l1.has_pending:  # the last copies land and commit
+            engine.l1.wait_pending()
         stats = engine.stats()
         engine.close()
     return restored, turns, stats

@@ -7,10 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import ClassVar
 
-from engine_fixtures import make_engine
-from l1_fixtures import kvstore_settings, l1_engine, tiny_model
-from service_processes import free_port, start_kvstore
-from test_l1_horizon import ARENA_SLOTS, BLOCK, POOL_BLOCKS, assert_computed, play_sessions
+from test_l1_horizon import ARENA_SLOTS, BLOCK, assert_computed, restored_from_l1
 
 from rank_worker.engine.interface import EngineStats
 from rank_worker.l1.kvstore_link import KvStoreLink
@@ -39,33 +36,8 @@ class CallsSeen(KvStoreLink):
 def run_sessions(
     tmp_path: Path, write_through: str, horizon_blocks: int = 8, **engine: object
 ) -> tuple[int, list[tuple[list[int], list[int]]], EngineStats]:
-    tmp_path.mkdir()
-    model = tiny_model()
-    probe = make_engine(model, None, num_blocks=2)
-    slot_bytes = probe.kv_cache[0].numel() * probe.kv_cache.element_size()
-    port = free_port()
-    settings = kvstore_settings(tmp_path) | {"KVSERVE_L1_HOST_GB": str(ARENA_SLOTS * slot_bytes / 1e9)}
     CallsSeen.commits, CallsSeen.reserves = [], []
-    with start_kvstore(tmp_path / "kvstore.log", port, **settings):
-        l1 = l1_engine(
-            model,
-            None,
-            port,
-            link_class=CallsSeen,
-            num_blocks=POOL_BLOCKS,
-            max_model_len=320,
-            l1_eviction_horizon_blocks=horizon_blocks,
-            l1_write_through=write_through,
-            **engine,
-        )
-        assert l1.l1 is not None and l1.l1.attached
-        restored, turns = play_sessions(l1, model.cfg.vocab_size)
-        assert all(block.ref_count == 0 for block in l1.pool.blocks)  # no copy kept a block
-        while l1.l1.has_pending:  # the last saves land and commit
-            l1.l1.wait_pending()
-        stats = l1.stats()
-        l1.close()
-    return restored, turns, stats
+    return restored_from_l1(tmp_path, horizon_blocks, write_through, link_class=CallsSeen, engine_keys=engine)
 
 
 def test_on_evict_writes_nothing_through_and_l1_keeps_what_l0_evicts(tmp_path: Path) -> None:

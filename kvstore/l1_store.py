@@ -21,6 +21,11 @@ from kvstore.slot_index import SlotIndex, SlotIndexStats, UnknownRankError
 log = logging.getLogger(__name__)
 
 
+# The share of the arena the ranks' Reserves may hold together: slots emptied ahead of use, which L1 cannot hold
+# blocks in (each rank asks for a quarter at most, l1_reserved_slots, and the ranks of a node share the arena).
+RESERVE_SHARE = 0.25
+
+
 class InvalidRequestError(ValueError):
     """A malformed request (wrong hash length, empty rank_id, ...)."""
 
@@ -46,6 +51,7 @@ class L1Store:
         *,
         evict_restored_first: bool = True,
         evict_written_through_first: bool = False,
+        reserve_share: float = RESERVE_SHARE,
     ) -> None:
         self.arena = arena
         self.layout: SlotLayout | None = None
@@ -55,6 +61,7 @@ class L1Store:
         self.kv_event_sink: Callable[[list[KvEvent]], None] | None = None
         self._pin_ttl_s = pin_ttl_s
         self._max_slots = max_slots
+        self._reserve_share = reserve_share
         self._clock = clock
         # l1_evict_restored_first: a Release marked restored puts its slots at the eviction end (off: just read)
         self._evict_restored_first = evict_restored_first
@@ -71,7 +78,8 @@ class L1Store:
             if note:
                 log.warning("arena layout: %s", note)
             self.layout = layout
-            self.index = SlotIndex(layout.num_slots, self._pin_ttl_s, self._clock)
+            reserve_limit = int(layout.num_slots * self._reserve_share)
+            self.index = SlotIndex(layout.num_slots, self._pin_ttl_s, self._clock, reserve_limit)
             log.info(
                 "arena layout fixed by %s: %d slots of %d bytes, namespace %s",
                 rank_id,

@@ -79,10 +79,19 @@ class _Slot:
 class SlotIndex:
     """Block hash -> slot for one arena of num_slots slots."""
 
-    def __init__(self, num_slots: int, pin_ttl_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        pin_ttl_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        reserve_limit: int | None = None,
+    ) -> None:
         if num_slots < 1:
             raise ValueError("num_slots must be positive")
         self.num_slots = num_slots
+        # the most slots every rank's reservations may hold together (None: no limit): a reserved slot is one L1
+        # emptied ahead of use, and the ranks of a node share the arena
+        self.reserve_limit = reserve_limit
         self.pin_ttl_s = pin_ttl_s
         self._clock = clock
         self._slots = [_Slot() for _ in range(num_slots)]
@@ -152,14 +161,20 @@ class SlotIndex:
         return slots
 
     def reserve(self, rank_id: str, count: int) -> list[int]:
-        """Up to count slots pinned for writing with no block yet (fewer when nothing is left to evict); the
-        caller names their blocks at commit. Also renews the pins of every slot the caller holds reserved."""
+        """Up to count slots pinned for writing with no block yet (fewer when nothing is left to evict, or when
+        the ranks' reservations together would pass reserve_limit); the caller names their blocks at commit. Also
+        renews the pins of every slot the caller holds reserved."""
         owner = self.owner(rank_id)
         now = self._clock()
+        reserved = 0  # every rank's, not committed yet
         for slot in self._pinned:
             entry = self._slots[slot]
-            if entry.writer == owner and entry.block_hash is None:
-                entry.writer_since = now
+            if entry.writer is not None and entry.block_hash is None:
+                reserved += 1
+                if entry.writer == owner:
+                    entry.writer_since = now
+        if self.reserve_limit is not None:
+            count = min(count, max(0, self.reserve_limit - reserved))
         slots: list[int] = []
         while len(slots) < count:
             slot = self._take_slot()

@@ -25,9 +25,13 @@ def h(n: int) -> bytes:
     return n.to_bytes(BLOCK_HASH_BYTES, "big")
 
 
-def make_store(arena_bytes: int = 10_000, max_slots: int = 1000) -> L1Store:
+def make_store(arena_bytes: int = 10_000, max_slots: int = 1000, reserve_share: float = 1.0) -> L1Store:
+    """A store on a few slots, whose reservations may take them all (production's share is a quarter)."""
     return L1Store(
-        ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", arena_bytes), pin_ttl_s=60.0, max_slots=max_slots
+        ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", arena_bytes),
+        pin_ttl_s=60.0,
+        max_slots=max_slots,
+        reserve_share=reserve_share,
     )
 
 
@@ -193,3 +197,11 @@ def test_reserve_and_a_bound_commit_are_checked() -> None:
     store.release("r0", "arena-1", list(range(1, 10)))
     stats = store.stats()
     assert stats is not None and (stats.stored_slots, stats.free_slots, stats.writing_slots) == (1, 9, 0)
+
+
+def test_the_ranks_reservations_share_a_quarter_of_the_arena_by_default() -> None:
+    store = L1Store(ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", 40_000), pin_ttl_s=60.0)
+    store.attach("r0", "a", 1_000, NS)  # 40 slots
+    store.attach("r1", "b", 1_000, NS)
+    assert len(store.reserve("r0", "arena-1", 8)) == 8
+    assert len(store.reserve("r1", "arena-1", 8)) == 2  # 10 of 40 together

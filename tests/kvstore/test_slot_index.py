@@ -427,3 +427,14 @@ def test_reserve_needs_an_attached_rank() -> None:
     index, _ = make_index()
     with pytest.raises(UnknownRankError, match="call Attach first"):
         index.reserve("stranger", 1)
+
+
+def test_the_ranks_reservations_together_stay_within_the_limit() -> None:
+    index = SlotIndex(16, pin_ttl_s=60.0, reserve_limit=4)
+    index.attach("r0", "a")
+    index.attach("r1", "b")
+    assert len(index.reserve("r0", 3)) == 3
+    assert len(index.reserve("r1", 3)) == 1  # 4 of 16 reserved: a quarter
+    assert index.reserve("r1", 1) == []
+    first = index.reserve("r0", 0)  # a renewal asks for nothing and gets nothing
+    assert first == []

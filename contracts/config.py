@@ -175,7 +175,9 @@ class EngineConfig(BaseModel):
     # (bench/results/2026-12-07-h100-llama-8b-write-through-ab/).
     # on_evict: the simulator's bound for exclusive tiers, calibrated on the H100, passed 44-64 agents at 99.9% of the
     # optimum where always fails 44 (bench/results/2026-12-07-h100-peer-llama-8b-gauges): with write-through L1 holds
-    # mostly copies of what L0 holds. Off by default until a GPU A/B says otherwise.
+    # mostly copies of what L0 holds. On the H100 (one A/B in one lease,
+    # bench/results/2026-12-08-h100-llama-8b-on-evict-ab) it passed 48 agents at 97.98% of the optimum where always
+    # failed (95.67%). Off by default until repeats agree.
     l1_write_through: Literal["always", "while_room", "on_evict"] = Field(
         "always",
         description="when a rank copies its new full blocks to L1: always (L1 then holds copies of what the GPU pools "

@@ -22,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 # The share of the arena the ranks' Reserves may hold together: slots emptied ahead of use, which L1 cannot hold
-# blocks in (each rank asks for a quarter at most, l1_reserved_slots, and the ranks of a node share the arena).
-RESERVE_SHARE = 0.25
+# blocks in. A rank holds a quarter at most in hand (l1_reserved_slots) and as much again being copied and committed;
+# the ranks of a node share the arena.
+RESERVE_SHARE = 0.5
 
 
 class InvalidRequestError(ValueError):

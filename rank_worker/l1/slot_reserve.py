@@ -14,6 +14,9 @@ from __future__ import annotations
 MIN_RESERVED_SLOTS = 1024
 # A quarter of the kvstore's default pin TTL: an idle rank's reservation outlives a late or lost renewal.
 RENEW_INTERVAL_S = 30.0
+# After a Reserve gave fewer slots than asked (L1 all pinned, or the ranks' reservations at the kvstore's limit): the
+# wait before asking again, rather than a call every step.
+SHORT_RETRY_S = 1.0
 
 
 def reserved_slots_for(setting: int | None, step_tokens: int, block_size: int) -> int:
@@ -32,6 +35,8 @@ class SlotReserve:
         self.renew_interval_s = renew_interval_s
         self._slots: list[int] = []
         self._asking = False
+        self._asked_for = 0
+        self._short = False  # the last answer gave fewer than asked
         self._renewed_at = now
 
     def __len__(self) -> int:
@@ -48,19 +53,23 @@ class SlotReserve:
         due, None when no call is (one on its way, or neither due)."""
         if self._asking or self.target <= 0:
             return None
+        if self._short and now - self._renewed_at < SHORT_RETRY_S:
+            return None
         if len(self._slots) <= self.target // 2:
             return self.target - len(self._slots)
         if now - self._renewed_at >= self.renew_interval_s:
             return 0
         return None
 
-    def asked(self, now: float) -> None:
-        """A Reserve was submitted at `now` (it renews every slot in hand when it is answered)."""
+    def asked(self, now: float, count: int) -> None:
+        """A Reserve of count slots was submitted at `now` (it renews every slot in hand when it is answered)."""
         self._asking = True
+        self._asked_for = count
         self._renewed_at = now
 
     def answered(self, slots: list[int]) -> None:
         self._asking = False
+        self._short = len(slots) < self._asked_for
         self._slots.extend(slots)
 
     def failed(self) -> None:

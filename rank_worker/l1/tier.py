@@ -421,7 +421,7 @@ class L1Tier:
         count = self.reserve.wanted(now)
         if count is None:
             return
-        self.reserve.asked(now)
+        self.reserve.asked(now, count)
         self._submit(CallKind.RESERVE, count=count, purpose=self.reserve)
 
     def _holding_horizon_blocks(self) -> bool:

@@ -199,9 +199,9 @@ def test_reserve_and_a_bound_commit_are_checked() -> None:
     assert stats is not None and (stats.stored_slots, stats.free_slots, stats.writing_slots) == (1, 9, 0)
 
 
-def test_the_ranks_reservations_share_a_quarter_of_the_arena_by_default() -> None:
+def test_the_ranks_reservations_share_half_the_arena_by_default() -> None:
     store = L1Store(ArenaInfo("arena-1", "/dev/shm/kvserve-l1-arena-1", 40_000), pin_ttl_s=60.0)
     store.attach("r0", "a", 1_000, NS)  # 40 slots
     store.attach("r1", "b", 1_000, NS)
-    assert len(store.reserve("r0", "arena-1", 8)) == 8
-    assert len(store.reserve("r1", "arena-1", 8)) == 2  # 10 of 40 together
+    assert len(store.reserve("r0", "arena-1", 16)) == 16
+    assert len(store.reserve("r1", "arena-1", 8)) == 4  # 20 of 40 together

@@ -69,17 +69,21 @@ def test_on_evict_without_reserved_slots_counts_each_lost_eviction(tmp_path: Pat
 def test_the_reservation_is_topped_up_at_half_and_renewed_when_due() -> None:
     reserve = SlotReserve(8, now=0.0, renew_interval_s=30.0)
     assert reserve.wanted(0.0) == 8  # empty: fill it
-    reserve.asked(0.0)
+    reserve.asked(0.0, 8)
     assert reserve.wanted(1.0) is None  # one call at a time
     reserve.answered(list(range(8)))
     assert reserve.wanted(1.0) is None and len(reserve) == 8
     assert reserve.take(3) == [0, 1, 2] and reserve.wanted(2.0) is None  # 5 left: more than half
     assert reserve.take(1) == [3] and reserve.wanted(2.0) == 4  # half spent: top up
-    reserve.asked(2.0)
+    reserve.asked(2.0, 4)
     reserve.answered([8, 9])  # the kvstore had fewer to give
-    assert len(reserve) == 6 and reserve.wanted(3.0) is None
-    assert reserve.wanted(32.0) == 0  # a renewal only, due every 30 s
-    assert reserve.clear() == [4, 5, 6, 7, 8, 9] and len(reserve) == 0
+    assert len(reserve) == 6 and reserve.take(3) == [4, 5, 6]  # 3 left: under half again
+    assert reserve.wanted(2.5) is None  # after a short answer: no call for a second, not one a step ...
+    assert reserve.wanted(3.1) == 5  # ... then the shortfall again
+    reserve.asked(3.1, 5)
+    reserve.answered([10, 11, 12, 13, 14])
+    assert reserve.wanted(20.0) is None and reserve.wanted(33.1) == 0  # a renewal only, due every 30 s
+    assert reserve.clear() == [7, 8, 9, 10, 11, 12, 13, 14] and len(reserve) == 0
     assert SlotReserve(0, now=0.0).wanted(100.0) is None  # no reservation: never a call
     assert reserved_slots_for(None, 32768, 16) == 4096 and reserved_slots_for(None, 4096, 16) == 1024
     assert reserved_slots_for(7, 32768, 16) == 7

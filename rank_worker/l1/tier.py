@@ -235,11 +235,6 @@ class L1Tier:
         return sum(len(job.block_ids) for job in self._offloads) + sum(len(q.block_ids) for q in self._queued)
 
     @property
-    def saves_in_flight(self) -> int:
-        """Evicted blocks copying into reserved slots or committing (on_evict): they hold no pool block."""
-        return sum(len(job.slots) for job in self._saves)
-
-    @property
     def has_pending(self) -> bool:
         """Calls, copies or news the engine must still step for (its blocks and the kvstore's pins)."""
         return bool(

@@ -160,3 +160,35 @@ def test_an_unpaced_offload_needs_only_the_hashes() -> None:
     tier = RankHostTier(node, BlockPool(4, caching=True))
     tier.offload([], [b"\x01" * 16, b"\x02" * 16])
     assert len(node) == 2
+
+
+def test_on_evict_saves_into_its_reservation_and_loses_what_is_past_it() -> None:
+    """l1_write_through on_evict as the real tier: no write-through; a reservation taken from the node ahead of use
+    (its least recent blocks evicted for it), topped up by pump() once half spent; evictions the node lacks saved
+    while slots last, the rest lost and counted; the evicted blocks the node holds refreshed, not copied."""
+    pool = BlockPool(6, caching=True)
+    node = NodeHostCache(capacity_blocks=6)
+    node.store([b"old" + bytes(13)])  # the node's least recent block
+    tier = RankHostTier(node, pool, save_evicted=True, reserved_slots=6)
+    blocks, hashes = _registered(pool, 5)
+    tier.offload(blocks, hashes)
+    assert len(node) == 1  # nothing written through
+    tier.pump()  # the reservation: 6 slots, the old block evicted to make them
+    assert tier.reserved == 6 and len(node) == 0 and node.capacity_blocks == 0
+    node.store_reserved([hashes[0]])  # as if another rank had saved the first block already
+    tier.reserved -= 1
+    pool.release(list(reversed(blocks)))
+    pool.allocate(6)  # evicts all five: the first held (refreshed), four saved, one slot left
+    assert tier.eviction_copies == 4 and tier.unsaved_no_slot == 0 and tier.reserved == 1
+    assert all(h in node for h in hashes)
+    pool.release(list(range(6)))  # nothing cached in them now
+    blocks = pool.allocate(3)
+    more = [bytes([0x40 + i]) * 16 for i in range(3)]
+    for block_id, block_hash in zip(blocks, more, strict=True):
+        pool.register(block_id, block_hash)
+    pool.release(list(reversed(blocks)))  # tail first: the tail is evicted first
+    pool.allocate(6)  # three evicted, one slot left: the tail saved, two lost
+    assert tier.eviction_copies == 5 and tier.unsaved_no_slot == 2
+    assert [h in node for h in more] == [False, False, True]
+    tier.pump()  # under half: topped up
+    assert tier.reserved == 6

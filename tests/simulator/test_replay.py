@@ -108,6 +108,19 @@ def test_exclusive_tiers_with_a_copy_rate_take_longer_than_the_ideal_and_serve_t
     assert sum(charged.rank_busy_s) > sum(free.rank_busy_s)
 
 
+def test_on_evict_serves_what_l0_evicted_from_its_saves_and_counts_them() -> None:
+    """l1_write_through on_evict: L1 gets only what L0 evicts (saved into the reservation), and serves it."""
+    work = sessions(4, base_blocks=160, turns=6, output=8)
+    workload = WorkloadSettings(agents=4, turns=6, think=THINK)
+    settings = replace(node(1, num_blocks=2048, l1_write_through="on_evict"), l1_blocks=20_000)
+    result = replay(work, workload, settings, STEP_TIME)
+    assert result.cached_by_tier["l1"] > 0
+    (counts,) = result.rank_l1_blocks
+    assert counts["eviction_copies"] > 0 and counts["unsaved_no_slot"] == 0, counts  # 4,096 slots: enough here
+    written = replay(work, workload, replace(node(1, num_blocks=2048), l1_blocks=20_000), STEP_TIME)
+    assert written.rank_l1_blocks[0]["eviction_copies"] == 0  # write-through: nothing copied at eviction
+
+
 def test_two_ranks_share_the_agents_and_keep_each_session_on_its_rank() -> None:
     work = sessions(8, base_blocks=100, turns=4, output=8)
     result = replay(work, WorkloadSettings(agents=8, turns=4, think=THINK), node(2), STEP_TIME)

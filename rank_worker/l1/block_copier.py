@@ -84,15 +84,16 @@ class BlockCopier:
         only once their bytes are read."""
         job = CopyJob(list(block_ids), list(slots))
         self._copy_runs(contiguous_runs(block_ids, slots), self.kv_cache, self.slots)
-        if self.on_cuda:
-            job.event = torch.cuda.Event()
-            job.event.record(torch.cuda.current_stream(self.kv_cache.device))
-        return job
+        return self._recorded(job)
 
     def restore(self, slots: list[int], block_ids: list[int]) -> CopyJob:
         """Arena slots -> pool blocks, on the compute stream, so kernels queued after it see the data."""
         job = CopyJob(list(block_ids), list(slots))
         self._copy_runs(contiguous_runs(slots, block_ids), self.slots, self.kv_cache)
+        return self._recorded(job)
+
+    def _recorded(self, job: CopyJob) -> CopyJob:
+        """On CUDA: the job's event, recorded on the compute stream behind its copies."""
         if self.on_cuda:
             job.event = torch.cuda.Event()
             job.event.record(torch.cuda.current_stream(self.kv_cache.device))

@@ -58,6 +58,12 @@
 # STEPS=40,44 KVSERVE_L1_REFRESH_FINISHED=true PEER_TAG=llama-refresh against the default (the simulator, its tier
 # judged as the real one: 98.7-99.9% -> 99.9% at 40 and 44, worse at 48:
 # bench/results/2026-12-07-cpu-simulate-view-write-through).
+# Exclusive tiers (KVSERVE_L1_WRITE_THROUGH=on_evict, off by default): on the H100 on 2026-12-08 ours passed 48 agents
+# with it and failed 48 without, in one lease, one run each (bench/results/2026-12-08-h100-llama-8b-on-evict-ab). Next:
+# both sides at the same steps in one lease, vLLM first, e.g. STEPS=32,40,48 for vLLM's offload and ours with
+# KVSERVE_L1_WRITE_THROUGH=on_evict PEER_TAG=on-evict (and the default under its own tag where time is left), repeated.
+# On an H200 both pools can be pinned to the H100's, 25,800 blocks: KVSERVE_NUM_KV_BLOCKS=25800 for ours,
+# VLLM_ARGS="... --num-gpu-blocks-override 25800" for vLLM.
 # The simulator's step-time model, fitted to the engine of 2026-11-29, ran the H100's cold prompts twice as slowly as
 # the GPU did, which is why it passed 44 agents where the H100 failed (bench/results/2026-12-07-cpu-simulate-paced-copies).
 # To calibrate it on this GPU, two calls after the .fa4 chunks, each carrying [".whl"]:

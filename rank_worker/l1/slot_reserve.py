@@ -11,7 +11,8 @@ Evictions past what is in hand are lost (counted), never waited for.
 
 from __future__ import annotations
 
-MIN_RESERVED_SLOTS = 1024
+from rank_worker.l1.eviction_horizon import horizon_blocks_for
+
 # A quarter of the kvstore's default pin TTL: an idle rank's reservation outlives a late or lost renewal.
 RENEW_INTERVAL_S = 30.0
 # After a Reserve gave fewer slots than asked (L1 all pinned, or the ranks' reservations at the kvstore's limit): the
@@ -20,11 +21,10 @@ SHORT_RETRY_S = 1.0
 
 
 def reserved_slots_for(setting: int | None, step_tokens: int, block_size: int) -> int:
-    """The reservation's size: the setting (l1_reserved_slots) or, unset, twice the blocks a step of step_tokens
-    allocates (at least MIN_RESERVED_SLOTS): topped up at half, so one step's evictions never run it dry."""
-    if setting is not None:
-        return setting
-    return max(MIN_RESERVED_SLOTS, 2 * -(-step_tokens // block_size))
+    """The reservation's size: the setting (l1_reserved_slots) or, unset, the eviction horizon's default, twice the
+    blocks a step of step_tokens allocates (at least 1024): topped up at half, so one step's evictions never run it
+    dry, as a horizon pass every quarter comes before a step's allocation passes it."""
+    return horizon_blocks_for(setting, step_tokens, block_size)
 
 
 class SlotReserve:
